@@ -1,0 +1,116 @@
+"""Engine configuration as frozen dataclasses, each checked in ``__post_init__``.
+
+Every component takes only its own sub-config. The defaults here are mirrored in
+``configs/engine.toml`` (a test keeps the two in step); ``EngineConfig.from_toml``
+reads such a file, and keyword arguments override it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+SUPPORTED_ATTENTION_BACKENDS = ("auto", "reference", "gpu", "tpu")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to load and how to run it numerically."""
+
+    model: str | None = None  # None: the embedded default (SmolLM2-135M-Instruct GGUF)
+    tokenizer: str | None = None  # None: the model's own tokenizer
+    dtype: str = "float32"
+    max_model_len: int | None = None  # None: the model's own context length
+    seed: int = 0
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in SUPPORTED_DTYPES,
+                 f"dtype={self.dtype!r} is not supported; choose one of {SUPPORTED_DTYPES}")
+        _require(self.max_model_len is None
+                 or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
+                 f"max_model_len={self.max_model_len!r} must be None or an integer >= 2")
+        _require(isinstance(self.seed, int), f"seed={self.seed!r} must be an integer")
+        _require(self.attention_backend in SUPPORTED_ATTENTION_BACKENDS,
+                 f"attention_backend={self.attention_backend!r} is not one of "
+                 f"{SUPPORTED_ATTENTION_BACKENDS}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache geometry. ``num_kv_blocks`` excludes the reserved null block 0."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory
+    kv_cache_memory: int = 2 * 1024**3  # bytes for the KV cache when num_kv_blocks is None
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.block_size, int) and self.block_size >= 1
+                 and self.block_size & (self.block_size - 1) == 0,
+                 f"block_size={self.block_size!r} must be a positive power of two")
+        _require(self.num_kv_blocks is None
+                 or (isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 1),
+                 f"num_kv_blocks={self.num_kv_blocks!r} must be None or an integer >= 1")
+        _require(isinstance(self.kv_cache_memory, int) and self.kv_cache_memory > 0,
+                 f"kv_cache_memory={self.kv_cache_memory!r} must be a positive number of bytes")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-iteration limits of the continuous-batching scheduler."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
+                 f"max_num_seqs={self.max_num_seqs!r} must be an integer >= 1")
+        _require(isinstance(self.max_num_batched_tokens, int)
+                 and self.max_num_batched_tokens >= 1,
+                 f"max_num_batched_tokens={self.max_num_batched_tokens!r} must be an integer >= 1")
+        _require(self.max_num_batched_tokens >= self.max_num_seqs,
+                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                 f"max_num_seqs={self.max_num_seqs} (every running sequence needs a token slot)")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Build from flat keyword arguments (the ``LLM(...)`` surface).
+
+        Unknown names raise ``ValueError`` listing the accepted ones.
+        """
+        sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+        owner = {f.name: name for name, sub in sections.items() for f in dataclasses.fields(sub)}
+        unknown = sorted(set(kwargs) - set(owner))
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; accepted: {sorted(owner)}")
+        grouped: dict[str, dict[str, Any]] = {name: {} for name in sections}
+        for key, value in kwargs.items():
+            grouped[owner[key]][key] = value
+        return cls(**{name: sections[name](**grouped[name]) for name in sections})
+
+    @classmethod
+    def from_toml(cls, path: str, **overrides: Any) -> "EngineConfig":
+        """Read a TOML file with ``[model]``, ``[cache]``, ``[scheduler]`` tables."""
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+        flat: dict[str, Any] = {}
+        for table in data.values():
+            if isinstance(table, dict):
+                flat.update(table)
+        flat.update(overrides)
+        return cls.from_kwargs(**flat)

@@ -1,0 +1,1 @@
+"""Host-side engine core: plain Python + numpy. Nothing here may import jax."""

@@ -1,0 +1,146 @@
+"""BatchMetadata, the one host-to-device contract, and the bucket ladders that pad it.
+
+Every array has a fixed, bucketed shape so the jitted step compiles a small set of
+programs: ``T`` (tokens), ``S`` (sequences) and ``M`` (blocks per sequence) are each
+rounded up to a rung of their ladder. Padding is explicit:
+
+* padded tokens: ``input_ids = 0``, ``positions = 0``, ``slot_mapping = -1`` (not written);
+* padded sequences: ``kv_lens = 0``, ``cu_q_lens`` repeats its last value, block table
+  rows are 0 (the null block), ``logits_indices = 0``, greedy sampling;
+* ``num_seqs[0]`` is the number of real sequences.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from jaxpage.core.kv_cache_manager import KVCacheManager
+from jaxpage.core.scheduler import SchedulerOutput
+
+# Width of the per-sequence list of token ids masked until min_tokens are generated.
+MAX_SUPPRESSED_TOKENS = 16
+
+
+class BucketLadder:
+    """Powers of two from ``minimum`` up to ``maximum`` (always included as the top rung)."""
+
+    def __init__(self, minimum: int, maximum: int) -> None:
+        if minimum < 1 or maximum < 1:
+            raise ValueError(f"bucket bounds must be >= 1, got {minimum}..{maximum}")
+        rungs = []
+        size = 1
+        while size < maximum:
+            if size >= minimum:
+                rungs.append(size)
+            size *= 2
+        rungs.append(maximum)
+        self.rungs = tuple(rungs)
+
+    def fit(self, size: int) -> int:
+        """Smallest rung >= size."""
+        i = bisect.bisect_left(self.rungs, size)
+        if i == len(self.rungs):
+            raise ValueError(f"size {size} exceeds the largest bucket {self.rungs[-1]}")
+        return self.rungs[i]
+
+
+@dataclass(frozen=True)
+class BatchMetadata:
+    """Numpy arrays for one model step (see the module docstring for padding rules)."""
+
+    input_ids: np.ndarray        # int32 [T]
+    positions: np.ndarray        # int32 [T]
+    slot_mapping: np.ndarray     # int32 [T]  flat slot block_id * block_size + offset, -1 = skip
+    block_tables: np.ndarray     # int32 [S, M]
+    kv_lens: np.ndarray          # int32 [S]  tokens in the cache per sequence, new ones included
+    cu_q_lens: np.ndarray        # int32 [S + 1]  prefix sums of new-token counts
+    num_seqs: np.ndarray         # int32 [1]
+    logits_indices: np.ndarray   # int32 [S]  token whose logits sample sequence i
+    temperature: np.ndarray      # float32 [S]  0 = greedy
+    top_k: np.ndarray            # int32 [S]  <= 0 = disabled
+    top_p: np.ndarray            # float32 [S]
+    min_p: np.ndarray            # float32 [S]
+    sample_seeds: np.ndarray     # uint32 [S]
+    sample_index: np.ndarray     # int32 [S]  output tokens so far (keys the random stream)
+    suppressed_token_ids: np.ndarray  # int32 [S, MAX_SUPPRESSED_TOKENS]  -1 = none
+
+    @property
+    def shape_key(self) -> tuple[int, int, int]:
+        """(T, S, M): which compiled program runs this batch."""
+        return (self.input_ids.shape[0], self.block_tables.shape[0], self.block_tables.shape[1])
+
+    def as_dict(self) -> dict[str, np.ndarray]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class BatchBuilder:
+    """Turns a SchedulerOutput into a padded BatchMetadata."""
+
+    def __init__(self, kv_cache_manager: KVCacheManager, *, max_num_batched_tokens: int,
+                 max_num_seqs: int, max_model_len: int) -> None:
+        self.kv = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.token_ladder = BucketLadder(min(16, max_num_batched_tokens), max_num_batched_tokens)
+        self.seq_ladder = BucketLadder(1, max_num_seqs)
+        max_blocks = kv_cache_manager.num_blocks_for(max_model_len)
+        self.block_ladder = BucketLadder(min(8, max_blocks), max_blocks)
+
+    def build(self, out: SchedulerOutput) -> BatchMetadata:
+        items = out.scheduled
+        num_tokens = out.num_batched_tokens
+        T = self.token_ladder.fit(num_tokens)
+        S = self.seq_ladder.fit(len(items))
+        tables = [self.kv.block_ids(it.request.request_id) for it in items]
+        M = self.block_ladder.fit(max(len(t) for t in tables))
+        bs = self.block_size
+
+        input_ids = np.zeros(T, np.int32)
+        positions = np.zeros(T, np.int32)
+        slot_mapping = np.full(T, -1, np.int32)
+        block_tables = np.zeros((S, M), np.int32)
+        kv_lens = np.zeros(S, np.int32)
+        cu_q_lens = np.full(S + 1, num_tokens, np.int32)
+        logits_indices = np.zeros(S, np.int32)
+        temperature = np.zeros(S, np.float32)
+        top_k = np.zeros(S, np.int32)
+        top_p = np.ones(S, np.float32)
+        min_p = np.zeros(S, np.float32)
+        seeds = np.zeros(S, np.uint32)
+        sample_index = np.zeros(S, np.int32)
+        suppressed = np.full((S, MAX_SUPPRESSED_TOKENS), -1, np.int32)
+
+        start = 0
+        for i, (item, table) in enumerate(zip(items, tables)):
+            req, n = item.request, item.num_new_tokens
+            first = req.num_computed_tokens
+            end = start + n
+            pos = np.arange(first, first + n, dtype=np.int32)
+            input_ids[start:end] = req.all_token_ids[first:first + n]
+            positions[start:end] = pos
+            table_arr = np.asarray(table, np.int32)
+            slot_mapping[start:end] = table_arr[pos // bs] * bs + pos % bs
+            block_tables[i, :len(table)] = table_arr
+            kv_lens[i] = first + n
+            cu_q_lens[i] = start
+            logits_indices[i] = end - 1
+            params = req.sampling_params
+            temperature[i] = params.temperature
+            top_k[i] = params.top_k
+            top_p[i] = params.top_p
+            min_p[i] = params.min_p
+            seeds[i] = req.sample_seed
+            sample_index[i] = req.num_output_tokens
+            if req.num_output_tokens < params.min_tokens:
+                ids = req.stop_token_ids_to_suppress
+                suppressed[i, :len(ids)] = ids
+            start = end
+        cu_q_lens[len(items)] = num_tokens
+        return BatchMetadata(
+            input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
+            block_tables=block_tables, kv_lens=kv_lens, cu_q_lens=cu_q_lens,
+            num_seqs=np.array([len(items)], np.int32), logits_indices=logits_indices,
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            sample_seeds=seeds, sample_index=sample_index, suppressed_token_ids=suppressed)

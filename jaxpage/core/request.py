@@ -1,0 +1,107 @@
+"""One generation request as the host core sees it."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import numpy as np
+
+from jaxpage.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+def derive_sample_seed(seed: int) -> int:
+    """Map any Python int to the uint32 seed the device sampler keys from."""
+    return int(np.random.SeedSequence(seed & 0xFFFF_FFFF_FFFF_FFFF).generate_state(1)[0])
+
+
+class Request:
+    """Tokens, progress and stop rules of one sequence.
+
+    Invariants: ``num_computed_tokens <= num_tokens`` (tokens whose K/V are in the cache
+    versus all tokens known); ``all_token_ids == prompt_token_ids + output_token_ids``.
+    ``max_tokens`` is already clipped so that ``num_prompt_tokens + max_tokens <=
+    max_model_len``.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, *, max_model_len: int,
+                 eos_token_ids: frozenset[int] = frozenset(), sample_seed: int = 0,
+                 prompt: str | None = None, arrival_time: float | None = None) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.sample_seed = sample_seed
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        room = max_model_len - len(self.prompt_token_ids)
+        requested = sampling_params.max_tokens
+        self.max_tokens = room if requested is None else min(requested, room)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def stop_token_ids_to_suppress(self) -> tuple[int, ...]:
+        """Token ids whose sampling is masked while fewer than ``min_tokens`` are out."""
+        ids = set(self.sampling_params.stop_token_ids)
+        if not self.sampling_params.ignore_eos:
+            ids |= self.eos_token_ids
+        return tuple(sorted(ids))
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_token_stop(self) -> RequestStatus | None:
+        """The finished status implied by the last token (EOS, stop ids, lengths), if any."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

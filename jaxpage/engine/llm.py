@@ -1,0 +1,111 @@
+"""LLM: the offline entry point, with vLLM's names (generate, chat, get_tokenizer)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from jaxpage.config import EngineConfig
+from jaxpage.engine.llm_engine import LLMEngine, PromptInput
+from jaxpage.outputs import RequestOutput
+from jaxpage.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """Loads a model once and generates for batches of prompts with continuous batching.
+
+    ``model`` is a Hugging Face checkpoint directory, a ``.gguf`` file, or None for the
+    embedded default (SmolLM2-135M-Instruct). Every other keyword is an engine option
+    (see ``jaxpage.config``); unknown ones raise ``ValueError``.
+    """
+
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
+                 dtype: str = "float32", block_size: int = 16, max_model_len: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 num_kv_blocks: int | None = None, seed: int = 0, **engine_options: Any) -> None:
+        config = EngineConfig.from_kwargs(
+            model=model, tokenizer=tokenizer, dtype=dtype, block_size=block_size,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks,
+            seed=seed, **engine_options)
+        self.llm_engine = LLMEngine(config)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def get_stats(self) -> dict[str, Any]:
+        return self.llm_engine.get_stats()
+
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of ``prompts``.
+
+        All prompts are validated before any is queued, so a bad one raises ``ValueError``
+        and leaves the engine untouched.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} "
+                                 "prompts; pass one SamplingParams or one per prompt")
+        return self._run(prompts, params_list, use_tqdm)
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation and generate."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer, and this model has none")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError(f"messages={messages!r} must be a non-empty list of messages "
+                             "or of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            if not conversation or any(not isinstance(m, dict) or "role" not in m
+                                       for m in conversation):
+                raise ValueError(f"conversation {conversation!r} must be a non-empty list of "
+                                 "{'role': ..., 'content': ...} messages")
+            ids = tokenizer.apply_chat_template(
+                conversation, chat_template=chat_template, tokenize=True, return_dict=True,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message)["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids),
+                            "prompt": tokenizer.decode(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, prompts: list[PromptInput], params_list: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        base = f"gen{id(prompts)}-{next(engine._ids)}-"
+        requests = [engine.make_request(f"{base}{i}", p, sp)
+                    for i, (p, sp) in enumerate(zip(prompts, params_list))]
+        results: dict[str, RequestOutput] = {}
+        try:
+            for request in requests:
+                engine.add_validated_request(request)
+            with tqdm(total=len(requests), desc="Generating", disable=not use_tqdm,
+                      dynamic_ncols=True) as bar:
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        results[output.request_id] = output
+                        bar.update(1)
+        finally:
+            for request in requests:
+                if request.request_id not in results:
+                    engine.abort_request(request.request_id)
+        return [results[r.request_id] for r in requests]

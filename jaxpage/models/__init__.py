@@ -1,0 +1,1 @@
+"""Model families, their registry, and weight loading (safetensors and GGUF)."""

@@ -1,0 +1,128 @@
+"""GGUF files: metadata becomes an HF-style config, tensors are dequantized to float32.
+
+llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` for Llama-type models
+(per head, rows laid out as (2, head_dim/2) were written as (head_dim/2, 2)); we undo it so
+that every tensor matches its Hugging Face counterpart exactly.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+from gguf import GGUFReader, GGMLQuantizationType
+from gguf.quants import dequantize
+
+_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                       "qwen2": "Qwen2ForCausalLM"}
+_PERMUTED_ARCHES = ("llama", "mistral")
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+                 "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    return None
+
+
+class GGUFSource:
+    """Reads a GGUF file; ``get`` takes Hugging Face tensor names."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.reader = GGUFReader(path)
+        self.metadata = {key: self._field(key) for key in self.reader.fields
+                         if not key.startswith("tokenizer.ggml.")}
+        arch = self.metadata.get("general.architecture")
+        if arch not in _GGUF_ARCHITECTURES:
+            raise ValueError(f"GGUF architecture {arch!r} is not supported; supported GGUF "
+                             f"architectures: {sorted(_GGUF_ARCHITECTURES)}")
+        self.arch = arch
+        self._tensors = {}
+        for tensor in self.reader.tensors:
+            name = _hf_name(tensor.name)
+            if name is not None:
+                self._tensors[name] = tensor
+            elif tensor.name == "rope_freqs.weight":
+                raise ValueError(f"{path}: GGUF rope frequency factors (rope_freqs) are not supported")
+        self.hf_config = self._hf_config()
+
+    def _field(self, key: str):
+        try:
+            return self.reader.fields[key].contents()
+        except Exception:  # fields of exotic types are not needed
+            return None
+
+    def _hf_config(self) -> dict:
+        m, a = self.metadata, self.arch
+        if m.get(f"{a}.rope.scaling.type") not in (None, "none"):
+            raise ValueError(f"{self.path}: GGUF rope scaling "
+                             f"{m.get(f'{a}.rope.scaling.type')!r} is not supported")
+        embed = self._tensors["model.embed_tokens.weight"]
+        num_heads = int(m[f"{a}.attention.head_count"])
+        hidden = int(m[f"{a}.embedding_length"])
+        tokenizer_fields = self.reader.fields
+        eos = tokenizer_fields.get("tokenizer.ggml.eos_token_id")
+        return {
+            "architectures": [_GGUF_ARCHITECTURES[a]],
+            "vocab_size": int(embed.shape[1]) if len(embed.shape) > 1 else int(embed.shape[0]),
+            "hidden_size": hidden,
+            "intermediate_size": int(m[f"{a}.feed_forward_length"]),
+            "num_hidden_layers": int(m[f"{a}.block_count"]),
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": int(m.get(f"{a}.attention.head_count_kv") or num_heads),
+            "head_dim": int(m.get(f"{a}.attention.key_length") or hidden // num_heads),
+            "rms_norm_eps": float(m.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+            "rope_theta": float(m.get(f"{a}.rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(m.get(f"{a}.context_length", 2048)),
+            "tie_word_embeddings": "lm_head.weight" not in self._tensors,
+            "sliding_window": m.get(f"{a}.attention.sliding_window"),
+            "use_sliding_window": m.get(f"{a}.attention.sliding_window") is not None,
+            "eos_token_id": int(eos.contents()) if eos is not None else None,
+        }
+
+    def names(self) -> set[str]:
+        return set(self._tensors)
+
+    def get(self, name: str) -> np.ndarray:
+        """float32 tensor in Hugging Face layout ([out, in] for linear weights)."""
+        if name not in self._tensors:
+            raise ValueError(f"GGUF file has no tensor for {name!r}")
+        tensor = self._tensors[name]
+        if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
+                                  GGMLQuantizationType.BF16):
+            data = np.asarray(tensor.data)
+            if tensor.tensor_type == GGMLQuantizationType.BF16:
+                data = dequantize(data, tensor.tensor_type)
+            array = data.astype(np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        else:
+            array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        if self.arch in _PERMUTED_ARCHES and name.endswith(("q_proj.weight", "k_proj.weight")):
+            key = "head_count" if "q_proj" in name else "head_count_kv"
+            heads = int(self.metadata.get(f"{self.arch}.attention.{key}")
+                        or self.metadata[f"{self.arch}.attention.head_count"])
+            array = _unpermute_rows(array, heads)
+        return array
+
+
+def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row interleave of q/k projections. weight: [out, in]."""
+    out_features, in_features = weight.shape
+    head_dim = out_features // num_heads
+    return (weight.reshape(num_heads, head_dim // 2, 2, in_features)
+            .swapaxes(1, 2).reshape(out_features, in_features))

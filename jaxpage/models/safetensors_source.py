@@ -1,0 +1,46 @@
+"""Hugging Face checkpoint directories: config.json plus safetensors (single or sharded)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+from safetensors import safe_open
+
+
+class SafetensorsSource:
+    """Reads tensors by their Hugging Face names from a checkpoint directory."""
+
+    def __init__(self, directory: str) -> None:
+        config_path = os.path.join(directory, "config.json")
+        if not os.path.isfile(config_path):
+            raise ValueError(f"model directory {directory!r} has no config.json")
+        with open(config_path) as f:
+            self.hf_config: dict = json.load(f)
+        index_path = os.path.join(directory, "model.safetensors.index.json")
+        single_path = os.path.join(directory, "model.safetensors")
+        if os.path.isfile(index_path):
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+            self._file_of = {name: os.path.join(directory, file) for name, file in weight_map.items()}
+        elif os.path.isfile(single_path):
+            with safe_open(single_path, "numpy") as f:
+                self._file_of = {name: single_path for name in f.keys()}
+        else:
+            raise ValueError(f"model directory {directory!r} has neither model.safetensors "
+                             "nor model.safetensors.index.json")
+        self._handles: dict[str, object] = {}
+
+    def names(self) -> set[str]:
+        return set(self._file_of)
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor as stored, Hugging Face layout ([out, in] for linear weights)."""
+        if name not in self._file_of:
+            raise ValueError(f"checkpoint has no tensor named {name!r}")
+        path = self._file_of[name]
+        handle = self._handles.get(path)
+        if handle is None:
+            handle = self._handles[path] = safe_open(path, "numpy")
+        return handle.get_tensor(name)

@@ -1,0 +1,36 @@
+"""The paged KV cache on device and its sizing."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpage.models.arch_config import ArchConfig
+
+
+def bytes_per_block(arch: ArchConfig, block_size: int, dtype) -> int:
+    """K and V bytes of one block across all layers."""
+    itemsize = np.dtype(dtype).itemsize
+    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * itemsize
+
+
+def num_blocks_for_budget(arch: ArchConfig, block_size: int, dtype, budget_bytes: int,
+                          max_useful_blocks: int) -> int:
+    """Usable blocks (null block excluded) that fit ``budget_bytes``, capped at what can be used."""
+    per_block = bytes_per_block(arch, block_size, dtype)
+    fitting = budget_bytes // per_block - 1  # one block of the budget goes to the null block
+    if fitting < 1:
+        raise ValueError(f"kv_cache_memory={budget_bytes} bytes holds no KV block "
+                         f"({per_block} bytes each)")
+    return int(min(fitting, max_useful_blocks))
+
+
+def allocate_kv_cache(arch: ArchConfig, num_blocks: int, block_size: int,
+                      dtype) -> tuple[jax.Array, jax.Array]:
+    """Zeroed (k, v), each [num_layers, num_blocks, block_size, num_kv_heads, head_dim].
+
+    ``num_blocks`` includes the null block 0.
+    """
+    shape = (arch.num_layers, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)

@@ -1,0 +1,42 @@
+"""The pure jitted model step: (params, kv_cache, batch) -> (kv_cache, sampled tokens).
+
+The KV cache is donated: it goes in and comes back updated, with no hidden device state.
+The model is rebuilt from its graph definition and state with ``nnx.merge`` inside the
+traced function, so the step stays a pure function of arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+from flax import nnx
+
+from jaxpage.runtime.sampler import sample
+
+KVCache = tuple[jax.Array, jax.Array]
+
+
+def make_step(graphdef: Any) -> Callable:
+    """Jitted ``step(state, kv_cache, batch) -> (kv_cache, tokens int32 [S])``."""
+    def step(state: Any, kv_cache: KVCache, batch: dict[str, jax.Array]):
+        model = nnx.merge(graphdef, state)
+        hidden, kv_cache = model(batch["input_ids"], batch["positions"], kv_cache, batch)
+        logits = model.compute_logits(hidden[batch["logits_indices"]])  # [S, V]
+        return kv_cache, sample(logits, batch)
+
+    return jax.jit(step, donate_argnums=(1,))
+
+
+def make_forward_logits(graphdef: Any) -> Callable:
+    """Jitted ``forward(state, kv_cache, batch) -> (kv_cache, logits float32 [T, V])``.
+
+    Logits of every scheduled token: for checks against a reference model and for
+    prompt log-probabilities.
+    """
+    def forward(state: Any, kv_cache: KVCache, batch: dict[str, jax.Array]):
+        model = nnx.merge(graphdef, state)
+        hidden, kv_cache = model(batch["input_ids"], batch["positions"], kv_cache, batch)
+        return kv_cache, model.compute_logits(hidden)
+
+    return jax.jit(forward, donate_argnums=(1,))

@@ -1,0 +1,67 @@
+"""Plain-jnp ragged paged attention: the ground truth every kernel is tested against.
+
+Each token gathers the K/V pages of its own sequence through the block table and
+attends causally to the first ``q_pos + 1`` of them. Simple and exact; not tuned.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array,
+                 num_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per token: its sequence index, its absolute position, and whether it is real.
+
+    Returns ``seq`` int32 [T] (clamped into range for padding tokens), ``q_pos`` int32 [T]
+    and ``valid`` bool [T].
+    """
+    max_num_seqs = kv_lens.shape[0]
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu_q_lens[1:], t, side="right").astype(jnp.int32)
+    valid = t < cu_q_lens[num_seqs[0]]
+    seq = jnp.minimum(seq, max_num_seqs - 1)
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    q_pos = kv_lens[seq] - q_len + (t - cu_q_lens[seq])
+    return seq, q_pos, valid
+
+
+def ragged_paged_attention_reference(
+        q: jax.Array,             # [T, Hq, D]
+        k_cache: jax.Array,       # [N, B, Hkv, D]
+        v_cache: jax.Array,       # [N, B, Hkv, D]
+        kv_lens: jax.Array,       # int32 [S]
+        block_tables: jax.Array,  # int32 [S, M]
+        cu_q_lens: jax.Array,     # int32 [S + 1]
+        num_seqs: jax.Array,      # int32 [1]
+        *, sm_scale: float, sliding_window: int | None = None,
+        soft_cap: float | None = None) -> jax.Array:  # [T, Hq, D]
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    max_blocks = block_tables.shape[1]
+    group = num_q_heads // num_kv_heads
+    seq, q_pos, valid = token_layout(cu_q_lens, kv_lens, num_seqs, num_tokens)
+
+    tables = block_tables[seq]                                          # [T, M]
+    span = max_blocks * block_size
+    k = k_cache[tables].reshape(num_tokens, span, num_kv_heads, head_dim)  # [T, L, Hkv, D]
+    v = v_cache[tables].reshape(num_tokens, span, num_kv_heads, head_dim)
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)           # [T, Hkv, G, D]
+    scores = jnp.einsum("tkgd,tlkd->tkgl", qg, k,
+                        preferred_element_type=jnp.float32) * sm_scale  # [T, Hkv, G, L]
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    kv_pos = jnp.arange(span, dtype=jnp.int32)
+    mask = (kv_pos[None, :] <= q_pos[:, None]) & valid[:, None]         # [T, L]
+    if sliding_window is not None:
+        mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
+    scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    probs = jnp.exp(scores - row_max)
+    denom = jnp.maximum(jnp.sum(probs, axis=-1, keepdims=True), 1e-30)
+    out = jnp.einsum("tkgl,tlkd->tkgd", (probs / denom).astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    out = jnp.where(valid[:, None, None, None], out, 0.0)
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)

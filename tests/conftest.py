@@ -1,0 +1,84 @@
+"""Shared fixtures: the embedded model path, its tokenizer, tiny checkpoints, compile cache."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def pytest_configure(config):
+    # One persistent XLA cache for the whole suite (and across runs on the same machine).
+    import jax
+
+    cache = os.environ.get("JAXPAGE_TEST_XLA_CACHE",
+                           os.path.join(os.path.expanduser("~"), ".cache", "jaxpage", "xla-tests"))
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    from jaxpage.models.loader import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path):
+    from jaxpage.engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory, smollm2_tokenizer) -> dict[str, str]:
+    """Random tiny Llama / Qwen2 / Mistral checkpoints (Llama saved in sharded form)."""
+    from tests.reference import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        "llama": make_tiny_checkpoint("llama", str(root / "llama"), smollm2_tokenizer, seed=1,
+                                      max_shard_size="2MB"),
+        "qwen2": make_tiny_checkpoint("qwen2", str(root / "qwen2"), smollm2_tokenizer, seed=2,
+                                      tie_word_embeddings=True),
+        "mistral": make_tiny_checkpoint("mistral", str(root / "mistral"), smollm2_tokenizer,
+                                        seed=3),
+    }
+
+
+def assert_all_blocks_free(llm) -> None:
+    stats = llm.get_stats()
+    assert stats["num_free_blocks"] == stats["num_kv_blocks"], stats
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
+
+
+# Every LLM built during the suite is checked after every test: no KV block may leak.
+_LLMS: "weakref.WeakSet" = None  # type: ignore[assignment]
+
+
+@pytest.fixture(autouse=True)
+def _all_kv_blocks_free_after_each_test():
+    yield
+    for llm in list(_LLMS or ()):
+        assert_all_blocks_free(llm)
+
+
+def _track_llm_instances() -> None:
+    global _LLMS
+    import weakref
+
+    from jaxpage.engine import llm as llm_module
+
+    _LLMS = weakref.WeakSet()
+    original_init = llm_module.LLM.__init__
+
+    def tracking_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        _LLMS.add(self)
+
+    llm_module.LLM.__init__ = tracking_init
+
+
+def pytest_sessionstart(session):
+    _track_llm_instances()

@@ -1,0 +1,52 @@
+import numpy as np
+import pytest
+
+from jaxpage.core.batch import BatchBuilder, BucketLadder
+from tests.core.helpers import make_request, make_scheduler
+
+
+def test_ladder_rungs_and_fit():
+    ladder = BucketLadder(16, 100)
+    assert ladder.rungs == (16, 32, 64, 100)
+    assert ladder.fit(1) == 16 and ladder.fit(33) == 64 and ladder.fit(100) == 100
+    with pytest.raises(ValueError, match="exceeds"):
+        ladder.fit(101)
+
+
+def test_mixed_prefill_and_decode_batch_layout():
+    s = make_scheduler(num_blocks=32, block_size=4)
+    builder = BatchBuilder(s.kv, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64)
+    a = make_request("a", 5, temperature=0.5, top_k=7, top_p=0.9, min_p=0.1, seed=3)
+    s.add_request(a)
+    first = s.schedule()
+    s.update_from_output(first, np.array([60], np.int32))
+    s.add_request(make_request("b", 3, min_tokens=2, stop_token_ids=[9]))
+    batch = builder.build(s.schedule())
+    assert batch.shape_key == (16, 2, 8)
+    np.testing.assert_array_equal(batch.input_ids[:4], [60] + make_request("b", 3).prompt_token_ids)
+    np.testing.assert_array_equal(batch.positions[:4], [5, 0, 1, 2])
+    # a holds blocks [1, 2]: position 5 -> block 2 offset 1 -> slot 9; b holds [3]: slots 12..14
+    np.testing.assert_array_equal(batch.slot_mapping[:4], [9, 12, 13, 14])
+    assert (batch.slot_mapping[4:] == -1).all() and (batch.input_ids[4:] == 0).all()
+    np.testing.assert_array_equal(batch.block_tables, [[1, 2, 0, 0, 0, 0, 0, 0],
+                                                       [3, 0, 0, 0, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(batch.kv_lens, [6, 3])
+    np.testing.assert_array_equal(batch.cu_q_lens, [0, 1, 4])
+    np.testing.assert_array_equal(batch.num_seqs, [2])
+    np.testing.assert_array_equal(batch.logits_indices, [0, 3])
+    np.testing.assert_allclose(batch.temperature, [0.5, 0.0])
+    np.testing.assert_array_equal(batch.top_k, [7, -1])
+    np.testing.assert_array_equal(batch.sample_index, [1, 0])
+    assert (batch.suppressed_token_ids[0] == -1).all()
+    np.testing.assert_array_equal(batch.suppressed_token_ids[1, :2], [2, 9])
+
+
+def test_padding_sequences_repeat_the_last_offset():
+    s = make_scheduler(num_blocks=32, block_size=4)
+    builder = BatchBuilder(s.kv, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64)
+    for name in "abc":
+        s.add_request(make_request(name, 2))
+    batch = builder.build(s.schedule())
+    assert batch.block_tables.shape[0] == 4
+    np.testing.assert_array_equal(batch.cu_q_lens, [0, 2, 4, 6, 6])
+    np.testing.assert_array_equal(batch.kv_lens, [2, 2, 2, 0])
