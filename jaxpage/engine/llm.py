@@ -91,9 +91,10 @@ class LLM:
     def _run(self, prompts: list[PromptInput], params_list: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
-        base = f"gen{id(prompts)}-{next(engine._ids)}-"
-        requests = [engine.make_request(f"{base}{i}", p, sp)
-                    for i, (p, sp) in enumerate(zip(prompts, params_list))]
+        # Request ids come from the engine's counter, so unseeded sampling (keyed by the
+        # engine seed and the request id) replays identically in a new process.
+        requests = [engine.make_request(engine.next_request_id(), p, sp)
+                    for p, sp in zip(prompts, params_list)]
         results: dict[str, RequestOutput] = {}
         try:
             for request in requests:

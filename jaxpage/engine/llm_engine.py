@@ -132,9 +132,12 @@ class LLMEngine:
                              f"{self.num_kv_blocks}; lower max_tokens or raise num_kv_blocks")
         return request
 
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
     def add_request(self, request_id: str | None, prompt: PromptInput,
                     params: SamplingParams) -> str:
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        request_id = self.next_request_id() if request_id is None else str(request_id)
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id={request_id!r} is already in the engine")
         self.add_validated_request(self.make_request(request_id, prompt, params))
