@@ -51,6 +51,8 @@ class CacheConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory
     kv_cache_memory: int = 2 * 1024**3  # bytes for the KV cache when num_kv_blocks is None
+    enable_prefix_caching: bool = True
+    swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks
 
     def __post_init__(self) -> None:
         _require(isinstance(self.block_size, int) and self.block_size >= 1
@@ -61,6 +63,10 @@ class CacheConfig:
                  f"num_kv_blocks={self.num_kv_blocks!r} must be None or an integer >= 1")
         _require(isinstance(self.kv_cache_memory, int) and self.kv_cache_memory > 0,
                  f"kv_cache_memory={self.kv_cache_memory!r} must be a positive number of bytes")
+        _require(isinstance(self.enable_prefix_caching, bool),
+                 f"enable_prefix_caching={self.enable_prefix_caching!r} must be a bool")
+        _require(isinstance(self.swap_space, (int, float)) and self.swap_space >= 0,
+                 f"swap_space={self.swap_space!r} must be a number of GiB >= 0")
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,10 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    scheduling_policy: str = "fcfs"  # or "priority" (lower value first, with aging)
+    priority_aging_steps: int = 64   # steps of waiting that improve priority by 1
+    preemption_mode: str = "auto"    # "recompute", "swap" or "auto" (cheaper per request)
+    long_prefill_token_threshold: int = 0  # > 0: most prompt tokens one request takes a step
 
     def __post_init__(self) -> None:
         _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
@@ -79,6 +89,16 @@ class SchedulerConfig:
         _require(self.max_num_batched_tokens >= self.max_num_seqs,
                  f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                  f"max_num_seqs={self.max_num_seqs} (every running sequence needs a token slot)")
+        _require(self.scheduling_policy in ("fcfs", "priority"),
+                 f"scheduling_policy={self.scheduling_policy!r} must be 'fcfs' or 'priority'")
+        _require(isinstance(self.priority_aging_steps, int) and self.priority_aging_steps >= 1,
+                 f"priority_aging_steps={self.priority_aging_steps!r} must be an integer >= 1")
+        _require(self.preemption_mode in ("recompute", "swap", "auto"),
+                 f"preemption_mode={self.preemption_mode!r} must be 'recompute', 'swap' or 'auto'")
+        _require(isinstance(self.long_prefill_token_threshold, int)
+                 and self.long_prefill_token_threshold >= 0,
+                 f"long_prefill_token_threshold={self.long_prefill_token_threshold!r} must be "
+                 "an integer >= 0 (0 disables it)")
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,13 @@
-"""Physical KV blocks, their reference counts, and the free queue.
+"""Physical KV blocks, their reference counts, the free queue and the prefix cache.
 
 Block 0 is the *null block*: it is never handed out, never freed and never written
 (padding slots are -1 and are dropped by the cache update). Block tables are padded
 with 0, so padded gathers read the null block and are masked out by ``kv_lens``.
+
+A full block may carry a ``block_hash`` (see ``prefix_hash``) and then sits in the
+prefix cache. Freed cached blocks stay in the free queue, still cached, until they reach
+the head and are handed out again: only then is their hash evicted. Invariant: a block
+is in the free queue if and only if its ``ref_cnt`` is 0 (the null block excepted).
 """
 
 from __future__ import annotations
@@ -80,13 +85,15 @@ class FreeBlockQueue:
 class BlockPool:
     """Owns every physical block. ``num_blocks`` counts the null block too."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, *, enable_caching: bool = True) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks={num_blocks} must be >= 2 (block 0 is the null block)")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.null_block.ref_cnt = 1  # pinned forever
         self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.enable_caching = enable_caching
+        self.cached_blocks: dict[bytes, KVBlock] = {}  # block hash -> block holding it
 
     @property
     def num_usable_blocks(self) -> int:
@@ -104,9 +111,33 @@ class BlockPool:
         for _ in range(count):
             block = self.free_queue.popleft()
             assert block.ref_cnt == 0, block
+            self._evict(block)
             block.ref_cnt = 1
             taken.append(block)
         return taken
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached_blocks.get(block.block_hash) is block:
+                del self.cached_blocks[block.block_hash]
+            block.block_hash = None
+
+    def get_cached_block(self, block_hash: bytes) -> KVBlock | None:
+        return self.cached_blocks.get(block_hash) if self.enable_caching else None
+
+    def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
+        """Record that ``block`` (full, referenced) holds the prefix ``block_hash``."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        self.cached_blocks.setdefault(block_hash, block)  # an equal older copy stays the one found
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Take one more reference on each block, reviving free ones out of the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
 
     def free_blocks(self, blocks: list[KVBlock]) -> None:
         """Drop one reference from each block; blocks reaching 0 join the queue's tail in order."""

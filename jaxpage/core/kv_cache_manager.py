@@ -1,8 +1,23 @@
-"""Maps requests to the physical blocks that hold their keys and values."""
+"""Maps requests to the physical blocks that hold their keys and values.
+
+Invariants:
+
+* A request's block list is append-only while it holds it; block ``j`` holds the K/V of
+  token positions ``[j * block_size, (j + 1) * block_size)``.
+* A block's ``ref_cnt`` equals the number of block lists (over all requests) that hold it.
+* Only positions ``>= num_computed_tokens`` are ever written, so blocks taken from the
+  prefix cache (full, below that mark) are never written. A block shared by a fork may
+  be partly filled: before a request writes into such a block it gets a private copy
+  (copy-on-write); the copy is queued in ``pending_copies`` and must run on the device
+  before the next step.
+* Swapped-out requests hold host blocks only; ``pending_swap_out`` / ``pending_swap_in``
+  list the (device, host) block copies the device must run, swap-outs first.
+"""
 
 from __future__ import annotations
 
 from jaxpage.core.block_pool import BlockPool, KVBlock
+from jaxpage.core.prefix_hash import extend_block_hashes
 from jaxpage.core.request import Request
 
 
@@ -10,37 +25,167 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class HostBlockPool:
+    """Free list of host-memory block slots for swapped-out requests (ids 0..n-1)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out the lowest id
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def take(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise ValueError(f"asked for {count} host blocks but only {len(self._free)} are free")
+        return [self._free.pop() for _ in range(count)]
+
+    def give_back(self, ids: list[int]) -> None:
+        self._free.extend(reversed(ids))
+
+
 class KVCacheManager:
-    """Allocates slots for new tokens and frees requests' blocks.
-
-    Invariant: a request's block list is append-only while it holds it, and block ``j``
-    of the list holds the K/V of token positions ``[j * block_size, (j + 1) * block_size)``.
-    """
-
-    def __init__(self, block_pool: BlockPool, block_size: int) -> None:
+    def __init__(self, block_pool: BlockPool, block_size: int, *, num_host_blocks: int = 0) -> None:
         self.block_pool = block_pool
         self.block_size = block_size
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self.num_hashed_blocks: dict[str, int] = {}  # leading blocks already put in the cache
+        self.host_pool = HostBlockPool(num_host_blocks)
+        self.req_to_host_blocks: dict[str, list[int]] = {}
+        self.pending_copies: list[tuple[int, int]] = []     # (src block, dst block) on device
+        self.pending_swap_out: list[tuple[int, int]] = []   # (device block, host block)
+        self.pending_swap_in: list[tuple[int, int]] = []    # (host block, device block)
+        self.num_prefix_queried_tokens = 0
+        self.num_prefix_hit_tokens = 0
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Ensure blocks for ``num_computed_tokens + num_new_tokens`` tokens; False if short."""
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens) - len(blocks)
-        if needed > self.block_pool.num_free_blocks:
-            if not blocks:
-                del self.req_to_blocks[request.request_id]
+    # -- prefix cache -----------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> list[KVBlock]:
+        """Cached blocks holding the longest prefix of the request's tokens.
+
+        At least one token is left to compute (its logits are needed), so a fully cached
+        prompt still recomputes its last token. Only for a request holding no blocks.
+        """
+        if not self.block_pool.enable_caching or request.request_id in self.req_to_blocks:
+            return []
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
+                            request.extra_keys)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        self.num_prefix_queried_tokens += num_queried_tokens
+        self.num_prefix_hit_tokens += num_hit_tokens
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Put every block fully covered by computed tokens into the prefix cache."""
+        if not self.block_pool.enable_caching:
+            return
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        done = self.num_hashed_blocks.get(request.request_id, 0)
+        if num_full <= done:
+            return
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
+                            request.extra_keys)
+        for i in range(done, num_full):
+            self.block_pool.cache_block(blocks[i], request.block_hashes[i])
+        self.num_hashed_blocks[request.request_id] = num_full
+
+    # -- allocation -------------------------------------------------------------------
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[KVBlock] | None = None) -> bool:
+        """Make room for ``num_new_tokens`` after the computed ones; False (no change) if short.
+
+        ``computed_blocks`` (from ``get_computed_blocks``) are taken first; the caller
+        then advances ``num_computed_tokens`` by ``len(computed_blocks) * block_size``.
+        """
+        computed_blocks = computed_blocks or []
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        first_new = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_have = len(blocks) + len(computed_blocks)
+        num_new_blocks = self.num_blocks_for(first_new + num_new_tokens) - num_have
+        cow_index = first_new // self.block_size
+        needs_copy = (cow_index < len(blocks) and blocks[cow_index].ref_cnt > 1
+                      and num_new_tokens > 0)
+        num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if max(num_new_blocks, 0) + needs_copy + num_revived > self.block_pool.num_free_blocks:
             return False
-        if needed > 0:
-            blocks.extend(self.block_pool.get_new_blocks(needed))
+        blocks = self.req_to_blocks.setdefault(request.request_id, blocks)
+        if computed_blocks:
+            self.block_pool.touch(computed_blocks)
+            blocks.extend(computed_blocks)
+            self.num_hashed_blocks[request.request_id] = len(blocks)
+        if needs_copy:
+            shared = blocks[cow_index]
+            (private,) = self.block_pool.get_new_blocks(1)
+            self.block_pool.free_blocks([shared])
+            blocks[cow_index] = private
+            self.pending_copies.append((shared.block_id, private.block_id))
+        if num_new_blocks > 0:
+            blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
         return True
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give ``child`` the parent's blocks, shared by reference count."""
+        if child.request_id in self.req_to_blocks:
+            raise ValueError(f"request {child.request_id!r} already holds blocks")
+        blocks = list(self.req_to_blocks.get(parent.request_id, []))
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[child.request_id] = blocks
+        self.num_hashed_blocks[child.request_id] = self.num_hashed_blocks.get(parent.request_id, 0)
 
     def free(self, request: Request) -> None:
         """Release all blocks of a request, last block first (so its tail is evicted first)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_hashed_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(list(reversed(blocks)))
+        self.host_pool.give_back(self.req_to_host_blocks.pop(request.request_id, []))
+
+    # -- swapping ---------------------------------------------------------------------
+
+    def can_swap_out(self, request: Request) -> bool:
+        return len(self.req_to_blocks.get(request.request_id, [])) <= self.host_pool.num_free_blocks
+
+    def swap_out(self, request: Request) -> None:
+        """Move a request's blocks to host memory; its device blocks are released."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        host = self.host_pool.take(len(blocks))
+        self.pending_swap_out.extend((b.block_id, h) for b, h in zip(blocks, host))
+        self.req_to_host_blocks[request.request_id] = host
+        self.num_hashed_blocks.pop(request.request_id, None)
+        self.block_pool.free_blocks(list(reversed(blocks)))
+
+    def can_swap_in(self, request: Request) -> bool:
+        return len(self.req_to_host_blocks.get(request.request_id, [])) <= self.block_pool.num_free_blocks
+
+    def swap_in(self, request: Request) -> None:
+        """Bring a swapped-out request's blocks back into fresh device blocks."""
+        host = self.req_to_host_blocks.pop(request.request_id)
+        blocks = self.block_pool.get_new_blocks(len(host))
+        self.pending_swap_in.extend((h, b.block_id) for h, b in zip(host, blocks))
+        self.req_to_blocks[request.request_id] = blocks
+        self.host_pool.give_back(host)
+
+    def take_pending_block_ops(self) -> tuple[list, list, list]:
+        """(swap_out, swap_in, copies) to run on the device, in that order; clears them."""
+        ops = (self.pending_swap_out, self.pending_swap_in, self.pending_copies)
+        self.pending_swap_out, self.pending_swap_in, self.pending_copies = [], [], []
+        return ops
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def host_block_ids(self, request_id: str) -> list[int]:
+        return list(self.req_to_host_blocks.get(request_id, []))

@@ -13,7 +13,9 @@ from jaxpage.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"
+    PREEMPTED = "preempted"      # by recompute: back in the waiting queue
+    SWAPPED = "swapped"          # its KV blocks wait in host memory
+    FORK_PENDING = "fork_pending"  # a sibling of an n > 1 request, born when the prompt is in
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
@@ -46,7 +48,8 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, *, max_model_len: int,
                  eos_token_ids: frozenset[int] = frozenset(), sample_seed: int = 0,
-                 prompt: str | None = None, arrival_time: float | None = None) -> None:
+                 prompt: str | None = None, arrival_time: float | None = None,
+                 priority: int = 0, extra_keys: tuple = ()) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -63,6 +66,42 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.priority = priority
+        self.extra_keys = extra_keys          # joins every block hash (adapters, media, ...)
+        self.block_hashes: list[bytes] = []   # hashes of full blocks of all_token_ids, in order
+        self.num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache
+        self.arrival_seq = 0          # set by the scheduler: FCFS order, ties in priority order
+        self.added_step = 0           # scheduler step at which it arrived (for priority aging)
+        # Siblings (n > 1, beam search) that will share this request's blocks once all but the
+        # last prompt token are computed; each then computes that token into its own copy.
+        self.fork_children: list[Request] = []
+        self.fork_leader: Request | None = None  # set on a sibling until it is born
+        # When True the engine chooses each next token (beam search), not the sampler.
+        self.external_sampling = False
+
+    @property
+    def fork_at(self) -> int:
+        """Computed-token count at which the pending fork happens."""
+        return self.num_prompt_tokens - 1
+
+    @property
+    def num_seats(self) -> int:
+        """Batch rows this request will occupy: itself plus its unborn siblings."""
+        return 1 + len(self.fork_children)
+
+    def fork(self, request_id: str, sample_seed: int) -> "Request":
+        """A copy with the same tokens and progress; blocks are shared by the KV manager."""
+        child = Request.__new__(Request)
+        child.__dict__.update(self.__dict__)
+        child.request_id = request_id
+        child.sample_seed = sample_seed
+        child.output_token_ids = list(self.output_token_ids)
+        child.all_token_ids = list(self.all_token_ids)
+        child.block_hashes = list(self.block_hashes)
+        child.fork_children = []
+        child.fork_leader = self
+        child.num_preemptions = 0
+        return child
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,17 +1,26 @@
-"""Iteration-level continuous batching with chunked prefill and recompute preemption.
+"""Iteration-level continuous batching: chunked prefill, prefix caching, preemption, policies.
 
 Every call to ``schedule`` decides which tokens of which requests run in the next model
-step. Running requests are served first, oldest first: a decode takes one token, a
-request still in prefill takes as much of its remaining prompt as the token budget
-allows (chunked prefill, mixed with decodes in one step). When a running request needs
-a block and none is free, the youngest running request is preempted by recompute: its
-blocks are freed and it re-enters the front of the waiting queue, to be prefilled again
-(prompt and outputs so far) when blocks allow. Waiting requests are admitted only after
-all running ones were served and only if no preemption happened in this step.
+step, in this order:
+
+1. Running requests, best first (FCFS: oldest first; priority: lowest aged priority
+   first). A decode takes one token; a request still in prefill takes as much of its
+   remaining prompt as the token budget (and ``long_prefill_token_threshold``) allows,
+   so prefill chunks mix with decodes in one step. When a running request needs a block
+   and none is free, the worst running request is preempted: swapped to host memory or
+   freed for recompute (``preemption_mode``; "auto" compares the estimated costs).
+2. Swapped-out requests come back, oldest first, while blocks allow.
+3. Waiting requests are admitted, best first, taking every block of their prompt that the
+   prefix cache holds.
+
+Steps 2 and 3 are skipped in a step that preempted, so a request is never admitted only
+to push out an older one. Priority aging: every ``priority_aging_steps`` steps since its
+arrival improve a request's priority by one, so no request starves.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -44,71 +53,173 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass
+class PreemptionCostModel:
+    """Picks swap or recompute for one victim from measured speeds.
+
+    Swap moves the victim's blocks out and back (2x its bytes over host bandwidth);
+    recompute prefills its computed tokens again. The engine refreshes the speeds.
+    """
+
+    bytes_per_block: int = 1
+    host_bandwidth: float = 10e9        # bytes/s between device and host memory
+    prefill_tokens_per_s: float = 1e3   # tokens/s of prefill
+
+    def prefer_swap(self, num_blocks: int, num_tokens: int) -> bool:
+        swap_seconds = 2 * num_blocks * self.bytes_per_block / self.host_bandwidth
+        return swap_seconds < num_tokens / self.prefill_tokens_per_s
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 cost_model: PreemptionCostModel | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        self.cost_model = cost_model or PreemptionCostModel()
         self.waiting: deque[Request] = deque()
+        self.swapped: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.step_count = 0
+        self._arrivals = itertools.count()
 
     # -- queue management -------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id={request.request_id!r} is already in the engine")
-        self.requests[request.request_id] = request
+        family = [request, *request.fork_children]
+        for member in family:
+            if member.request_id in self.requests:
+                raise ValueError(f"request_id={member.request_id!r} is already in the engine")
+        if request.num_seats > self.config.max_num_seqs:
+            raise ValueError(f"request {request.request_id!r} needs {request.num_seats} "
+                             f"sequences but max_num_seqs={self.config.max_num_seqs}")
+        request.arrival_seq = next(self._arrivals)
+        request.added_step = self.step_count
+        for member in family:
+            self.requests[member.request_id] = member
+        for child in request.fork_children:
+            child.status = RequestStatus.FORK_PENDING
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish (or abort) a request at any stage and free its blocks. Unknown ids: None."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
+        for queue in (self.running, self.waiting, self.swapped):
+            if request in queue:
+                queue.remove(request)
+                break
+        if request.status is RequestStatus.FORK_PENDING and request.fork_leader is not None:
+            request.fork_leader.fork_children.remove(request)  # never born
+        for child in request.fork_children:  # unborn siblings die with their leader
+            self.requests.pop(child.request_id, None)
+            child.status = status
+        request.fork_children = []
         self.kv.free(request)
         request.status = status
         return request
 
-    # -- one iteration ---------------------------------------------------------------
+    def _priority_key(self, request: Request) -> tuple[int, int]:
+        if self.config.scheduling_policy == "fcfs":
+            return (0, request.arrival_seq)
+        aged = (self.step_count - request.added_step) // self.config.priority_aging_steps
+        return (request.priority - aged, request.arrival_seq)
+
+    def _seats_in_use(self) -> int:
+        return sum(r.num_seats for r in self.running)
+
+    def _num_new_tokens(self, request: Request, budget: int, num_computed: int) -> int:
+        end = request.fork_at if request.fork_children else request.num_tokens
+        count = end - num_computed
+        threshold = self.config.long_prefill_token_threshold
+        if threshold and count > 1:
+            count = min(count, threshold)
+        return max(0, min(count, budget))
+
+    # -- one iteration ----------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        self.step_count += 1
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self.running.sort(key=self._priority_key)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.fork_children and request.num_computed_tokens >= request.fork_at:
+                self._fork(request, index)
+            num_new = self._num_new_tokens(request, budget, request.num_computed_tokens)
+            if num_new == 0:
+                index += 1
+                continue
             if not self._allocate_or_preempt(request, num_new, out):
-                break  # the request itself was preempted: nothing younger is left
+                break  # the request itself was preempted: nothing worse is left
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
             index += 1
-        if out.preempted:
-            return out
-        while (self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(request, num_new):
+        if not out.preempted:
+            budget = self._swap_in(out, budget)
+            self._admit(out, budget)
+        return out
+
+    def _fork(self, request: Request, index: int) -> None:
+        for offset, child in enumerate(request.fork_children, start=1):
+            self.kv.fork(request, child)
+            child.num_computed_tokens = request.num_computed_tokens
+            child.status = RequestStatus.RUNNING
+            child.arrival_seq = request.arrival_seq
+            child.added_step = request.added_step
+            child.fork_leader = None
+            self.running.insert(index + offset, child)
+        request.fork_children = []
+
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        self.swapped.sort(key=self._priority_key)
+        while (self.swapped and budget > 0
+               and self._seats_in_use() + self.swapped[0].num_seats <= self.config.max_num_seqs):
+            request = self.swapped[0]
+            if not self.kv.can_swap_in(request):
                 break
-            self.waiting.popleft()
+            self.kv.swap_in(request)
+            self.swapped.pop(0)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new))
-            budget -= num_new
-        return out
+            num_new = self._num_new_tokens(request, budget, request.num_computed_tokens)
+            if num_new and self.kv.allocate_slots(request, num_new):
+                out.scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+        return budget
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0:
+            request = min(self.waiting, key=self._priority_key)
+            if self._seats_in_use() + request.num_seats > self.config.max_num_seqs:
+                break
+            computed = self.kv.get_computed_blocks(request)
+            num_cached = len(computed) * self.kv.block_size
+            num_computed = request.num_computed_tokens + num_cached
+            num_new = self._num_new_tokens(request, budget, num_computed)
+            if not self.kv.allocate_slots(request, num_new, computed):
+                break
+            if request.num_cached_tokens is None:  # first admission: count the prompt lookup
+                request.num_cached_tokens = num_cached
+                self.kv.record_prefix_lookup(request.num_prompt_tokens, num_cached)
+            request.num_computed_tokens = num_computed
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            if num_new:
+                out.scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while not self.kv.allocate_slots(request, num_new):
-            victim = self.running.pop()  # youngest; never one already scheduled this step
+            victim = self.running.pop()  # the worst; never one already scheduled this step
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is request:
@@ -116,37 +227,53 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
+        self.num_preemptions += 1
+        request.num_preemptions += 1
+        num_blocks = len(self.kv.req_to_blocks.get(request.request_id, []))
+        mode = self.config.preemption_mode
+        swap = mode == "swap" or (mode == "auto" and self.cost_model.prefer_swap(
+            num_blocks, request.num_computed_tokens))
+        if swap and num_blocks and self.kv.can_swap_out(request):
+            self.kv.swap_out(request)
+            request.status = RequestStatus.SWAPPED
+            self.swapped.append(request)
+            return
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def update_from_output(self, out: SchedulerOutput,
                            sampled_token_ids: np.ndarray) -> list[tuple[Request, int]]:
-        """Advance progress after a step; returns (request, new token) for each sampled one.
+        """Advance progress after a step; returns (request, batch row) for each new token.
 
-        ``sampled_token_ids[i]`` belongs to ``out.scheduled[i]``; it is only a real token
-        when that request's step reached its last known token (no partial prefill).
-        Requests that hit a token-level stop are finished and their blocks freed.
+        A row is only a real token when that request's step reached its last known token
+        (no partial prefill). The sampled token is appended here unless the request's
+        tokens are chosen by the engine (``external_sampling``, beam search). Requests that
+        hit a token-level stop are finished and their blocks freed; newly full blocks go
+        into the prefix cache.
         """
-        new_tokens = []
-        for i, item in enumerate(out.scheduled):
+        produced = []
+        for row, item in enumerate(out.scheduled):
             request = item.request
             if request.is_finished:
                 continue  # aborted while the step ran
             request.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_full_blocks(request)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk: its sampled token is meaningless
-            token = int(sampled_token_ids[i])
-            request.append_output_token(token)
-            new_tokens.append((request, token))
+            produced.append((request, row))
+            if request.external_sampling:
+                continue
+            request.append_output_token(int(sampled_token_ids[row]))
             status = request.check_token_stop()
             if status is not None:
                 self.finish_request(request.request_id, status)
-        return new_tokens
+        return produced
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
+        queried = self.kv.num_prefix_queried_tokens
         return {"num_running": len(self.running), "num_waiting": len(self.waiting),
-                "num_preemptions": self.num_preemptions}
+                "num_swapped": len(self.swapped), "num_preemptions": self.num_preemptions,
+                "prefix_cache_hit_rate": self.kv.num_prefix_hit_tokens / queried if queried else 0.0,
+                "num_cached_blocks": len(self.kv.block_pool.cached_blocks)}

@@ -87,8 +87,9 @@ def test_youngest_running_request_is_preempted_by_recompute():
     assert list(s.waiting) == [b] and s.num_preemptions == 1
 
 
-def test_preempted_request_resumes_with_its_outputs_recomputed():
-    s = make_scheduler(num_blocks=7)
+@pytest.mark.parametrize("enable_caching", [False, True])
+def test_preempted_request_resumes_with_its_outputs_recomputed(enable_caching):
+    s = make_scheduler(num_blocks=7, enable_caching=enable_caching)
     a, b = make_request("a", 12, max_tokens=2), make_request("b", 12, max_tokens=3)
     s.add_request(a)
     s.add_request(b)
@@ -96,7 +97,12 @@ def test_preempted_request_resumes_with_its_outputs_recomputed():
     run_step(s)  # preempts b, a finishes (2 tokens)
     assert a.is_finished
     out = run_step(s)
-    assert scheduled(out) == [("b", 13)]  # prompt + the one output token, recomputed
+    if enable_caching:
+        # b's first two blocks (4, 5) were freed still cached: only 13 - 8 tokens recompute.
+        assert scheduled(out) == [("b", 5)]
+        assert s.kv.block_ids("b")[:2] == [4, 5]
+    else:
+        assert scheduled(out) == [("b", 13)]  # prompt + the one output token, recomputed
     assert b.output_token_ids == [50, 50]
 
 
