@@ -43,8 +43,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if not _is_int(self.n) or self.n != 1:
-            _fail("n", self.n, "only n=1 is supported in this version")
+        if not _is_int(self.n) or self.n < 1:
+            _fail("n", self.n, "must be an integer >= 1")
         if not _is_number(self.temperature) or self.temperature < 0:
             _fail("temperature", self.temperature, "must be a number >= 0 (0 means greedy)")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:

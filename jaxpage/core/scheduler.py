@@ -81,6 +81,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0
         self.step_count = 0
         self._arrivals = itertools.count()
 
@@ -235,6 +236,7 @@ class Scheduler:
             num_blocks, request.num_computed_tokens))
         if swap and num_blocks and self.kv.can_swap_out(request):
             self.kv.swap_out(request)
+            self.num_swap_preemptions += 1
             request.status = RequestStatus.SWAPPED
             self.swapped.append(request)
             return
@@ -275,5 +277,6 @@ class Scheduler:
         queried = self.kv.num_prefix_queried_tokens
         return {"num_running": len(self.running), "num_waiting": len(self.waiting),
                 "num_swapped": len(self.swapped), "num_preemptions": self.num_preemptions,
+                "num_swap_preemptions": self.num_swap_preemptions,
                 "prefix_cache_hit_rate": self.kv.num_prefix_hit_tokens / queried if queried else 0.0,
                 "num_cached_blocks": len(self.kv.block_pool.cached_blocks)}

@@ -41,11 +41,13 @@ class LLM:
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool = True) -> list[RequestOutput]:
+                 *, use_tqdm: bool = True,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of ``prompts``.
 
-        All prompts are validated before any is queued, so a bad one raises ``ValueError``
-        and leaves the engine untouched.
+        ``priority`` (with ``scheduling_policy="priority"``): one integer per prompt, lower
+        first. All prompts are validated before any is queued, so a bad one raises
+        ``ValueError`` and leaves the engine untouched.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -59,7 +61,11 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} "
                                  "prompts; pass one SamplingParams or one per prompt")
-        return self._run(prompts, params_list, use_tqdm)
+        if priority is None:
+            priority = [0] * len(prompts)
+        elif len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        return self._run(prompts, params_list, list(priority), use_tqdm)
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -89,12 +95,12 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, prompts: list[PromptInput], params_list: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+             priorities: list[int], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         # Request ids come from the engine's counter, so unseeded sampling (keyed by the
         # engine seed and the request id) replays identically in a new process.
-        requests = [engine.make_request(engine.next_request_id(), p, sp)
-                    for p, sp in zip(prompts, params_list)]
+        requests = [engine.make_request(engine.next_request_id(), p, sp, pr)
+                    for p, sp, pr in zip(prompts, params_list, priorities)]
         results: dict[str, RequestOutput] = {}
         try:
             for request in requests:

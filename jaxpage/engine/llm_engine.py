@@ -15,7 +15,7 @@ from jaxpage.core.batch import MAX_SUPPRESSED_TOKENS, BatchBuilder
 from jaxpage.core.block_pool import BlockPool
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.request import Request, RequestStatus, derive_sample_seed
-from jaxpage.core.scheduler import Scheduler
+from jaxpage.core.scheduler import PreemptionCostModel, Scheduler
 from jaxpage.engine.stop_strings import decode_output, find_stop_string
 from jaxpage.engine.tokenizer import load_tokenizer
 from jaxpage.models.loader import load_model
@@ -27,6 +27,12 @@ from jaxpage.sampling_params import SamplingParams
 logger = logging.getLogger("jaxpage")
 
 PromptInput = str | dict[str, Any]
+
+
+def _sibling_seed(seed: int, index: int) -> int:
+    """uint32 seed of sibling ``index`` of an n > 1 request whose seed is ``seed``."""
+    digest = hashlib.sha256(f"{seed}:sibling:{index}".encode()).digest()
+    return derive_sample_seed(int.from_bytes(digest[:8], "little"))
 
 
 class LLMEngine:
@@ -53,17 +59,25 @@ class LLMEngine:
                 self.arch, block_size, dtype, cc.kv_cache_memory,
                 max_useful_blocks=config.scheduler.max_num_seqs * blocks_per_seq)
         self.num_kv_blocks = num_kv_blocks
-        self.block_pool = BlockPool(num_kv_blocks + 1)
-        self.kv_cache_manager = KVCacheManager(self.block_pool, block_size)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        per_block = bytes_per_block(self.arch, block_size, dtype)
+        num_host_blocks = int(cc.swap_space * 2**30) // per_block
+        self.block_pool = BlockPool(num_kv_blocks + 1, enable_caching=cc.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(self.block_pool, block_size,
+                                               num_host_blocks=num_host_blocks)
+        self.runner = ModelRunner(loaded, num_blocks=num_kv_blocks + 1, block_size=block_size,
+                                  num_host_blocks=num_host_blocks)
+        self.cost_model = PreemptionCostModel(
+            bytes_per_block=per_block, host_bandwidth=self.runner.measure_host_bandwidth())
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.cost_model)
         self.batch_builder = BatchBuilder(
             self.kv_cache_manager, max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len)
-        self.runner = ModelRunner(loaded, num_blocks=num_kv_blocks + 1, block_size=block_size)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)", num_kv_blocks,
                     block_size, num_kv_blocks * block_size,
                     num_kv_blocks * bytes_per_block(self.arch, block_size, dtype) / 2**20)
         self._ids = itertools.count()
+        self._groups: dict[str, list[Request]] = {}  # request id -> its n sequences
+        self._group_of: dict[str, str] = {}           # sequence id -> request id
         self._stop_text_searched: dict[str, int] = {}
         self._stop_cut: dict[str, int] = {}
 
@@ -100,9 +114,15 @@ class LLMEngine:
             raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
         return prompt, list(self.tokenizer(prompt).input_ids)
 
-    def make_request(self, request_id: str, prompt: PromptInput,
-                     params: SamplingParams) -> Request:
-        """Validate a prompt and its sampling params into a Request (nothing is queued)."""
+    def make_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
+                     priority: int = 0) -> Request:
+        """Validate a prompt and its sampling params into a Request (nothing is queued).
+
+        With ``n > 1`` the request leads ``n - 1`` siblings (ids ``"<id>#<i>"``), each with
+        its own random stream, that fork from it once the prompt is in.
+        """
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority={priority!r} must be an integer")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params={params!r} must be a SamplingParams")
         text, ids = self.tokenize_prompt(prompt)
@@ -121,7 +141,12 @@ class LLMEngine:
             seed = int.from_bytes(digest[:8], "little")
         request = Request(request_id, ids, params, max_model_len=self.max_model_len,
                           eos_token_ids=self.eos_token_ids, sample_seed=derive_sample_seed(seed),
-                          prompt=text)
+                          prompt=text, priority=priority)
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs="
+                             f"{self.config.scheduler.max_num_seqs}")
+        request.fork_children = [request.fork(f"{request_id}#{i}", _sibling_seed(seed, i))
+                                 for i in range(1, params.n)]
         if params.min_tokens and len(request.stop_token_ids_to_suppress) > MAX_SUPPRESSED_TOKENS:
             raise ValueError(f"min_tokens={params.min_tokens} with more than "
                              f"{MAX_SUPPRESSED_TOKENS} stop token ids is not supported")
@@ -136,23 +161,36 @@ class LLMEngine:
         return str(next(self._ids))
 
     def add_request(self, request_id: str | None, prompt: PromptInput,
-                    params: SamplingParams) -> str:
+                    params: SamplingParams, priority: int = 0) -> str:
         request_id = self.next_request_id() if request_id is None else str(request_id)
-        if request_id in self.scheduler.requests:
+        if request_id in self._groups:
             raise ValueError(f"request_id={request_id!r} is already in the engine")
-        self.add_validated_request(self.make_request(request_id, prompt, params))
+        self.add_validated_request(self.make_request(request_id, prompt, params, priority))
         return request_id
 
     def add_validated_request(self, request: Request) -> None:
+        if request.request_id in self._groups:
+            raise ValueError(f"request_id={request.request_id!r} is already in the engine")
         self.scheduler.add_request(request)
+        group = [request, *request.fork_children]
+        self._groups[request.request_id] = group
+        self._group_of.update((seq.request_id, request.request_id) for seq in group)
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request at any stage; its blocks are freed at once. Unknown ids are ignored."""
-        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-        self._forget(request_id)
+        """Stop a request (all its sequences) at any stage; its blocks are freed at once.
+
+        Unknown or finished ids are ignored.
+        """
+        for sequence in self._groups.pop(request_id, []):
+            self.scheduler.finish_request(sequence.request_id, RequestStatus.FINISHED_ABORTED)
+            self._forget(sequence.request_id)
+            self._group_of.pop(sequence.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def num_used_blocks(self) -> int:
+        return self.num_kv_blocks - self.block_pool.num_free_blocks
 
     # -- one iteration ----------------------------------------------------------------
 
@@ -161,14 +199,31 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        tokens = self.runner.execute(self.batch_builder.build(out))
+        self.runner.apply_block_ops(*self.kv_cache_manager.take_pending_block_ops())
+        batch = self.batch_builder.build(out)
+        start = time.perf_counter()
+        tokens = self.runner.execute(batch)
+        self._observe_step(out, time.perf_counter() - start)
         finished = []
         for request, _ in self.scheduler.update_from_output(out, tokens):
             if not request.is_finished and request.sampling_params.stop:
                 self._check_stop_strings(request)
             if request.is_finished:
-                finished.append(self._final_output(request))
+                group_id = self._group_of.get(request.request_id)
+                group = self._groups.get(group_id)
+                if group is not None and all(seq.is_finished for seq in group):
+                    del self._groups[group_id]
+                    for seq in group:
+                        self._group_of.pop(seq.request_id, None)
+                    finished.append(self._final_output(group))
         return finished
+
+    def _observe_step(self, out, seconds: float) -> None:
+        """Feed the preemption cost model with the measured prefill speed (moving average)."""
+        num_prefill = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
+        if num_prefill >= 16 and seconds > 0:
+            model = self.cost_model
+            model.prefill_tokens_per_s = 0.8 * model.prefill_tokens_per_s + 0.2 * num_prefill / seconds
 
     def _check_stop_strings(self, request: Request) -> None:
         text = decode_output(self.tokenizer, request)
@@ -179,21 +234,25 @@ class LLMEngine:
             request.stop_reason, self._stop_cut[request.request_id] = hit
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
 
-    def _final_output(self, request: Request) -> RequestOutput:
+    def _completion(self, index: int, request: Request) -> CompletionOutput:
         text = decode_output(self.tokenizer, request) if self.tokenizer is not None else ""
         cut = self._stop_cut.get(request.request_id)
         if cut is not None:
             text = text[:cut]
         self._forget(request.request_id)
-        completion = CompletionOutput(
-            index=0, text=text, token_ids=list(request.output_token_ids),
+        return CompletionOutput(
+            index=index, text=text, token_ids=list(request.output_token_ids),
             finish_reason=request.status.finish_reason, stop_reason=request.stop_reason)
+
+    def _final_output(self, group: list[Request]) -> RequestOutput:
+        leader = group[0]
         return RequestOutput(
-            request_id=request.request_id, prompt=request.prompt,
-            prompt_token_ids=list(request.prompt_token_ids), outputs=[completion],
-            finished=True, metrics={"arrival_time": request.arrival_time,
-                                    "finished_time": time.monotonic(),
-                                    "num_preemptions": request.num_preemptions})
+            request_id=leader.request_id, prompt=leader.prompt,
+            prompt_token_ids=list(leader.prompt_token_ids),
+            outputs=[self._completion(i, seq) for i, seq in enumerate(group)], finished=True,
+            num_cached_tokens=leader.num_cached_tokens or 0,
+            metrics={"arrival_time": leader.arrival_time, "finished_time": time.monotonic(),
+                     "num_preemptions": sum(seq.num_preemptions for seq in group)})
 
     def _forget(self, request_id: str) -> None:
         self._stop_text_searched.pop(request_id, None)
@@ -203,16 +262,24 @@ class LLMEngine:
         """float32 logits [num_prompt_tokens, vocab] of each prompt, computed by the paged model.
 
         Runs the ordinary schedule (batched, chunked, preemptible) with the logits of every
-        token kept; the requests are removed afterwards.
+        token kept. The prompts bypass the prefix cache (a unique extra hash key), since
+        every position must be computed. The requests are removed afterwards.
         """
         greedy_one = SamplingParams(temperature=0, max_tokens=1)
-        ids = [self.add_request(None, p, greedy_one) for p in prompts]
-        rows: dict[str, list[np.ndarray]] = {i: [] for i in ids}
+        requests = [self.make_request(self.next_request_id(), p, greedy_one) for p in prompts]
+        rows: dict[str, list[np.ndarray]] = {r.request_id: [] for r in requests}
         try:
+            for request in requests:
+                request.extra_keys = ("prompt_logits", request.request_id)
+                self.add_validated_request(request)
             while self.has_unfinished_requests():
                 out = self.scheduler.schedule()
-                for request in out.preempted:  # its prompt will be computed again
-                    rows[request.request_id].clear()
+                for request in out.preempted:
+                    if request.status is RequestStatus.PREEMPTED:  # recomputed from scratch
+                        rows[request.request_id].clear()
+                if out.is_empty:
+                    continue
+                self.runner.apply_block_ops(*self.kv_cache_manager.take_pending_block_ops())
                 batch = self.batch_builder.build(out)
                 logits = self.runner.logits(batch)                         # [T, V]
                 for i, item in enumerate(out.scheduled):
@@ -220,9 +287,9 @@ class LLMEngine:
                     rows[item.request.request_id].append(logits[start:start + item.num_new_tokens])
                 self.scheduler.update_from_output(out, logits[batch.logits_indices].argmax(-1))
         finally:
-            for i in ids:
-                self.abort_request(i)
-        return [np.concatenate(rows[i]) for i in ids]
+            for request in requests:
+                self.abort_request(request.request_id)
+        return [np.concatenate(rows[r.request_id]) for r in requests]
 
     # -- introspection ----------------------------------------------------------------
 

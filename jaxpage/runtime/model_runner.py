@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import jax
 import numpy as np
 from flax import nnx
 
+from jaxpage.runtime import block_ops
 from jaxpage.core.batch import BatchMetadata
 from jaxpage.models.loader import LoadedModel
 from jaxpage.runtime.kv_cache import allocate_kv_cache
@@ -15,14 +18,38 @@ from jaxpage.runtime.step import make_forward_logits, make_step
 class ModelRunner:
     """Executes BatchMetadata on the device. ``num_blocks`` includes the null block."""
 
-    def __init__(self, loaded: LoadedModel, *, num_blocks: int, block_size: int) -> None:
+    def __init__(self, loaded: LoadedModel, *, num_blocks: int, block_size: int,
+                 num_host_blocks: int = 0) -> None:
         self.arch = loaded.arch
         graphdef, self.state = nnx.split(loaded.model)
         dtype = loaded.model.embed[...].dtype
         self.kv_cache = allocate_kv_cache(self.arch, num_blocks, block_size, dtype)
+        block_shape = (self.arch.num_layers,) + self.kv_cache[0].shape[2:]
+        self.host_pool = block_ops.HostKVPool(num_host_blocks, block_shape, np.dtype(dtype))
         self._step = make_step(graphdef)
         self._forward_logits = make_forward_logits(graphdef)
         self.compiled_shapes: set[tuple[int, int, int]] = set()
+
+    def apply_block_ops(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
+                        copies: list[tuple[int, int]]) -> None:
+        """Run the KV manager's pending block moves, in the only safe order.
+
+        Swap-outs first (their device blocks may be reused by this very step), then
+        swap-ins, then copy-on-write copies (a copy may read a block just swapped in).
+        """
+        block_ops.swap_out(self.kv_cache, self.host_pool, swap_out)
+        self.kv_cache = block_ops.swap_in(self.kv_cache, self.host_pool, swap_in)
+        self.kv_cache = block_ops.copy(self.kv_cache, copies)
+
+    def measure_host_bandwidth(self, num_bytes: int = 32 * 2**20) -> float:
+        """Bytes/s of a device-to-host copy (best of three), for the preemption cost model."""
+        data = jax.numpy.ones(num_bytes // 4, jax.numpy.float32).block_until_ready()
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            np.array(jax.device_get(data), copy=True)  # on the CPU device_get may alias
+            best = min(best, time.perf_counter() - start)
+        return num_bytes / best
 
     def execute(self, batch: BatchMetadata) -> np.ndarray:
         """Run one step; returns sampled token ids int32 [S] (rows past num_seqs are junk)."""

@@ -12,7 +12,7 @@ from jaxpage import LLM, SamplingParams
 @pytest.mark.parametrize("field,value", [
     ("max_tokens", 0), ("max_tokens", -3), ("temperature", -0.1), ("top_p", 0.0),
     ("top_p", 1.5), ("top_k", 0), ("top_k", -2), ("min_p", 1.2), ("min_tokens", -1),
-    ("n", 2), ("stop", [""]), ("stop_token_ids", [-1]), ("seed", "x"),
+    ("n", 0), ("stop", [""]), ("stop_token_ids", [-1]), ("seed", "x"),
 ])
 def test_sampling_params_reject_bad_values(field, value):
     with pytest.raises(ValueError, match=re.escape(f"{field}={value!r}")):

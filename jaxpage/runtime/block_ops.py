@@ -1,0 +1,86 @@
+"""Whole-block KV operations on the device: copy-on-write copies and host swapping.
+
+Index lists are padded to a power of two so each function compiles for few shapes;
+padding entries point at the null block 0 (a copy 0 -> 0, or zeros written to block 0),
+which is never read unmasked.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+KVCache = tuple[jax.Array, jax.Array]  # each [num_layers, num_blocks, block_size, kv_heads, head_dim]
+
+
+def padded(ids: list[int]) -> np.ndarray:
+    """int32 ids padded with 0 to the next power of two (at least 1)."""
+    size = 1 << max(0, (len(ids) - 1).bit_length())
+    out = np.zeros(size, np.int32)
+    out[:len(ids)] = ids
+    return out
+
+
+@partial(jax.jit, donate_argnums=(0,))
+def copy_blocks(kv: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    """Block dst[i] <- block src[i] in every layer. src, dst: int32 [P]."""
+    k, v = kv
+    return k.at[:, dst].set(k[:, src]), v.at[:, dst].set(v[:, src])
+
+
+@jax.jit
+def gather_blocks(kv: KVCache, ids: jax.Array) -> KVCache:
+    """(k, v) of blocks ``ids``, each [num_layers, P, block_size, kv_heads, head_dim]."""
+    k, v = kv
+    return k[:, ids], v[:, ids]
+
+
+@partial(jax.jit, donate_argnums=(0,))
+def scatter_blocks(kv: KVCache, ids: jax.Array, k_blocks: jax.Array, v_blocks: jax.Array) -> KVCache:
+    k, v = kv
+    return k.at[:, ids].set(k_blocks.astype(k.dtype)), v.at[:, ids].set(v_blocks.astype(v.dtype))
+
+
+class HostKVPool:
+    """Host-memory copies of swapped-out blocks: (k, v), each [num_host_blocks, layers, ...]."""
+
+    def __init__(self, num_blocks: int, block_shape: tuple[int, ...], dtype) -> None:
+        # np.empty only reserves address space; pages are committed when a swap writes them.
+        self.k = np.empty((num_blocks, *block_shape), dtype)
+        self.v = np.empty((num_blocks, *block_shape), dtype)
+
+
+def swap_out(kv: KVCache, host: HostKVPool, pairs: list[tuple[int, int]]) -> None:
+    """Copy device blocks to host slots: pairs of (device block, host block)."""
+    if not pairs:
+        return
+    device_ids, host_ids = zip(*pairs)
+    k_blocks, v_blocks = jax.device_get(gather_blocks(kv, jnp.asarray(padded(list(device_ids)))))
+    n = len(pairs)
+    host.k[list(host_ids)] = np.moveaxis(k_blocks, 1, 0)[:n]
+    host.v[list(host_ids)] = np.moveaxis(v_blocks, 1, 0)[:n]
+
+
+def swap_in(kv: KVCache, host: HostKVPool, pairs: list[tuple[int, int]]) -> KVCache:
+    """Copy host slots back into device blocks: pairs of (host block, device block)."""
+    if not pairs:
+        return kv
+    host_ids, device_ids = zip(*pairs)
+    ids = padded(list(device_ids))
+    k_blocks = np.zeros((len(ids), *host.k.shape[1:]), host.k.dtype)
+    v_blocks = np.zeros_like(k_blocks)
+    k_blocks[:len(pairs)] = host.k[list(host_ids)]
+    v_blocks[:len(pairs)] = host.v[list(host_ids)]
+    return scatter_blocks(kv, jnp.asarray(ids), jnp.asarray(np.moveaxis(k_blocks, 0, 1)),
+                          jnp.asarray(np.moveaxis(v_blocks, 0, 1)))
+
+
+def copy(kv: KVCache, pairs: list[tuple[int, int]]) -> KVCache:
+    """Copy-on-write copies: pairs of (src block, dst block), applied in order."""
+    if not pairs:
+        return kv
+    src, dst = zip(*pairs)
+    return copy_blocks(kv, jnp.asarray(padded(list(src))), jnp.asarray(padded(list(dst))))
