@@ -21,6 +21,9 @@ _EXPORTS = {
     "ModelConfig": "jaxpage.config",
     "CacheConfig": "jaxpage.config",
     "SchedulerConfig": "jaxpage.config",
+    "BeamSearchParams": "jaxpage.beam_search",
+    "BeamSearchOutput": "jaxpage.beam_search",
+    "BeamSearchSequence": "jaxpage.beam_search",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -22,6 +22,8 @@ from jaxpage.core.scheduler import SchedulerOutput
 
 # Width of the per-sequence list of token ids masked until min_tokens are generated.
 MAX_SUPPRESSED_TOKENS = 16
+# Top log-probabilities the step returns per sequence when any sequence asks for them.
+MAX_TOP_LOGPROBS = 20
 
 
 class BucketLadder:
@@ -66,6 +68,7 @@ class BatchMetadata:
     sample_seeds: np.ndarray     # uint32 [S]
     sample_index: np.ndarray     # int32 [S]  output tokens so far (keys the random stream)
     suppressed_token_ids: np.ndarray  # int32 [S, MAX_SUPPRESSED_TOKENS]  -1 = none
+    want_logprobs: np.ndarray    # int32 [S]  1 = return this row's top log-probabilities
 
     @property
     def shape_key(self) -> tuple[int, int, int]:
@@ -111,6 +114,7 @@ class BatchBuilder:
         seeds = np.zeros(S, np.uint32)
         sample_index = np.zeros(S, np.int32)
         suppressed = np.full((S, MAX_SUPPRESSED_TOKENS), -1, np.int32)
+        want_logprobs = np.zeros(S, np.int32)
 
         start = 0
         for i, (item, table) in enumerate(zip(items, tables)):
@@ -136,6 +140,7 @@ class BatchBuilder:
             if req.num_output_tokens < params.min_tokens:
                 ids = req.stop_token_ids_to_suppress
                 suppressed[i, :len(ids)] = ids
+            want_logprobs[i] = req.external_sampling
             start = end
         cu_q_lens[len(items)] = num_tokens
         return BatchMetadata(
@@ -143,4 +148,5 @@ class BatchBuilder:
             block_tables=block_tables, kv_lens=kv_lens, cu_q_lens=cu_q_lens,
             num_seqs=np.array([len(items)], np.int32), logits_indices=logits_indices,
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            sample_seeds=seeds, sample_index=sample_index, suppressed_token_ids=suppressed)
+            sample_seeds=seeds, sample_index=sample_index, suppressed_token_ids=suppressed,
+            want_logprobs=want_logprobs)

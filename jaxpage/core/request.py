@@ -78,6 +78,7 @@ class Request:
         self.fork_leader: Request | None = None  # set on a sibling until it is born
         # When True the engine chooses each next token (beam search), not the sampler.
         self.external_sampling = False
+        self.extra_seats = 0  # batch rows held for siblings born later (beam search)
 
     @property
     def fork_at(self) -> int:
@@ -87,7 +88,7 @@ class Request:
     @property
     def num_seats(self) -> int:
         """Batch rows this request will occupy: itself plus its unborn siblings."""
-        return 1 + len(self.fork_children)
+        return 1 + len(self.fork_children) + self.extra_seats
 
     def fork(self, request_id: str, sample_seed: int) -> "Request":
         """A copy with the same tokens and progress; blocks are shared by the KV manager."""
@@ -101,6 +102,7 @@ class Request:
         child.fork_children = []
         child.fork_leader = self
         child.num_preemptions = 0
+        child.extra_seats = 0
         return child
 
     @property

@@ -179,6 +179,27 @@ class Scheduler:
             self.running.insert(index + offset, child)
         request.fork_children = []
 
+    def fork_running(self, parent: Request, child_id: str) -> Request:
+        """A new sequence sharing ``parent``'s tokens and blocks (beam search).
+
+        A running parent's blocks are shared by reference count (copy-on-write later). A
+        parent without device blocks (preempted or swapped) gives a child that recomputes.
+        """
+        if child_id in self.requests:
+            raise ValueError(f"request_id={child_id!r} is already in the engine")
+        child = parent.fork(child_id, parent.sample_seed)
+        child.fork_leader = None
+        self.requests[child_id] = child
+        if parent.status is RequestStatus.RUNNING:
+            self.kv.fork(parent, child)
+            child.status = RequestStatus.RUNNING
+            self.running.insert(self.running.index(parent) + 1, child)
+        else:
+            child.num_computed_tokens = 0
+            child.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(child)
+        return child
+
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         self.swapped.sort(key=self._priority_key)
         while (self.swapped and budget > 0

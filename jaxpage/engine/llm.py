@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
+from jaxpage.beam_search import BeamSearchOutput, BeamSearchParams
 from jaxpage.config import EngineConfig
 from jaxpage.engine.llm_engine import LLMEngine, PromptInput
 from jaxpage.outputs import RequestOutput
@@ -66,6 +67,32 @@ class LLM:
         elif len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         return self._run(prompts, params_list, list(priority), use_tqdm)
+
+    def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams,
+                    *, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search for every prompt, run inside the engine (batched with each other).
+
+        Returns one ``BeamSearchOutput`` per prompt, its sequences best first.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        engine = self.llm_engine
+        ids = [engine.next_request_id() for _ in prompts]
+        try:
+            for search_id, prompt in zip(ids, prompts):
+                engine.add_beam_search(search_id, prompt, params)
+            with tqdm(total=len(ids), desc="Beam search", disable=not use_tqdm) as bar:
+                done = 0
+                while engine.has_unfinished_requests():
+                    engine.step()
+                    now = sum(i in engine.beam_search.results for i in ids)
+                    bar.update(now - done)
+                    done = now
+            return [engine.beam_search.results.pop(i) for i in ids]
+        finally:
+            for search_id in ids:
+                engine.abort_request(search_id)
+                engine.beam_search.results.pop(search_id, None)
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

@@ -16,6 +16,8 @@ from jaxpage.core.block_pool import BlockPool
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.request import Request, RequestStatus, derive_sample_seed
 from jaxpage.core.scheduler import PreemptionCostModel, Scheduler
+from jaxpage.beam_search import BeamSearchParams
+from jaxpage.engine.beam_search_driver import BeamSearchDriver
 from jaxpage.engine.stop_strings import decode_output, find_stop_string
 from jaxpage.engine.tokenizer import load_tokenizer
 from jaxpage.models.loader import load_model
@@ -75,6 +77,7 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)", num_kv_blocks,
                     block_size, num_kv_blocks * block_size,
                     num_kv_blocks * bytes_per_block(self.arch, block_size, dtype) / 2**20)
+        self.beam_search = BeamSearchDriver(self.scheduler, self.eos_token_ids, self._decode)
         self._ids = itertools.count()
         self._groups: dict[str, list[Request]] = {}  # request id -> its n sequences
         self._group_of: dict[str, str] = {}           # sequence id -> request id
@@ -176,11 +179,31 @@ class LLMEngine:
         self._groups[request.request_id] = group
         self._group_of.update((seq.request_id, request.request_id) for seq in group)
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request (all its sequences) at any stage; its blocks are freed at once.
+    def add_beam_search(self, search_id: str, prompt: PromptInput,
+                        params: BeamSearchParams) -> None:
+        """Start a beam search; its result appears in ``beam_search.results[search_id]``."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params={params!r} must be a BeamSearchParams")
+        if search_id in self._groups or search_id in self.beam_search.searches:
+            raise ValueError(f"request_id={search_id!r} is already in the engine")
+        leader = self.make_request(search_id, prompt, SamplingParams(
+            temperature=0, max_tokens=params.max_tokens, ignore_eos=True))
+        if params.beam_width > self.config.scheduler.max_num_seqs:
+            raise ValueError(f"beam_width={params.beam_width} exceeds max_num_seqs="
+                             f"{self.config.scheduler.max_num_seqs}")
+        self.beam_search.start(search_id, leader, params)
 
-        Unknown or finished ids are ignored.
+    def _decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request (all its sequences, or all beams of a search) at any stage.
+
+        Its blocks are freed at once. Unknown or finished ids are ignored.
         """
+        self.beam_search.abort(request_id)
         for sequence in self._groups.pop(request_id, []):
             self.scheduler.finish_request(sequence.request_id, RequestStatus.FINISHED_ABORTED)
             self._forget(sequence.request_id)
@@ -202,10 +225,14 @@ class LLMEngine:
         self.runner.apply_block_ops(*self.kv_cache_manager.take_pending_block_ops())
         batch = self.batch_builder.build(out)
         start = time.perf_counter()
-        tokens = self.runner.execute(batch)
+        result = self.runner.execute(batch)
         self._observe_step(out, time.perf_counter() - start)
         finished = []
-        for request, _ in self.scheduler.update_from_output(out, tokens):
+        for request, row in self.scheduler.update_from_output(out, result.tokens):
+            if request.external_sampling:
+                self.beam_search.on_distribution(request, result.top_ids[row],
+                                                 result.top_logprobs[row])
+                continue
             if not request.is_finished and request.sampling_params.stop:
                 self._check_stop_strings(request)
             if request.is_finished:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -13,6 +14,13 @@ from jaxpage.core.batch import BatchMetadata
 from jaxpage.models.loader import LoadedModel
 from jaxpage.runtime.kv_cache import allocate_kv_cache
 from jaxpage.runtime.step import make_forward_logits, make_step
+
+
+@dataclass
+class StepResult:
+    tokens: np.ndarray                      # int32 [S] sampled token per sequence
+    top_ids: np.ndarray | None              # int32 [S, K] when some row asked for logprobs
+    top_logprobs: np.ndarray | None         # float32 [S, K]
 
 
 class ModelRunner:
@@ -51,11 +59,14 @@ class ModelRunner:
             best = min(best, time.perf_counter() - start)
         return num_bytes / best
 
-    def execute(self, batch: BatchMetadata) -> np.ndarray:
-        """Run one step; returns sampled token ids int32 [S] (rows past num_seqs are junk)."""
+    def execute(self, batch: BatchMetadata) -> StepResult:
+        """Run one step. Rows past ``num_seqs`` are junk."""
         self.compiled_shapes.add(batch.shape_key)
-        self.kv_cache, tokens = self._step(self.state, self.kv_cache, jax.device_put(batch.as_dict()))
-        return np.asarray(tokens)
+        self.kv_cache, (tokens, top_ids, top_logprobs) = self._step(
+            self.state, self.kv_cache, jax.device_put(batch.as_dict()))
+        if not batch.want_logprobs.any():
+            return StepResult(np.asarray(tokens), None, None)
+        return StepResult(np.asarray(tokens), np.asarray(top_ids), np.asarray(top_logprobs))
 
     def logits(self, batch: BatchMetadata) -> np.ndarray:
         """Run one step and return float32 logits [T, V] for every token (the cache is updated)."""

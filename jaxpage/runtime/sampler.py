@@ -53,3 +53,18 @@ def sample(logits: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:
         return jnp.where(temperature > 0, drawn, greedy)
 
     return jax.lax.cond(jnp.any(temperature > 0), stochastic, lambda: greedy)
+
+
+def top_logprobs(logits: jax.Array, want: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """Top-``k`` (ids int32 [S, k], log-probabilities float32 [S, k]) of the raw model
+    distribution, computed only when some row of ``want`` (int32 [S]) asks (else zeros)."""
+    rows = logits.shape[0]
+
+    def compute():
+        values, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)
+        return ids.astype(jnp.int32), values
+
+    def skip():
+        return jnp.zeros((rows, k), jnp.int32), jnp.zeros((rows, k), jnp.float32)
+
+    return jax.lax.cond(jnp.any(want > 0), compute, skip)
