@@ -31,6 +31,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
     attention_backend: str = "auto"
+    compilation_cache: bool = True  # JAX's persistent compilation cache under the jaxpage cache dir
 
     def __post_init__(self) -> None:
         _require(self.dtype in SUPPORTED_DTYPES,
@@ -39,6 +40,8 @@ class ModelConfig:
                  or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
                  f"max_model_len={self.max_model_len!r} must be None or an integer >= 2")
         _require(isinstance(self.seed, int), f"seed={self.seed!r} must be an integer")
+        _require(isinstance(self.compilation_cache, bool),
+                 f"compilation_cache={self.compilation_cache!r} must be a bool")
         _require(self.attention_backend in SUPPORTED_ATTENTION_BACKENDS,
                  f"attention_backend={self.attention_backend!r} is not one of "
                  f"{SUPPORTED_ATTENTION_BACKENDS}")
@@ -79,6 +82,7 @@ class SchedulerConfig:
     priority_aging_steps: int = 64   # steps of waiting that improve priority by 1
     preemption_mode: str = "auto"    # "recompute", "swap" or "auto" (cheaper per request)
     long_prefill_token_threshold: int = 0  # > 0: most prompt tokens one request takes a step
+    num_scheduler_steps: int = 8  # decode iterations run on device per call when all decode
 
     def __post_init__(self) -> None:
         _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
@@ -95,6 +99,8 @@ class SchedulerConfig:
                  f"priority_aging_steps={self.priority_aging_steps!r} must be an integer >= 1")
         _require(self.preemption_mode in ("recompute", "swap", "auto"),
                  f"preemption_mode={self.preemption_mode!r} must be 'recompute', 'swap' or 'auto'")
+        _require(isinstance(self.num_scheduler_steps, int) and self.num_scheduler_steps >= 1,
+                 f"num_scheduler_steps={self.num_scheduler_steps!r} must be an integer >= 1")
         _require(isinstance(self.long_prefill_token_threshold, int)
                  and self.long_prefill_token_threshold >= 0,
                  f"long_prefill_token_threshold={self.long_prefill_token_threshold!r} must be "

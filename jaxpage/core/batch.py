@@ -20,8 +20,9 @@ import numpy as np
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.scheduler import SchedulerOutput
 
-# Width of the per-sequence list of token ids masked until min_tokens are generated.
-MAX_SUPPRESSED_TOKENS = 16
+# Width of the per-sequence list of stop token ids the device knows (EOS and stop_token_ids):
+# masked until min_tokens are out, and checked on device by the multi-step decode loop.
+MAX_STOP_TOKENS = 16
 # Top log-probabilities the step returns per sequence when any sequence asks for them.
 MAX_TOP_LOGPROBS = 20
 
@@ -67,7 +68,9 @@ class BatchMetadata:
     min_p: np.ndarray            # float32 [S]
     sample_seeds: np.ndarray     # uint32 [S]
     sample_index: np.ndarray     # int32 [S]  output tokens so far (keys the random stream)
-    suppressed_token_ids: np.ndarray  # int32 [S, MAX_SUPPRESSED_TOKENS]  -1 = none
+    stop_token_ids: np.ndarray   # int32 [S, MAX_STOP_TOKENS]  EOS (unless ignored) + stop ids; -1 = none
+    min_tokens: np.ndarray       # int32 [S]  stop tokens are masked while sample_index < this
+    max_output: np.ndarray       # int32 [S]  the request's max_tokens (after context clipping)
     want_logprobs: np.ndarray    # int32 [S]  1 = return this row's top log-probabilities
 
     @property
@@ -113,7 +116,9 @@ class BatchBuilder:
         min_p = np.zeros(S, np.float32)
         seeds = np.zeros(S, np.uint32)
         sample_index = np.zeros(S, np.int32)
-        suppressed = np.full((S, MAX_SUPPRESSED_TOKENS), -1, np.int32)
+        stop_ids = np.full((S, MAX_STOP_TOKENS), -1, np.int32)
+        min_tokens = np.zeros(S, np.int32)
+        max_output = np.zeros(S, np.int32)
         want_logprobs = np.zeros(S, np.int32)
 
         start = 0
@@ -137,9 +142,10 @@ class BatchBuilder:
             min_p[i] = params.min_p
             seeds[i] = req.sample_seed
             sample_index[i] = req.num_output_tokens
-            if req.num_output_tokens < params.min_tokens:
-                ids = req.stop_token_ids_to_suppress
-                suppressed[i, :len(ids)] = ids
+            ids = req.stop_token_ids_to_suppress[:MAX_STOP_TOKENS]
+            stop_ids[i, :len(ids)] = ids
+            min_tokens[i] = params.min_tokens
+            max_output[i] = req.max_tokens
             want_logprobs[i] = req.external_sampling
             start = end
         cu_q_lens[len(items)] = num_tokens
@@ -148,5 +154,6 @@ class BatchBuilder:
             block_tables=block_tables, kv_lens=kv_lens, cu_q_lens=cu_q_lens,
             num_seqs=np.array([len(items)], np.int32), logits_indices=logits_indices,
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            sample_seeds=seeds, sample_index=sample_index, suppressed_token_ids=suppressed,
+            sample_seeds=seeds, sample_index=sample_index, stop_token_ids=stop_ids,
+            min_tokens=min_tokens, max_output=max_output,
             want_logprobs=want_logprobs)

@@ -268,31 +268,65 @@ class Scheduler:
 
     def update_from_output(self, out: SchedulerOutput,
                            sampled_token_ids: np.ndarray) -> list[tuple[Request, int]]:
-        """Advance progress after a step; returns (request, batch row) for each new token.
+        """Advance progress after a single step; returns (request, batch row) per new token.
 
         A row is only a real token when that request's step reached its last known token
-        (no partial prefill). The sampled token is appended here unless the request's
-        tokens are chosen by the engine (``external_sampling``, beam search). Requests that
-        hit a token-level stop are finished and their blocks freed; newly full blocks go
-        into the prefix cache.
+        (no partial prefill). Tokens of ``external_sampling`` requests (beam search) are
+        chosen by the engine instead of appended here.
         """
         produced = []
         for row, item in enumerate(out.scheduled):
             request = item.request
             if request.is_finished:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_full_blocks(request)
-            if request.num_computed_tokens < request.num_tokens:
+            if request.num_computed_tokens + item.num_new_tokens < request.num_tokens:
+                request.num_computed_tokens += item.num_new_tokens
+                self.kv.cache_full_blocks(request)
                 continue  # a prefill chunk: its sampled token is meaningless
             produced.append((request, row))
             if request.external_sampling:
+                request.num_computed_tokens += item.num_new_tokens
+                self.kv.cache_full_blocks(request)
                 continue
-            request.append_output_token(int(sampled_token_ids[row]))
-            status = request.check_token_stop()
-            if status is not None:
-                self.finish_request(request.request_id, status)
+            request.num_computed_tokens += item.num_new_tokens - 1
+            self.accept_token(request, int(sampled_token_ids[row]))
         return produced
+
+    def accept_token(self, request: Request, token: int) -> bool:
+        """Append a token whose predecessor's K/V the device just wrote; True if it stops.
+
+        Counts that predecessor as computed, caches newly full blocks, and finishes the
+        request (freeing its blocks) on a token-level stop.
+        """
+        request.num_computed_tokens += 1
+        self.kv.cache_full_blocks(request)
+        request.append_output_token(token)
+        status = request.check_token_stop()
+        if status is not None:
+            self.finish_request(request.request_id, status)
+            return True
+        return False
+
+    def reserve_multi_step(self, out: SchedulerOutput, num_steps: int) -> int:
+        """How many decode iterations the device may run for ``out``: ``num_steps`` or 1.
+
+        Several are allowed only when every scheduled request is a plain decode (no
+        prefill chunk, no beam search, nothing preempted this step); blocks for all of
+        them are reserved here, up to each request's remaining ``max_tokens``.
+        """
+        if num_steps <= 1 or out.preempted or not out.scheduled:
+            return 1
+        for item in out.scheduled:
+            request = item.request
+            if (item.num_new_tokens != 1 or request.external_sampling or request.fork_children
+                    or request.num_computed_tokens != request.num_tokens - 1):
+                return 1
+        for item in out.scheduled:
+            request = item.request
+            remaining = max(1, request.max_tokens - request.num_output_tokens)
+            if not self.kv.allocate_slots(request, min(num_steps, remaining)):
+                return 1  # blocks already taken stay with their request: used next steps
+        return num_steps
 
     def stats(self) -> dict[str, int | float]:
         queried = self.kv.num_prefix_queried_tokens

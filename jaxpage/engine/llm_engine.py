@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import os
 import logging
 import time
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from jaxpage.config import EngineConfig
-from jaxpage.core.batch import MAX_SUPPRESSED_TOKENS, BatchBuilder
+from jaxpage.core.batch import MAX_STOP_TOKENS, BatchBuilder
 from jaxpage.core.block_pool import BlockPool
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.request import Request, RequestStatus, derive_sample_seed
@@ -19,7 +20,7 @@ from jaxpage.core.scheduler import PreemptionCostModel, Scheduler
 from jaxpage.beam_search import BeamSearchParams
 from jaxpage.engine.beam_search_driver import BeamSearchDriver
 from jaxpage.engine.stop_strings import decode_output, find_stop_string
-from jaxpage.engine.tokenizer import load_tokenizer
+from jaxpage.engine.tokenizer import cache_dir, load_tokenizer
 from jaxpage.models.loader import load_model
 from jaxpage.outputs import CompletionOutput, RequestOutput
 from jaxpage.runtime.kv_cache import bytes_per_block, num_blocks_for_budget
@@ -29,6 +30,16 @@ from jaxpage.sampling_params import SamplingParams
 logger = logging.getLogger("jaxpage")
 
 PromptInput = str | dict[str, Any]
+
+
+def enable_compilation_cache() -> None:
+    """Turn on JAX's persistent compilation cache, unless the user already chose a directory."""
+    import jax
+
+    if jax.config.jax_compilation_cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", os.path.join(cache_dir(), "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def _sibling_seed(seed: int, index: int) -> int:
@@ -41,6 +52,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc, cc = config.model, config.cache
+        if mc.compilation_cache:
+            enable_compilation_cache()
         loaded = load_model(mc.model, dtype=mc.dtype, attention_backend=mc.attention_backend)
         self.arch = loaded.arch
         self.tokenizer = load_tokenizer(loaded.path, mc.tokenizer)
@@ -81,6 +94,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._groups: dict[str, list[Request]] = {}  # request id -> its n sequences
         self._group_of: dict[str, str] = {}           # sequence id -> request id
+        # Wall time split of step(): device calls (dispatch to results on the host) vs the
+        # host's own work (scheduling, batch building, updates), during which the device idles.
+        self.step_profile = {"calls": 0, "device_s": 0.0, "host_s": 0.0, "tokens": 0}
         self._stop_text_searched: dict[str, int] = {}
         self._stop_cut: dict[str, int] = {}
 
@@ -150,9 +166,9 @@ class LLMEngine:
                              f"{self.config.scheduler.max_num_seqs}")
         request.fork_children = [request.fork(f"{request_id}#{i}", _sibling_seed(seed, i))
                                  for i in range(1, params.n)]
-        if params.min_tokens and len(request.stop_token_ids_to_suppress) > MAX_SUPPRESSED_TOKENS:
+        if params.min_tokens and len(request.stop_token_ids_to_suppress) > MAX_STOP_TOKENS:
             raise ValueError(f"min_tokens={params.min_tokens} with more than "
-                             f"{MAX_SUPPRESSED_TOKENS} stop token ids is not supported")
+                             f"{MAX_STOP_TOKENS} stop token ids is not supported")
         needed = self.kv_cache_manager.num_blocks_for(request.num_prompt_tokens + request.max_tokens)
         if needed > self.num_kv_blocks:
             raise ValueError(f"request needs up to {needed} KV blocks (prompt {len(ids)} + "
@@ -218,31 +234,70 @@ class LLMEngine:
     # -- one iteration ----------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one model step; returns the outputs of the requests that finished in it."""
+        """Run one model call; returns the outputs of the requests that finished in it.
+
+        When every scheduled request is a plain decode, the call runs up to
+        ``num_scheduler_steps`` decode iterations on the device.
+        """
+        began = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        num_steps = self.scheduler.reserve_multi_step(
+            out, self.config.scheduler.num_scheduler_steps)
         self.runner.apply_block_ops(*self.kv_cache_manager.take_pending_block_ops())
         batch = self.batch_builder.build(out)
         start = time.perf_counter()
-        result = self.runner.execute(batch)
-        self._observe_step(out, time.perf_counter() - start)
+        if num_steps > 1:
+            tokens = self.runner.execute_multi_step(batch, num_steps)           # [K, S]
+            device_s = time.perf_counter() - start
+            self._observe_step(out, device_s)
+            touched = self._accept_multi_step(out, tokens)
+        else:
+            result = self.runner.execute(batch)
+            device_s = time.perf_counter() - start
+            self._observe_step(out, device_s)
+            touched = []
+            for request, row in self.scheduler.update_from_output(out, result.tokens):
+                if request.external_sampling:
+                    self.beam_search.on_distribution(request, result.top_ids[row],
+                                                     result.top_logprobs[row])
+                    continue
+                if not request.is_finished and request.sampling_params.stop:
+                    self._check_stop_strings(request)
+                touched.append(request)
+        outputs = self._collect_finished(touched)
+        profile = self.step_profile
+        profile["calls"] += 1
+        profile["device_s"] += device_s
+        profile["host_s"] += time.perf_counter() - began - device_s
+        return outputs
+
+    def _accept_multi_step(self, out, tokens: np.ndarray) -> list[Request]:
+        touched = []
+        for row, item in enumerate(out.scheduled):
+            request = item.request
+            for token in tokens[:, row].tolist():
+                if token < 0 or request.is_finished:
+                    break  # the device stopped this row; the host agrees (same rules)
+                self.scheduler.accept_token(request, token)
+                if not request.is_finished and request.sampling_params.stop:
+                    self._check_stop_strings(request)  # tokens after a stop string are dropped
+            touched.append(request)
+        return touched
+
+    def _collect_finished(self, requests: list[Request]) -> list[RequestOutput]:
         finished = []
-        for request, row in self.scheduler.update_from_output(out, result.tokens):
-            if request.external_sampling:
-                self.beam_search.on_distribution(request, result.top_ids[row],
-                                                 result.top_logprobs[row])
+        for request in requests:
+            if not request.is_finished:
                 continue
-            if not request.is_finished and request.sampling_params.stop:
-                self._check_stop_strings(request)
-            if request.is_finished:
-                group_id = self._group_of.get(request.request_id)
-                group = self._groups.get(group_id)
-                if group is not None and all(seq.is_finished for seq in group):
-                    del self._groups[group_id]
-                    for seq in group:
-                        self._group_of.pop(seq.request_id, None)
-                    finished.append(self._final_output(group))
+            group_id = self._group_of.get(request.request_id)
+            group = self._groups.get(group_id)
+            if group is not None and all(seq.is_finished for seq in group):
+                del self._groups[group_id]
+                for seq in group:
+                    self._group_of.pop(seq.request_id, None)
+                finished.append(self._final_output(group))
         return finished
 
     def _observe_step(self, out, seconds: float) -> None:

@@ -74,6 +74,8 @@ def convert_gguf_file_tokenizer(path: str) -> PreTrainedTokenizerFast:
 
 def load_tokenizer(model_path: str, tokenizer: str | None = None) -> PreTrainedTokenizerBase | None:
     """The tokenizer for a model, or None when the checkpoint ships none (token ids only)."""
+    if tokenizer is None and model_path.startswith("preset:"):
+        return None  # random-weight presets take token ids
     path = os.path.expanduser(tokenizer) if tokenizer is not None else model_path
     if os.path.isfile(path) and path.endswith(".gguf"):
         return _gguf_tokenizer(path)

@@ -14,6 +14,8 @@ from flax import nnx
 
 from jaxpage.models.arch_config import ArchConfig
 from jaxpage.models.gguf_source import GGUFSource
+from jaxpage.models.presets import PREFIX as PRESET_PREFIX
+from jaxpage.models.presets import preset_config
 from jaxpage.models.registry import resolve_architecture
 from jaxpage.models.safetensors_source import SafetensorsSource
 
@@ -62,6 +64,8 @@ def resolve_dtype(dtype: str) -> Any:
 
 def load_model(path: str | None, *, dtype: str = "float32",
                attention_backend: str = "auto") -> LoadedModel:
+    if path is not None and path.startswith(PRESET_PREFIX):
+        return _random_preset(path, dtype, attention_backend)
     path = default_model_path() if path is None else os.path.expanduser(path)
     source = open_source(path)
     model_cls, arch = resolve_architecture(source.hf_config)
@@ -73,6 +77,14 @@ def load_model(path: str | None, *, dtype: str = "float32",
     pure = _param_tree(arch, source)
     nnx.replace_by_pure_dict(state, jax.tree.map(lambda a: jnp.asarray(a, jdtype), pure))
     return LoadedModel(nnx.merge(graphdef, state), arch, source.hf_config, path)
+
+
+def _random_preset(name: str, dtype: str, attention_backend: str) -> LoadedModel:
+    hf_config = preset_config(name)
+    model_cls, arch = resolve_architecture(hf_config)
+    model = model_cls(arch, dtype=resolve_dtype(dtype), attention_backend=attention_backend,
+                      rngs=nnx.Rngs(0))
+    return LoadedModel(model, arch, hf_config, name)
 
 
 def _param_tree(arch: ArchConfig, source: SafetensorsSource | GGUFSource) -> dict[str, Any]:

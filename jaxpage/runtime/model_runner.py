@@ -12,6 +12,7 @@ from flax import nnx
 from jaxpage.runtime import block_ops
 from jaxpage.core.batch import BatchMetadata
 from jaxpage.models.loader import LoadedModel
+from jaxpage.runtime.decode_loop import make_decode_loop
 from jaxpage.runtime.kv_cache import allocate_kv_cache
 from jaxpage.runtime.step import make_forward_logits, make_step
 
@@ -35,6 +36,9 @@ class ModelRunner:
         block_shape = (self.arch.num_layers,) + self.kv_cache[0].shape[2:]
         self.host_pool = block_ops.HostKVPool(num_host_blocks, block_shape, np.dtype(dtype))
         self._step = make_step(graphdef)
+        self._graphdef = graphdef
+        self._block_size = block_size
+        self._decode_loops: dict[int, object] = {}
         self._forward_logits = make_forward_logits(graphdef)
         self.compiled_shapes: set[tuple[int, int, int]] = set()
 
@@ -67,6 +71,16 @@ class ModelRunner:
         if not batch.want_logprobs.any():
             return StepResult(np.asarray(tokens), None, None)
         return StepResult(np.asarray(tokens), np.asarray(top_ids), np.asarray(top_logprobs))
+
+    def execute_multi_step(self, batch: BatchMetadata, num_steps: int) -> np.ndarray:
+        """Run ``num_steps`` decode iterations; int32 [num_steps, S], -1 after a row stops."""
+        loop = self._decode_loops.get(num_steps)
+        if loop is None:
+            loop = self._decode_loops[num_steps] = make_decode_loop(
+                self._graphdef, num_steps, self._block_size)
+        self.compiled_shapes.add(batch.shape_key + (num_steps,))
+        self.kv_cache, tokens = loop(self.state, self.kv_cache, jax.device_put(batch.as_dict()))
+        return np.asarray(tokens)
 
     def logits(self, batch: BatchMetadata) -> np.ndarray:
         """Run one step and return float32 logits [T, V] for every token (the cache is updated)."""

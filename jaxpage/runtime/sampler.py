@@ -39,7 +39,8 @@ def _filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array
 
 def sample(logits: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:
     """logits float32 [S, V] -> token ids int32 [S]."""
-    logits = suppress_tokens(logits, batch["suppressed_token_ids"])
+    too_early = (batch["sample_index"] < batch["min_tokens"])[:, None]
+    logits = suppress_tokens(logits, jnp.where(too_early, batch["stop_token_ids"], -1))
     temperature = batch["temperature"]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 

@@ -37,8 +37,10 @@ def test_mixed_prefill_and_decode_batch_layout():
     np.testing.assert_allclose(batch.temperature, [0.5, 0.0])
     np.testing.assert_array_equal(batch.top_k, [7, -1])
     np.testing.assert_array_equal(batch.sample_index, [1, 0])
-    assert (batch.suppressed_token_ids[0] == -1).all()
-    np.testing.assert_array_equal(batch.suppressed_token_ids[1, :2], [2, 9])
+    np.testing.assert_array_equal(batch.stop_token_ids[0, :2], [2, -1])  # EOS only
+    np.testing.assert_array_equal(batch.stop_token_ids[1, :3], [2, 9, -1])
+    np.testing.assert_array_equal(batch.min_tokens, [0, 2])
+    np.testing.assert_array_equal(batch.max_output, [16, 16])
 
 
 def test_padding_sequences_repeat_the_last_offset():

@@ -11,7 +11,8 @@ def batch_for(rows, **overrides):
                   top_p=np.ones(rows, np.float32), min_p=np.zeros(rows, np.float32),
                   sample_seeds=np.arange(rows, dtype=np.uint32),
                   sample_index=np.zeros(rows, np.int32),
-                  suppressed_token_ids=np.full((rows, 4), -1, np.int32))
+                  stop_token_ids=np.full((rows, 4), -1, np.int32),
+                  min_tokens=np.zeros(rows, np.int32))
     fields.update(overrides)
     return {k: jnp.asarray(v) for k, v in fields.items()}
 
@@ -39,8 +40,10 @@ def test_top_k_top_p_min_p_restrict_the_support():
 def test_greedy_rows_and_suppressed_tokens():
     n = 8
     temps = np.array([0, 1, 0, 1, 0, 1, 0, 1], np.float32)
-    suppressed = np.full((n, 4), -1, np.int32)
-    suppressed[2:4, 0] = 0
-    out = draws(n, temperature=temps, suppressed_token_ids=suppressed)
-    assert out[0] == 0 and out[4] == 0 and out[2] == 1  # greedy, with token 0 masked in row 2
+    stop_ids = np.full((n, 4), -1, np.int32)
+    stop_ids[2:6, 0] = 0
+    min_tokens = np.array([0, 0, 1, 1, 0, 0, 0, 0], np.int32)  # rows 2, 3: too early to stop
+    out = draws(n, temperature=temps, stop_token_ids=stop_ids, min_tokens=min_tokens)
+    assert out[0] == 0 and out[2] == 1  # greedy, with token 0 masked in row 2
+    assert out[4] == 0  # row 4 lists token 0 as a stop token but is past min_tokens
     assert out[3] != 0

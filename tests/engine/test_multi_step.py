@@ -1,0 +1,59 @@
+"""Multi-step decode (K iterations per device call) gives exactly the single-step outputs."""
+
+import pytest
+
+from jaxpage import LLM, SamplingParams
+from tests.engine.prompts import BASE
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_checkpoints):
+    options = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, block_size=8,
+                   num_kv_blocks=128)
+    return (LLM(tiny_checkpoints["llama"], num_scheduler_steps=1, **options),
+            LLM(tiny_checkpoints["llama"], num_scheduler_steps=8, **options))
+
+
+def run(llm, prompts, params, eos=None):
+    engine = llm.llm_engine
+    saved = engine.eos_token_ids
+    if eos is not None:
+        engine.eos_token_ids = frozenset({eos})
+    try:
+        return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
+                 o.outputs[0].stop_reason) for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        engine.eos_token_ids = saved
+
+
+def test_stops_in_the_middle_of_a_window_match_single_steps(engines):
+    single, multi = engines
+    prompts = BASE[:6]
+    free = run(single, prompts, SamplingParams(temperature=0, max_tokens=30))
+    eos = free[0][0][11]          # a token the first prompt produces at step 12
+    stop_id = free[1][0][5]       # at step 6 for the second prompt
+    stop_str = free[2][1][8:11]   # a piece of the third prompt's text
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (30, 30, 30, 13, 5, 21)]
+    params[1] = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_id])
+    params[2] = SamplingParams(temperature=0, max_tokens=30, stop=[stop_str])
+    params[3] = SamplingParams(temperature=0, max_tokens=13, min_tokens=9,
+                               stop_token_ids=[free[3][0][2]])
+    want = run(single, prompts, params, eos=eos)
+    got = run(multi, prompts, params, eos=eos)
+    assert got == want
+    assert want[0][2] == "stop" and len(want[0][0]) <= 12           # EOS mid-window
+    assert want[1][3] == stop_id and len(want[1][0]) <= 6           # stop token mid-window
+    assert want[2][3] == stop_str                                    # stop string
+    assert [len(w[0]) for w in want[3:]] == [13, 5, 21]              # max_tokens mid-window
+    assert multi.llm_engine.runner._decode_loops  # the multi-step path really ran
+
+
+def test_seeded_sampling_and_max_model_len(engines):
+    single, multi = engines
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=3, max_tokens=19)
+    assert run(multi, BASE[6:10], params) == run(single, BASE[6:10], params)
+    ids = list(range(100, 100 + 243))  # 13 tokens of room before max_model_len=256
+    edge = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    a = run(single, [{"prompt_token_ids": ids}], edge)
+    b = run(multi, [{"prompt_token_ids": ids}], edge)
+    assert a == b and len(a[0][0]) == 13 and a[0][2] == "length"

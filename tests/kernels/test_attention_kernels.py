@@ -1,0 +1,172 @@
+"""Pallas ragged paged attention (GPU and TPU variants, interpret mode) vs the reference.
+
+Every run feeds the kernel a cache whose unowned slots are NaN and q padding rows that
+are NaN (see ``cases.py``); interpret mode itself fills kernel outputs and scratch with
+NaN before the kernel runs (``test_interpret_mode_poisons_outputs`` pins that), so a row
+a kernel forgets to write, or a junk page it lets through, shows up as NaN, and NaN
+never passes: outputs are checked finite before they are compared.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
+from tests.kernels.cases import make_case, random_lens, tolerance
+
+BACKENDS = ["gpu", "tpu"]
+BF16 = jnp.bfloat16
+
+
+def run_and_compare(case, backend, *, sm_scale=0.125, sliding_window=None, soft_cap=None,
+                    kernel=None, **kernel_kwargs):
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    want = np.asarray(ragged_paged_attention(*case.args(poisoned=False), backend="reference",
+                                             **kw)).astype(np.float32)
+    if kernel is None:
+        got = ragged_paged_attention(*case.args(poisoned=True), backend=backend,
+                                     interpret=True, **kw)
+    else:
+        got = kernel(*case.args(poisoned=True), interpret=True, **kw, **kernel_kwargs)
+    got = np.asarray(got).astype(np.float32)
+    assert got.shape == case.q.shape and got.dtype == np.float32
+    assert np.isfinite(want).all()
+    bad_rows = np.unique(np.argwhere(~np.isfinite(got))[:, 0])
+    assert bad_rows.size == 0, f"non-finite output rows: {bad_rows}"
+    n = case.num_real_tokens
+    np.testing.assert_allclose(got[:n], want[:n], **tolerance(case.q.dtype))
+    assert (got[n:] == 0).all(), "padding token rows must come back zero"
+
+
+def rng_for(*key) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+# One case per feature of the issue's matrix; each runs on both kernels.
+FAST_CASES = {
+    # name: (q_lens, kv_lens, options)
+    "decode_only_gqa4_d128": ([1, 1, 1, 1], [9, 23, 4, 16], dict(num_q_heads=8, num_kv_heads=2,
+                                                                head_dim=128)),
+    "prefill_only_mha": ([7, 12], [7, 12], dict(num_q_heads=2, num_kv_heads=2)),
+    "mixed_gqa8": ([1, 6, 0, 3, 1], [13, 6, 5, 11, 30], dict(num_q_heads=8, num_kv_heads=1)),
+    "chunked_prefill_on_block_boundaries": ([4, 1, 8], [8, 12, 16], dict(block_size=4)),
+    "gqa3_block16_bf16": ([1, 5, 2], [17, 5, 40], dict(num_q_heads=6, num_kv_heads=2,
+                                                       block_size=16, dtype=BF16)),
+    "decode_bf16_d128_gqa8": ([1, 1, 1], [33, 2, 64], dict(num_q_heads=8, num_kv_heads=1,
+                                                           head_dim=128, block_size=8,
+                                                           dtype=BF16)),
+    "many_padding_seqs_and_tokens": ([2, 1], [5, 3], dict(pad_seqs=5, pad_tokens=9)),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(FAST_CASES))
+def test_kernel_matches_reference(name, backend):
+    q_lens, kv_lens, options = FAST_CASES[name]
+    run_and_compare(make_case(rng_for(name), q_lens, kv_lens, **options), backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sliding_window,soft_cap,dtype", [
+    (5, None, np.float32), (None, 3.0, np.float32), (4, 2.0, BF16)])
+def test_sliding_window_and_soft_cap(backend, sliding_window, soft_cap, dtype):
+    case = make_case(rng_for(sliding_window, soft_cap), [1, 9, 1], [21, 9, 6], num_q_heads=4,
+                     num_kv_heads=1, dtype=dtype)
+    run_and_compare(case, backend, sm_scale=0.3, sliding_window=sliding_window,
+                    soft_cap=soft_cap)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_sequences_gives_zeros(backend):
+    case = make_case(rng_for("empty"), [], [], pad_seqs=3, pad_tokens=4)
+    got = ragged_paged_attention(*case.args(poisoned=True), sm_scale=1.0, backend=backend,
+                                 interpret=True)
+    assert (np.asarray(got) == 0).all()
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+def test_gpu_kv_splits_match_reference(splits):
+    """Flash decoding: the KV range split across programs, partials merged after."""
+    case = make_case(rng_for("splits", splits), [1, 1, 3, 1], [37, 5, 29, 64],
+                     num_q_heads=4, num_kv_heads=2)
+    run_and_compare(case, "gpu", kernel=ragged_paged_attention_gpu, block_kv=16,
+                    num_kv_splits=splits)
+    run_and_compare(case, "gpu", kernel=ragged_paged_attention_gpu, block_kv=16,
+                    num_kv_splits=splits, sliding_window=7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kernel_runs_under_jit_inside_scan(backend):
+    """The model's call pattern: the public function under jit, inside a lax.scan."""
+    case = make_case(rng_for("scan"), [1, 3], [6, 9], num_q_heads=4, num_kv_heads=2)
+    q, k, v, *meta = case.args(poisoned=False)
+    k2, v2 = jnp.stack([k, k]), jnp.stack([v, v])
+
+    @jax.jit
+    def two_layers(q, k2, v2, kv_lens, tables, cu, num_seqs):
+        def layer(h, kv):
+            out = ragged_paged_attention(h, kv[0], kv[1], kv_lens, tables, cu, num_seqs,
+                                         sm_scale=0.2, backend=backend, interpret=True)
+            return jnp.where(jnp.isnan(h), h, out), None
+        return jax.lax.scan(layer, q, (k2, v2))[0]
+
+    @jax.jit
+    def two_layers_reference(q, k2, v2, kv_lens, tables, cu, num_seqs):
+        h = q
+        for i in range(2):
+            out = ragged_paged_attention(h, k2[i], v2[i], kv_lens, tables, cu, num_seqs,
+                                         sm_scale=0.2, backend="reference")
+            h = jnp.where(jnp.isnan(h), h, out)
+        return h
+
+    n = case.num_real_tokens
+    got = np.asarray(two_layers(q, k2, v2, *meta))[:n]
+    want = np.asarray(two_layers_reference(q, k2, v2, *meta))[:n]
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("seed", range(12))
+def test_random_matrix(backend, seed):
+    """Random draws over the whole matrix: batch kind, GQA ratio, head_dim, dtype, block
+    size, padding, sliding window and soft cap."""
+    rng = rng_for("matrix", seed)
+    kind = ["decode", "prefill", "mixed", "boundary"][seed % 4]
+    num_kv_heads = int(rng.choice([1, 2]))
+    group = int(rng.choice([1, 3, 4, 8]))
+    block_size = int(rng.choice([4, 8, 16]))
+    q_lens, kv_lens = random_lens(rng, kind, int(rng.integers(1, 5)), 48, block_size)
+    case = make_case(rng, q_lens, kv_lens, num_q_heads=group * num_kv_heads,
+                     num_kv_heads=num_kv_heads, head_dim=int(rng.choice([64, 128])),
+                     block_size=block_size, dtype=[np.float32, BF16][seed % 2],
+                     pad_seqs=int(rng.integers(0, 3)), pad_tokens=int(rng.integers(0, 5)))
+    window = int(rng.integers(1, 20)) if rng.random() < 0.4 else None
+    cap = float(rng.uniform(1, 10)) if rng.random() < 0.4 else None
+    run_and_compare(case, backend, sm_scale=float(rng.uniform(0.05, 0.3)),
+                    sliding_window=window, soft_cap=cap)
+
+
+def test_interpret_mode_poisons_outputs():
+    """Both interpret modes hand a kernel NaN-filled outputs: a kernel that writes nothing
+    returns NaN, which is what makes the finiteness checks above meaningful."""
+    def writes_nothing(x_ref, o_ref):
+        del x_ref, o_ref
+
+    x = jnp.ones((8, 128), jnp.float32)
+    out_shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    gpu_style = pl.pallas_call(writes_nothing, out_shape=out_shape, interpret=True)(x)
+    tpu_style = pl.pallas_call(writes_nothing, out_shape=out_shape,
+                               interpret=pltpu.InterpretParams())(x)
+    assert np.isnan(np.asarray(gpu_style)).all()
+    assert np.isnan(np.asarray(tpu_style)).all()

@@ -1,0 +1,85 @@
+"""Pallas KV cache update (GPU and TPU variants, interpret mode) vs the reference scatter.
+
+The cache going in is poisoned (NaN everywhere, or random values): slots that no token
+writes must come back bit-identical (the caches are aliased to the outputs), written
+slots must hold exactly the new values, and slot -1 is skipped.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax.numpy as jnp
+
+from pallas_kernels.kv_cache_update import kv_cache_update
+from pallas_kernels.kv_cache_update.tpu import kv_cache_update_tpu
+
+BACKENDS = ["gpu", "tpu"]
+
+
+def make_update(seed, *, num_blocks=7, block_size=4, num_kv_heads=3, head_dim=64,
+                num_tokens=11, skip=0.3, cache_dtype=np.float32, new_dtype=np.float32,
+                poison="nan"):
+    rng = np.random.default_rng(seed)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    if poison == "nan":
+        k_cache = np.full(shape, np.nan, np.float32)
+        v_cache = np.full(shape, np.nan, np.float32)
+    else:
+        k_cache = rng.standard_normal(shape).astype(np.float32)
+        v_cache = rng.standard_normal(shape).astype(np.float32)
+    k_new = rng.standard_normal((num_tokens, num_kv_heads, head_dim)).astype(np.float32)
+    v_new = rng.standard_normal((num_tokens, num_kv_heads, head_dim)).astype(np.float32)
+    slots = rng.permutation(num_blocks * block_size)[:num_tokens].astype(np.int32)
+    slots[rng.random(num_tokens) < skip] = -1
+    return tuple(map(jnp.asarray, (k_cache.astype(cache_dtype), v_cache.astype(cache_dtype),
+                                   k_new.astype(new_dtype), v_new.astype(new_dtype), slots)))
+
+
+def check(args, backend, **kwargs):
+    want_k, want_v = kv_cache_update(*args, backend="reference")
+    got_k, got_v = kv_cache_update(*args, backend=backend, interpret=True, **kwargs)
+    slots = np.asarray(args[4])
+    for got, want in ((got_k, want_k), (got_v, want_v)):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        got = np.asarray(got.astype(jnp.float32)).reshape(-1, *got.shape[2:])
+        want = np.asarray(want.astype(jnp.float32)).reshape(-1, *want.shape[2:])
+        written = slots[slots >= 0]
+        assert np.isfinite(got[written]).all(), "a written slot is not finite"
+        np.testing.assert_array_equal(got, want)  # NaN where untouched, exact elsewhere
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("options", [
+    dict(),
+    dict(num_kv_heads=1, head_dim=128, num_tokens=5),
+    dict(num_kv_heads=8, block_size=16, num_blocks=3, num_tokens=40, skip=0.5),
+    dict(cache_dtype=jnp.bfloat16, new_dtype=np.float32, poison="random"),
+    dict(skip=1.0),
+], ids=["gqa3", "one_head_d128", "eight_heads_many_tokens", "bf16_cache_f32_new", "all_skipped"])
+def test_kernel_matches_reference(backend, options):
+    check(make_update(len(repr(options)), **options), backend)
+
+
+def test_tpu_token_steps_that_do_not_divide_the_batch():
+    args = make_update(3, num_tokens=13)
+    want = kv_cache_update(*args, backend="reference")
+    for step in (1, 4, 13, 64):
+        got = kv_cache_update_tpu(*args, interpret=True, tokens_per_step=step)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("seed", range(6))
+def test_random_updates(backend, seed):
+    rng = np.random.default_rng(100 + seed)
+    check(make_update(seed, num_blocks=int(rng.integers(2, 9)),
+                      block_size=int(rng.choice([4, 8, 16])),
+                      num_kv_heads=int(rng.choice([1, 2, 3, 8])),
+                      head_dim=int(rng.choice([64, 128])),
+                      num_tokens=int(rng.integers(1, 24)), skip=float(rng.uniform(0, 0.6)),
+                      cache_dtype=[np.float32, jnp.bfloat16][seed % 2],
+                      poison=["nan", "random"][seed % 3 == 0]), backend)
