@@ -1,23 +1,48 @@
-"""Public KV cache update: validates shapes, then scatters (slot -1 is skipped)."""
+"""Public KV cache update: validates shapes, then scatters (slot -1 is skipped).
+
+Backends: ``"reference"`` (an XLA scatter), ``"gpu"`` (Pallas Triton) and ``"tpu"``
+(Pallas Mosaic TPU, DMA per token). ``"auto"`` picks the reference on every platform:
+XLA's scatter is already one in-place kernel when the cache is donated, nothing measured
+yet says the Pallas versions beat it, and the engine has no option to switch this call
+back if a compiled Pallas version misbehaves. Ask for ``"gpu"`` / ``"tpu"`` explicitly
+(with ``interpret=True`` on the CPU) to run the Pallas versions.
+"""
 
 from __future__ import annotations
 
 import jax
 
+from pallas_kernels import _backend
 from pallas_kernels.kv_cache_update.reference import kv_cache_update_reference
 
 
-def kv_cache_update(k_cache, v_cache, k_new, v_new, slot_mapping) -> tuple[jax.Array, jax.Array]:
+def resolve_backend(backend: str, *, interpret: bool = False) -> str:
+    """The concrete backend for ``backend`` on this platform ("auto" -> "reference")."""
+    return _backend.resolve(backend, interpret=interpret, auto="reference")
+
+
+def kv_cache_update(k_cache, v_cache, k_new, v_new, slot_mapping, *, backend: str = "auto",
+                    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Write ``k_new[t]`` / ``v_new[t]`` into flat slot ``slot_mapping[t]`` (-1: skip)."""
     if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, "
                          f"num_kv_heads, head_dim], got {k_cache.shape} and {v_cache.shape}")
+    if slot_mapping.ndim != 1:
+        raise ValueError(f"slot_mapping must be 1-D, got shape {slot_mapping.shape}")
     expected = (slot_mapping.shape[0],) + k_cache.shape[2:]
     if k_new.shape != expected or v_new.shape != expected:
         raise ValueError(f"k_new/v_new must be {expected} (num_tokens, num_kv_heads, head_dim), "
                          f"got {k_new.shape} and {v_new.shape}")
-    if slot_mapping.ndim != 1:
-        raise ValueError(f"slot_mapping must be 1-D, got shape {slot_mapping.shape}")
-    return kv_cache_update_reference(k_cache, v_cache, k_new, v_new, slot_mapping)
+    resolved = resolve_backend(backend, interpret=interpret)
+    if resolved == "reference" or slot_mapping.shape[0] == 0:
+        return kv_cache_update_reference(k_cache, v_cache, k_new, v_new, slot_mapping)
+    if resolved == "gpu":
+        from pallas_kernels.kv_cache_update.gpu import kv_cache_update_gpu
+        return kv_cache_update_gpu(k_cache, v_cache, k_new, v_new, slot_mapping,
+                                   interpret=interpret)
+    from pallas_kernels.kv_cache_update.tpu import kv_cache_update_tpu
+    return kv_cache_update_tpu(k_cache, v_cache, k_new, v_new, slot_mapping,
+                               interpret=interpret)
 
 
-__all__ = ["kv_cache_update", "kv_cache_update_reference"]
+__all__ = ["kv_cache_update", "kv_cache_update_reference", "resolve_backend"]

@@ -2,27 +2,32 @@
 
 New tokens of sequence ``i`` are the last ``cu_q_lens[i+1] - cu_q_lens[i]`` positions of
 its ``kv_lens[i]`` cached tokens and attend causally. Rows of padding tokens are zero.
+
+Backends: ``"reference"`` (plain jnp, exact, any platform), ``"gpu"`` (Pallas, Triton
+lowering, ``gpu.py``), ``"tpu"`` (Pallas Mosaic TPU, ``tpu.py``). ``"auto"`` picks by
+``jax.default_backend()``: gpu on a GPU, tpu on a TPU, the reference elsewhere (the CPU).
+``interpret=True`` runs the chosen Pallas kernel in Pallas interpret mode, on any
+platform; asking for ``"gpu"`` / ``"tpu"`` on another platform without it raises a
+``ValueError``. ``interpret`` does nothing for the reference. Under ``"auto"`` a GPU falls
+back to the reference for shapes the Triton kernel cannot tile (a head_dim or block_size
+that is not a power of two); an explicit ``"gpu"`` raises a ``ValueError`` for them.
+The Pallas backends need ``sm_scale`` (and ``soft_cap``) as Python numbers: they are
+compile-time constants of the kernel.
 """
 
 from __future__ import annotations
 
 import jax
 
+from pallas_kernels import _backend
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
-BACKENDS = ("auto", "reference", "gpu", "tpu")
+BACKENDS = _backend.BACKENDS
 
 
-def resolve_backend(backend: str) -> str:
-    """The concrete backend for ``backend`` on this platform."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-    if backend == "auto":
-        return "reference"  # the Pallas GPU/TPU kernels are selected here once they land
-    if backend in ("gpu", "tpu"):
-        raise ValueError(f"backend={backend!r}: the Pallas {backend} kernel is not available "
-                         "in this version; use 'reference' or 'auto'")
-    return backend
+def resolve_backend(backend: str, *, interpret: bool = False) -> str:
+    """The concrete backend ("reference", "gpu" or "tpu") for ``backend`` on this platform."""
+    return _backend.resolve(backend, interpret=interpret)
 
 
 def _check(cond: bool, message: str) -> None:
@@ -53,10 +58,19 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     _check(sliding_window is None or sliding_window >= 1,
            f"sliding_window={sliding_window!r} must be None or >= 1")
     _check(soft_cap is None or soft_cap > 0, f"soft_cap={soft_cap!r} must be None or > 0")
-    resolve_backend(backend)
-    return ragged_paged_attention_reference(
-        q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    resolved = resolve_backend(backend, interpret=interpret)
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
+    if resolved == "reference" or q.shape[0] == 0:
+        return ragged_paged_attention_reference(*args, **kwargs)
+    if resolved == "gpu":
+        from pallas_kernels.ragged_paged_attention import gpu
+        reason = gpu.unsupported_reason(head_dim=head_dim, block_size=k_cache.shape[1])
+        if reason and backend == "auto":
+            return ragged_paged_attention_reference(*args, **kwargs)  # shapes Triton can't tile
+        return gpu.ragged_paged_attention_gpu(*args, interpret=interpret, **kwargs)
+    from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
+    return ragged_paged_attention_tpu(*args, interpret=interpret, **kwargs)
 
 
 __all__ = ["ragged_paged_attention", "ragged_paged_attention_reference", "resolve_backend"]

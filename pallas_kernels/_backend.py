@@ -1,0 +1,43 @@
+"""Which implementation of a kernel runs: the rule shared by every public kernel function.
+
+``"auto"`` picks by platform (``jax.default_backend()``): the Pallas GPU kernel on a GPU,
+the Pallas TPU kernel on a TPU, the plain-jnp reference anywhere else (the CPU).
+``"gpu"`` / ``"tpu"`` force a Pallas kernel. A Pallas kernel runs compiled only on its own
+platform; with ``interpret=True`` it runs in Pallas interpret mode on any platform (that is
+how the CPU tests run it). Asking for a compiled kernel on the wrong platform raises a
+``ValueError`` instead of failing deep inside the compiler.
+"""
+
+from __future__ import annotations
+
+import jax
+
+BACKENDS = ("auto", "reference", "gpu", "tpu")
+
+_PLATFORM_BACKEND = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+
+
+def platform_backend(platform: str | None = None) -> str:
+    """The kernel backend that ``"auto"`` picks on ``platform`` (default: this process's)."""
+    return _PLATFORM_BACKEND.get(platform or jax.default_backend(), "reference")
+
+
+def resolve(backend: str, *, interpret: bool = False, platform: str | None = None,
+            auto: str | None = None) -> str:
+    """The concrete backend ("reference", "gpu" or "tpu") for a request.
+
+    ``auto`` overrides what ``"auto"`` means (a kernel family may keep the reference on a
+    platform where its Pallas version has not been shown to be faster).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    platform = platform or jax.default_backend()
+    if backend == "auto":
+        return auto if auto is not None else platform_backend(platform)
+    if backend in ("gpu", "tpu") and not interpret and platform_backend(platform) != backend:
+        raise ValueError(
+            f"backend={backend!r}: the compiled Pallas {backend.upper()} kernel needs a "
+            f"{backend.upper()}, but JAX's default platform is {platform!r}; pass "
+            f"interpret=True to run the kernel in Pallas interpret mode, or use "
+            f"backend='reference' or 'auto'")
+    return backend

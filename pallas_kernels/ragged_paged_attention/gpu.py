@@ -1,0 +1,215 @@
+"""Ragged paged attention for GPUs: Pallas with the Triton lowering.
+
+Work decomposition (see ``tiling.py``): the grid is ``(query tile, kv head, kv split)``.
+One program takes one tile (up to ``block_q`` new tokens of one sequence x the query
+heads of one kv head, padded to a power of two) and streams that sequence's K/V pages
+through the block table, ``pages_per_block`` pages per step, with an online softmax in
+float32. Causal masking, the sliding window and the soft cap are applied per row; the
+KV range a tile needs is computed from its positions, so a sliding window skips the
+pages in front of it.
+
+Decode-heavy batches have few tiles, too few to fill the chip; the KV range of each tile
+is then split ``num_kv_splits`` ways (flash decoding). Every split writes its unnormalized
+partial sum with its row max and row sum, and ``combine_splits`` merges them in XLA.
+
+Layout: the public cache layout ``[num_blocks, block_size, num_kv_heads, head_dim]`` is
+read as is: a BlockSpec selects the kv head, and a page of one head is ``block_size``
+rows of ``head_dim`` contiguous elements (stride ``num_kv_heads * head_dim``), which the
+Triton loads coalesce per row. Triton needs power-of-two tile shapes, so ``head_dim``
+and ``block_size`` must be powers of two; the query group is padded to one.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.ragged_paged_attention import tiling
+
+# Programs the grid should have before the KV length is split (H100: 132 SMs; a few
+# programs per SM keep the memory system busy while others wait on loads).
+TARGET_PROGRAMS = 1024
+MIN_DOT = 16  # Triton's tensor-core dot wants every dimension >= 16
+
+
+def unsupported_reason(*, head_dim: int, block_size: int) -> str | None:
+    """Why this kernel cannot take these shapes (None when it can)."""
+    for name, value in (("head_dim", head_dim), ("block_size", block_size)):
+        if value & (value - 1):
+            return f"the Pallas GPU kernel needs a power-of-two {name}, got {value}"
+    return None
+
+
+def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # int32 [NT] each
+            block_tables_ref,                          # int32 [S, M_pad]
+            q_ref,                                     # [R, D]  one tile, one kv head
+            k_ref, v_ref,                              # [N, B, D]  one kv head of the cache
+            o_ref,                                     # [R, D]  (f32 partial sum if split)
+            *lm_refs,                                  # f32 [R] row max, row sum (if split)
+            sm_scale: float, soft_cap: float | None, sliding_window: int | None,
+            group_padded: int, pages_per_block: int, num_splits: int):
+    tile, split = pl.program_id(0), pl.program_id(2)
+    rows, head_dim = q_ref.shape
+    block_size = k_ref.shape[1]
+    block_kv = pages_per_block * block_size
+
+    seq = seq_ref[tile]
+    pos0 = pos0_ref[tile]
+    count = count_ref[tile]
+    kv_len = kv_len_ref[tile]
+
+    # KV positions this tile attends to: [first, last] of its rows, causally.
+    end = jnp.where(count > 0, jnp.minimum(pos0 + count, kv_len), 0)
+    begin = 0 if sliding_window is None else jnp.maximum(pos0 - sliding_window + 1, 0)
+    lo = begin // block_kv
+    table_blocks = block_tables_ref.shape[1] // pages_per_block  # never read past the table
+    hi = jnp.clip(pl.cdiv(end, block_kv), lo, jnp.maximum(table_blocks, lo))
+    per_split = pl.cdiv(hi - lo, num_splits)
+    my_lo = jnp.minimum(lo + split * per_split, hi)
+    my_hi = jnp.minimum(my_lo + per_split, hi)
+
+    row_token = lax.div(lax.broadcasted_iota(jnp.int32, (rows,), 0), group_padded)
+    row_pos = pos0 + row_token                                   # [R] absolute position
+    row_real = row_token < count
+    q = q_ref[...]
+    num_pages = k_ref.shape[0]
+
+    def body(j, carry):
+        m_prev, l_prev, acc_prev = carry
+        pages = block_tables_ref[seq, pl.ds(j * pages_per_block, pages_per_block)]
+        pages = jnp.clip(pages, 0, num_pages - 1)   # table slots past the end may hold junk
+        k = k_ref[pages].reshape(block_kv, head_dim)
+        v = v_ref[pages].reshape(block_kv, head_dim)
+        col = j * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)   # [K]
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * sm_scale  # [R, K]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        mask = ((col[None, :] <= row_pos[:, None]) & (col[None, :] < kv_len)
+                & row_real[:, None])
+        if sliding_window is not None:
+            mask &= col[None, :] > row_pos[:, None] - sliding_window
+        s = jnp.where(mask, s, tiling.MASK_VALUE)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        alpha = jnp.exp(m_prev - m_next)
+        p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)
+        l_next = alpha * l_prev + jnp.sum(p, axis=1)
+        v = jnp.where((col < kv_len)[:, None], v, jnp.zeros_like(v))  # junk past the end
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)     # [R, D]
+        return m_next, l_next, acc_prev * alpha[:, None] + pv
+
+    m0 = jnp.full((rows,), tiling.MASK_VALUE, jnp.float32)
+    l0 = jnp.zeros((rows,), jnp.float32)
+    acc0 = jnp.zeros((rows, head_dim), jnp.float32)
+    m, l, acc = lax.fori_loop(my_lo, my_hi, body, (m0, l0, acc0))
+
+    if num_splits == 1:
+        o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+    else:
+        m_ref, l_ref = lm_refs
+        o_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = l
+
+
+def choose_blocks(*, num_tokens: int, max_num_seqs: int, group: int, block_size: int,
+                  max_blocks_per_seq: int, num_kv_heads: int, block_q: int | None = None,
+                  block_kv: int | None = None, num_kv_splits: int | None = None
+                  ) -> tuple[int, int, int, int]:
+    """Static tiling: (block_q, group_padded, pages_per_block, num_kv_splits)."""
+    group_padded = tiling.next_pow2(group)
+    decode_shaped = num_tokens <= max_num_seqs
+    if block_q is None:
+        block_q = max(1, (MIN_DOT if decode_shaped else 64) // group_padded)
+    block_q = tiling.next_pow2(block_q)
+    block_q = max(block_q, tiling.next_pow2(pl.cdiv(MIN_DOT, group_padded)))
+    if block_kv is None:
+        block_kv = 64
+    pages_per_block = max(1, tiling.next_pow2(max(block_kv, MIN_DOT)) // block_size)
+    kv_blocks = pl.cdiv(max_blocks_per_seq, pages_per_block)
+    if num_kv_splits is None:
+        # Prefill tiles carry more work each; a quarter of the target fills the chip.
+        target = TARGET_PROGRAMS if decode_shaped else TARGET_PROGRAMS // 4
+        num_tiles = tiling.num_tiles_for(num_tokens, max_num_seqs, block_q)
+        num_kv_splits = tiling.next_pow2(pl.cdiv(target, num_tiles * num_kv_heads))
+    num_kv_splits = max(1, min(num_kv_splits, kv_blocks))
+    return block_q, group_padded, pages_per_block, num_kv_splits
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "sliding_window", "soft_cap", "interpret", "block_q", "block_kv",
+    "num_kv_splits", "num_warps", "num_stages"))
+def ragged_paged_attention_gpu(
+        q: jax.Array,             # [T, Hq, D]
+        k_cache: jax.Array,       # [N, B, Hkv, D]
+        v_cache: jax.Array,       # [N, B, Hkv, D]
+        kv_lens: jax.Array,       # int32 [S]
+        block_tables: jax.Array,  # int32 [S, M]
+        cu_q_lens: jax.Array,     # int32 [S + 1]
+        num_seqs: jax.Array,      # int32 [1]
+        *, sm_scale: float, sliding_window: int | None = None,
+        soft_cap: float | None = None, interpret: bool = False,
+        block_q: int | None = None, block_kv: int | None = None,
+        num_kv_splits: int | None = None, num_warps: int = 4,
+        num_stages: int = 2) -> jax.Array:  # [T, Hq, D]
+    """The Pallas GPU (Triton) kernel; shapes are checked by the public function."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    max_num_seqs, max_blocks = block_tables.shape
+    group = num_q_heads // num_kv_heads
+    reason = unsupported_reason(head_dim=head_dim, block_size=block_size)
+    if reason:
+        raise ValueError(reason)
+    block_q, group_padded, pages_per_block, splits = choose_blocks(
+        num_tokens=num_tokens, max_num_seqs=max_num_seqs, group=group,
+        block_size=block_size, max_blocks_per_seq=max_blocks, num_kv_heads=num_kv_heads,
+        block_q=block_q, block_kv=block_kv, num_kv_splits=num_kv_splits)
+    num_tiles = tiling.num_tiles_for(num_tokens, max_num_seqs, block_q)
+    rows = block_q * group_padded
+
+    tiles = tiling.build_tile_table(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens,
+                                    block_q=block_q, num_tiles=num_tiles)
+    q_tiles = tiling.tile_queries(q.astype(k_cache.dtype), tiles, num_kv_heads=num_kv_heads,
+                                  group_padded=group_padded, block_q=block_q)
+    padded_blocks = pl.cdiv(max_blocks, pages_per_block) * pages_per_block
+    tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_blocks - max_blocks)))
+
+    whole = pl.no_block_spec
+    tile_spec = pl.BlockSpec((None, None, rows, head_dim), lambda t, h, s: (h, t, 0, 0))
+    cache_spec = pl.BlockSpec((num_blocks, block_size, None, head_dim),
+                              lambda t, h, s: (0, 0, h, 0))
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct(q_tiles.shape, q.dtype)
+        out_specs = tile_spec
+    else:
+        acc_shape = (splits, num_kv_heads, num_tiles, rows)
+        out_shape = (jax.ShapeDtypeStruct(acc_shape + (head_dim,), jnp.float32),
+                     jax.ShapeDtypeStruct(acc_shape, jnp.float32),
+                     jax.ShapeDtypeStruct(acc_shape, jnp.float32))
+        out_specs = (pl.BlockSpec((None, None, None, rows, head_dim),
+                                  lambda t, h, s: (s, h, t, 0, 0)),
+                     pl.BlockSpec((None, None, None, rows), lambda t, h, s: (s, h, t, 0)),
+                     pl.BlockSpec((None, None, None, rows), lambda t, h, s: (s, h, t, 0)))
+    kernel = functools.partial(
+        _kernel, sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window,
+        group_padded=group_padded, pages_per_block=pages_per_block, num_splits=splits)
+    result = pl.pallas_call(
+        kernel,
+        grid=(num_tiles, num_kv_heads, splits),
+        in_specs=[whole, whole, whole, whole, whole, tile_spec, cache_spec, cache_spec],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        # Triton's compiler params also select the Triton lowering (not Mosaic GPU).
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"ragged_paged_attention_gpu_q{rows}_kv{pages_per_block * block_size}_s{splits}",
+    )(tiles.seq, tiles.pos0, tiles.count, tiles.kv_len, tables, q_tiles, k_cache, v_cache)
+    out = result if splits == 1 else tiling.combine_splits(*result)
+    return tiling.untile_outputs(out, tiles, num_q_heads=num_q_heads, block_q=block_q,
+                                 dtype=q.dtype)

@@ -1,0 +1,194 @@
+"""Ragged paged attention for TPUs: Pallas Mosaic TPU with scalar prefetch and manual DMA.
+
+Work decomposition (see ``tiling.py``): the grid is ``(kv head, query tile)``. The tile
+table (sequence, first position, token count, kv length per tile) and the flattened
+block tables are *scalar-prefetched* into SMEM, so the kernel knows, before any vector
+work, which pages each tile needs. The query tile arrives through an ordinary BlockSpec
+(VMEM, pipelined by Pallas); the caches stay in HBM (``memory_space=ANY``) and the kernel
+copies pages itself: ``pages_per_block`` pages of one kv head per step into one half of
+a two-slot VMEM buffer, while the previous step's pages are being used from the other
+half (double buffering with one DMA semaphore per slot and per K/V).
+
+Each page copy reads ``k_cache[page, :, head, :]``: ``block_size`` rows of ``head_dim``
+elements, strided by ``num_kv_heads * head_dim`` in HBM, and lands contiguously in
+``[slot, rows, head_dim]`` of the buffer. The public cache layout is therefore used as
+is; the buffer holds the internal ``[kv tokens, head_dim]`` layout the MXU wants.
+
+Written for TPU interpret mode as well: no ref is reshaped or bitcast (JAX 0.10's TPU
+interpreter cannot follow a reshaped ref), every ref access is a plain index or slice,
+and the kernel runs on the CPU under ``interpret=pltpu.InterpretParams()``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.ragged_paged_attention import tiling
+
+
+def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # SMEM int32 [NT] each (prefetched)
+            tables_ref,                                # SMEM int32 [S * M]   (prefetched)
+            q_ref,                                     # VMEM [R, D]  one tile, one kv head
+            k_hbm, v_hbm,                              # HBM [N, B, Hkv, D]
+            o_ref,                                     # VMEM [R, D]
+            k_buf, v_buf,                              # VMEM [2, K, D]  double buffer
+            sems,                                      # DMA semaphores [2 (k, v), 2 (slot)]
+            *, sm_scale: float, soft_cap: float | None, sliding_window: int | None,
+            group_padded: int, pages_per_block: int, max_blocks_per_seq: int):
+    head, tile = pl.program_id(0), pl.program_id(1)
+    rows, head_dim = q_ref.shape
+    block_size = k_hbm.shape[1]
+    block_kv = pages_per_block * block_size
+
+    seq = seq_ref[tile]
+    pos0 = pos0_ref[tile]
+    count = count_ref[tile]
+    kv_len = kv_len_ref[tile]
+
+    end = jnp.where(count > 0, jnp.minimum(pos0 + count, kv_len), 0)
+    begin = 0 if sliding_window is None else jnp.maximum(pos0 - sliding_window + 1, 0)
+    lo = begin // block_kv
+    hi = jnp.maximum(pl.cdiv(end, block_kv), lo)
+    last_page = jnp.clip(pl.cdiv(kv_len, block_size) - 1, 0, max_blocks_per_seq - 1)
+
+    def page_copies(j, slot):
+        """The DMAs that bring KV block ``j`` into buffer slot ``slot``."""
+        copies = []
+        for p in range(pages_per_block):
+            # Past the sequence's last page, re-read that page (masked out below) so that
+            # every step issues the same number of copies and no junk table entry is used.
+            page = tables_ref[seq * max_blocks_per_seq
+                              + jnp.minimum(j * pages_per_block + p, last_page)]
+            dst = pl.ds(p * block_size, block_size)
+            copies.append(pltpu.make_async_copy(
+                k_hbm.at[page, :, head, :], k_buf.at[slot, dst, :], sems.at[0, slot]))
+            copies.append(pltpu.make_async_copy(
+                v_hbm.at[page, :, head, :], v_buf.at[slot, dst, :], sems.at[1, slot]))
+        return copies
+
+    @pl.when(hi > lo)
+    def _prefetch_first_block():
+        for copy in page_copies(lo, 0):
+            copy.start()
+
+    q = q_ref[...]
+    row_token = lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0) // group_padded
+    row_pos = pos0 + row_token                                          # [R, K]
+    row_real = row_token < count
+
+    def body(j, carry):
+        m_prev, l_prev, acc_prev = carry
+        slot = lax.rem(j - lo, 2)
+
+        @pl.when(j + 1 < hi)
+        def _prefetch_next_block():
+            for copy in page_copies(j + 1, 1 - slot):
+                copy.start()
+
+        for copy in page_copies(j, slot):
+            copy.wait()
+        k = k_buf[slot]                                                 # [K, D]
+        v = v_buf[slot]
+        col = j * block_kv + lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * sm_scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        mask = (col <= row_pos) & (col < kv_len) & row_real
+        if sliding_window is not None:
+            mask &= col > row_pos - sliding_window
+        s = jnp.where(mask, s, tiling.MASK_VALUE)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))   # [R, 1]
+        alpha = jnp.exp(m_prev - m_next)
+        p = jnp.where(mask, jnp.exp(s - m_next), 0.0)
+        l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+        kv_col = j * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0)
+        v = jnp.where(kv_col < kv_len, v.astype(jnp.float32), 0.0).astype(v.dtype)
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)            # [R, D]
+        return m_next, l_next, acc_prev * alpha + pv
+
+    m0 = jnp.full((rows, 1), tiling.MASK_VALUE, jnp.float32)
+    l0 = jnp.zeros((rows, 1), jnp.float32)
+    acc0 = jnp.zeros((rows, head_dim), jnp.float32)
+    _, l, acc = lax.fori_loop(lo, hi, body, (m0, l0, acc0))
+    o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+
+
+def choose_blocks(*, num_tokens: int, max_num_seqs: int, group: int, block_size: int,
+                  max_blocks_per_seq: int, block_q: int | None = None,
+                  block_kv: int | None = None) -> tuple[int, int, int]:
+    """Static tiling: (block_q, group_padded, pages_per_block)."""
+    group_padded = tiling.next_pow2(group)
+    if block_q is None:
+        block_q = max(1, (8 if num_tokens <= max_num_seqs else 128) // group_padded)
+    if block_kv is None:
+        block_kv = 256
+    pages_per_block = max(1, min(block_kv // block_size, max_blocks_per_seq))
+    return block_q, group_padded, pages_per_block
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "sliding_window", "soft_cap", "interpret", "block_q", "block_kv"))
+def ragged_paged_attention_tpu(
+        q: jax.Array,             # [T, Hq, D]
+        k_cache: jax.Array,       # [N, B, Hkv, D]
+        v_cache: jax.Array,       # [N, B, Hkv, D]
+        kv_lens: jax.Array,       # int32 [S]
+        block_tables: jax.Array,  # int32 [S, M]
+        cu_q_lens: jax.Array,     # int32 [S + 1]
+        num_seqs: jax.Array,      # int32 [1]
+        *, sm_scale: float, sliding_window: int | None = None,
+        soft_cap: float | None = None, interpret: bool = False,
+        block_q: int | None = None, block_kv: int | None = None) -> jax.Array:  # [T, Hq, D]
+    """The Pallas Mosaic TPU kernel; shapes are checked by the public function.
+
+    ``interpret=True`` runs it in TPU interpret mode (``pltpu.InterpretParams()``), which
+    also fills outputs and scratch buffers with NaN before the kernel runs.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    max_num_seqs, max_blocks = block_tables.shape
+    group = num_q_heads // num_kv_heads
+    block_q, group_padded, pages_per_block = choose_blocks(
+        num_tokens=num_tokens, max_num_seqs=max_num_seqs, group=group,
+        block_size=block_size, max_blocks_per_seq=max_blocks, block_q=block_q,
+        block_kv=block_kv)
+    num_tiles = tiling.num_tiles_for(num_tokens, max_num_seqs, block_q)
+    rows = block_q * group_padded
+    block_kv = pages_per_block * block_size
+
+    tiles = tiling.build_tile_table(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens,
+                                    block_q=block_q, num_tiles=num_tiles)
+    q_tiles = tiling.tile_queries(q.astype(k_cache.dtype), tiles, num_kv_heads=num_kv_heads,
+                                  group_padded=group_padded, block_q=block_q)
+    tile_spec = pl.BlockSpec((None, None, rows, head_dim), lambda h, t, *_: (h, t, 0, 0))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    kernel = functools.partial(
+        _kernel, sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window,
+        group_padded=group_padded, pages_per_block=pages_per_block,
+        max_blocks_per_seq=max_blocks)
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            grid=(num_kv_heads, num_tiles),
+            in_specs=[tile_spec, hbm, hbm],
+            out_specs=tile_spec,
+            scratch_shapes=[pltpu.VMEM((2, block_kv, head_dim), k_cache.dtype),
+                            pltpu.VMEM((2, block_kv, head_dim), v_cache.dtype),
+                            pltpu.SemaphoreType.DMA((2, 2))]),
+        out_shape=jax.ShapeDtypeStruct(q_tiles.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name=f"ragged_paged_attention_tpu_q{rows}_kv{block_kv}",
+    )(tiles.seq, tiles.pos0, tiles.count, tiles.kv_len,
+      block_tables.astype(jnp.int32).reshape(-1), q_tiles, k_cache, v_cache)
+    return tiling.untile_outputs(out, tiles, num_q_heads=num_q_heads, block_q=block_q,
+                                 dtype=q.dtype)
