@@ -32,6 +32,7 @@ class ModelConfig:
     seed: int = 0
     attention_backend: str = "auto"
     compilation_cache: bool = True  # JAX's persistent compilation cache under the jaxpage cache dir
+    warmup: bool | None = None  # compile every bucket at start-up; None: on accelerators only
 
     def __post_init__(self) -> None:
         _require(self.dtype in SUPPORTED_DTYPES,
@@ -40,6 +41,8 @@ class ModelConfig:
                  or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
                  f"max_model_len={self.max_model_len!r} must be None or an integer >= 2")
         _require(isinstance(self.seed, int), f"seed={self.seed!r} must be an integer")
+        _require(self.warmup is None or isinstance(self.warmup, bool),
+                 f"warmup={self.warmup!r} must be None (auto), True or False")
         _require(isinstance(self.compilation_cache, bool),
                  f"compilation_cache={self.compilation_cache!r} must be a bool")
         _require(self.attention_backend in SUPPORTED_ATTENTION_BACKENDS,
@@ -53,7 +56,8 @@ class CacheConfig:
 
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory
-    kv_cache_memory: int = 2 * 1024**3  # bytes for the KV cache when num_kv_blocks is None
+    kv_cache_memory: int = 2 * 1024**3  # bytes for the KV cache on devices without memory stats
+    memory_utilization: float = 0.9  # share of device memory jaxpage may use (devices with stats)
     enable_prefix_caching: bool = True
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks
 
@@ -66,6 +70,9 @@ class CacheConfig:
                  f"num_kv_blocks={self.num_kv_blocks!r} must be None or an integer >= 1")
         _require(isinstance(self.kv_cache_memory, int) and self.kv_cache_memory > 0,
                  f"kv_cache_memory={self.kv_cache_memory!r} must be a positive number of bytes")
+        _require(isinstance(self.memory_utilization, (int, float))
+                 and 0 < self.memory_utilization <= 1,
+                 f"memory_utilization={self.memory_utilization!r} must be in (0, 1]")
         _require(isinstance(self.enable_prefix_caching, bool),
                  f"enable_prefix_caching={self.enable_prefix_caching!r} must be a bool")
         _require(isinstance(self.swap_space, (int, float)) and self.swap_space >= 0,

@@ -94,6 +94,37 @@ class BatchBuilder:
         max_blocks = kv_cache_manager.num_blocks_for(max_model_len)
         self.block_ladder = BucketLadder(min(8, max_blocks), max_blocks)
 
+    def step_shapes(self) -> list[tuple[int, int, int]]:
+        """Every (T, S, M) that ``build`` can produce: n sequences carry n..max tokens."""
+        pairs = set()
+        max_tokens = self.token_ladder.rungs[-1]
+        for n in range(1, self.seq_ladder.rungs[-1] + 1):
+            seats = self.seq_ladder.fit(n)
+            for rung in self.token_ladder.rungs:
+                if rung >= n:
+                    pairs.add((rung, seats))
+            if n > max_tokens:
+                break
+        return sorted((t, s, m) for t, s in pairs for m in self.block_ladder.rungs)
+
+    def decode_shapes(self) -> list[tuple[int, int, int]]:
+        """Every (T, S, M) of an all-decode batch (n sequences, one token each)."""
+        pairs = {(self.token_ladder.fit(n), self.seq_ladder.fit(n))
+                 for n in range(1, self.seq_ladder.rungs[-1] + 1)}
+        return sorted((t, s, m) for t, s in pairs for m in self.block_ladder.rungs)
+
+    def empty(self, T: int, S: int, M: int) -> BatchMetadata:
+        """A batch of the given shape holding no sequence (for compiling ahead of time)."""
+        zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        return BatchMetadata(
+            input_ids=zeros(T), positions=zeros(T), slot_mapping=np.full(T, -1, np.int32),
+            block_tables=zeros(S, M), kv_lens=zeros(S), cu_q_lens=zeros(S + 1),
+            num_seqs=zeros(1), logits_indices=zeros(S), temperature=np.zeros(S, np.float32),
+            top_k=zeros(S), top_p=np.ones(S, np.float32), min_p=np.zeros(S, np.float32),
+            sample_seeds=np.zeros(S, np.uint32), sample_index=zeros(S),
+            stop_token_ids=np.full((S, MAX_STOP_TOKENS), -1, np.int32), min_tokens=zeros(S),
+            max_output=zeros(S), want_logprobs=zeros(S))
+
     def build(self, out: SchedulerOutput) -> BatchMetadata:
         items = out.scheduled
         num_tokens = out.num_batched_tokens

@@ -23,13 +23,21 @@ from jaxpage.engine.stop_strings import decode_output, find_stop_string
 from jaxpage.engine.tokenizer import cache_dir, load_tokenizer
 from jaxpage.models.loader import load_model
 from jaxpage.outputs import CompletionOutput, RequestOutput
-from jaxpage.runtime.kv_cache import bytes_per_block, num_blocks_for_budget
+from jaxpage.runtime.kv_cache import (blocks_from_device_memory, bytes_per_block,
+                                      device_memory_stats, num_blocks_for_budget)
 from jaxpage.runtime.model_runner import ModelRunner
 from jaxpage.sampling_params import SamplingParams
+from pallas_kernels.ragged_paged_attention import resolve_backend as resolve_attention_backend
 
 logger = logging.getLogger("jaxpage")
 
 PromptInput = str | dict[str, Any]
+
+
+def jax_backend() -> str:
+    import jax
+
+    return jax.default_backend()
 
 
 def enable_compilation_cache() -> None:
@@ -52,6 +60,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc, cc = config.model, config.cache
+        resolve_attention_backend(mc.attention_backend)  # a backend this platform lacks fails now
         if mc.compilation_cache:
             enable_compilation_cache()
         loaded = load_model(mc.model, dtype=mc.dtype, attention_backend=mc.attention_backend)
@@ -67,12 +76,14 @@ class LLMEngine:
         block_size = cc.block_size
         blocks_per_seq = -(-self.max_model_len // block_size)
         dtype = loaded.model.embed[...].dtype
+        max_useful = config.scheduler.max_num_seqs * blocks_per_seq
         if cc.num_kv_blocks is not None:
             num_kv_blocks = cc.num_kv_blocks
+        elif device_memory_stats() is not None:
+            num_kv_blocks = self._profile_num_blocks(loaded, block_size, dtype, max_useful)
         else:
             num_kv_blocks = num_blocks_for_budget(
-                self.arch, block_size, dtype, cc.kv_cache_memory,
-                max_useful_blocks=config.scheduler.max_num_seqs * blocks_per_seq)
+                self.arch, block_size, dtype, cc.kv_cache_memory, max_useful_blocks=max_useful)
         self.num_kv_blocks = num_kv_blocks
         per_block = bytes_per_block(self.arch, block_size, dtype)
         num_host_blocks = int(cc.swap_space * 2**30) // per_block
@@ -90,6 +101,9 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)", num_kv_blocks,
                     block_size, num_kv_blocks * block_size,
                     num_kv_blocks * bytes_per_block(self.arch, block_size, dtype) / 2**20)
+        warmup = mc.warmup if mc.warmup is not None else jax_backend() != "cpu"
+        if warmup:
+            self.warmup()
         self.beam_search = BeamSearchDriver(self.scheduler, self.eos_token_ids, self._decode)
         self._ids = itertools.count()
         self._groups: dict[str, list[Request]] = {}  # request id -> its n sequences
@@ -99,6 +113,21 @@ class LLMEngine:
         self.step_profile = {"calls": 0, "device_s": 0.0, "host_s": 0.0, "tokens": 0}
         self._stop_text_searched: dict[str, int] = {}
         self._stop_cut: dict[str, int] = {}
+
+    def _profile_num_blocks(self, loaded, block_size: int, dtype, max_useful: int) -> int:
+        """Run the largest bucket with a 2-block cache, read peak memory, size the cache."""
+        sched = self.config.scheduler
+        probe = ModelRunner(loaded, num_blocks=2, block_size=block_size)
+        builder = BatchBuilder(KVCacheManager(BlockPool(2), block_size),
+                               max_num_batched_tokens=sched.max_num_batched_tokens,
+                               max_num_seqs=sched.max_num_seqs, max_model_len=self.max_model_len)
+        probe.execute(builder.empty(*max(builder.step_shapes())))
+        stats = device_memory_stats()
+        del probe
+        return blocks_from_device_memory(
+            stats["bytes_limit"], stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0)),
+            self.config.cache.memory_utilization, bytes_per_block(self.arch, block_size, dtype),
+            max_useful)
 
     def _eos_token_ids(self, hf_config: dict[str, Any]) -> frozenset[int]:
         ids: set[int] = set()
@@ -208,6 +237,32 @@ class LLMEngine:
             raise ValueError(f"beam_width={params.beam_width} exceeds max_num_seqs="
                              f"{self.config.scheduler.max_num_seqs}")
         self.beam_search.start(search_id, leader, params)
+
+    def warmup(self) -> int:
+        """Compile every program the engine can run, so that no workload compiles later.
+
+        Steps for every (tokens, sequences, blocks) bucket, the multi-step decode loop for
+        every all-decode bucket, and block copies / swaps for every padded size. Returns
+        the number of programs; with the persistent compilation cache warm, a second start
+        loads them instead of compiling.
+        """
+        from tqdm.auto import tqdm
+
+        builder = self.batch_builder
+        num_steps = self.config.scheduler.num_scheduler_steps
+        jobs = [(shape, 1) for shape in builder.step_shapes()]
+        if num_steps > 1:
+            jobs += [(shape, num_steps) for shape in builder.decode_shapes()]
+        for shape, steps in tqdm(jobs, desc="Compiling buckets", dynamic_ncols=True):
+            batch = builder.empty(*shape)
+            if steps > 1:
+                self.runner.execute_multi_step(batch, steps)
+            else:
+                self.runner.execute(batch)
+        count = len(jobs) + self.runner.compile_block_ops(
+            max_copies=self.config.scheduler.max_num_seqs, max_swaps=self.num_kv_blocks)
+        logger.info("warm-up compiled %d programs", count)
+        return count
 
     def _decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:

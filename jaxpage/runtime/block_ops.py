@@ -10,7 +10,6 @@ from __future__ import annotations
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 KVCache = tuple[jax.Array, jax.Array]  # each [num_layers, num_blocks, block_size, kv_heads, head_dim]
@@ -58,7 +57,7 @@ def swap_out(kv: KVCache, host: HostKVPool, pairs: list[tuple[int, int]]) -> Non
     if not pairs:
         return
     device_ids, host_ids = zip(*pairs)
-    k_blocks, v_blocks = jax.device_get(gather_blocks(kv, jnp.asarray(padded(list(device_ids)))))
+    k_blocks, v_blocks = jax.device_get(gather_blocks(kv, jax.device_put(padded(list(device_ids)))))
     n = len(pairs)
     host.k[list(host_ids)] = np.moveaxis(k_blocks, 1, 0)[:n]
     host.v[list(host_ids)] = np.moveaxis(v_blocks, 1, 0)[:n]
@@ -74,8 +73,8 @@ def swap_in(kv: KVCache, host: HostKVPool, pairs: list[tuple[int, int]]) -> KVCa
     v_blocks = np.zeros_like(k_blocks)
     k_blocks[:len(pairs)] = host.k[list(host_ids)]
     v_blocks[:len(pairs)] = host.v[list(host_ids)]
-    return scatter_blocks(kv, jnp.asarray(ids), jnp.asarray(np.moveaxis(k_blocks, 0, 1)),
-                          jnp.asarray(np.moveaxis(v_blocks, 0, 1)))
+    return scatter_blocks(kv, jax.device_put(ids), jax.device_put(np.moveaxis(k_blocks, 0, 1)),
+                          jax.device_put(np.moveaxis(v_blocks, 0, 1)))
 
 
 def copy(kv: KVCache, pairs: list[tuple[int, int]]) -> KVCache:
@@ -83,4 +82,4 @@ def copy(kv: KVCache, pairs: list[tuple[int, int]]) -> KVCache:
     if not pairs:
         return kv
     src, dst = zip(*pairs)
-    return copy_blocks(kv, jnp.asarray(padded(list(src))), jnp.asarray(padded(list(dst))))
+    return copy_blocks(kv, jax.device_put(padded(list(src))), jax.device_put(padded(list(dst))))

@@ -34,3 +34,27 @@ def allocate_kv_cache(arch: ArchConfig, num_blocks: int, block_size: int,
     """
     shape = (arch.num_layers, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
+def blocks_from_device_memory(bytes_limit: int, peak_bytes: int, utilization: float,
+                              per_block: int, max_useful_blocks: int) -> int:
+    """Usable blocks that fit ``utilization * bytes_limit`` after the profiled peak.
+
+    ``peak_bytes``: device memory in use at the peak of a step at the largest bucket
+    (weights, activations, a minimal cache). Raises if nothing is left for the cache.
+    """
+    free = int(utilization * bytes_limit) - peak_bytes
+    blocks = free // per_block - 1  # one block goes to the null block
+    if blocks < 1:
+        raise ValueError(f"no device memory left for the KV cache: {peak_bytes} bytes in use "
+                         f"at peak, memory_utilization={utilization} of {bytes_limit}")
+    return int(min(blocks, max_useful_blocks))
+
+
+def device_memory_stats() -> dict | None:
+    """The first device's memory statistics, or None where the platform has none (CPU)."""
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # some backends raise instead of returning None
+        return None
+    return stats if stats and "bytes_limit" in stats else None

@@ -42,6 +42,13 @@ class ModelRunner:
         self._forward_logits = make_forward_logits(graphdef)
         self.compiled_shapes: set[tuple[int, int, int]] = set()
 
+    def reallocate_kv_cache(self, num_blocks: int) -> None:
+        """Replace the KV cache with a zeroed one of ``num_blocks`` (null block included)."""
+        shape = self.kv_cache[0].shape
+        dtype = self.kv_cache[0].dtype
+        self.kv_cache = None  # free the old one first
+        self.kv_cache = allocate_kv_cache(self.arch, num_blocks, shape[2], dtype)
+
     def apply_block_ops(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
                         copies: list[tuple[int, int]]) -> None:
         """Run the KV manager's pending block moves, in the only safe order.
@@ -52,6 +59,23 @@ class ModelRunner:
         block_ops.swap_out(self.kv_cache, self.host_pool, swap_out)
         self.kv_cache = block_ops.swap_in(self.kv_cache, self.host_pool, swap_in)
         self.kv_cache = block_ops.copy(self.kv_cache, copies)
+
+    def compile_block_ops(self, max_copies: int, max_swaps: int) -> int:
+        """Compile the block copy / swap programs for every padded size they can take."""
+        kv = self.kv_cache
+        count = 0
+        for size in _powers_of_two_upto(max_copies):
+            zeros = jax.numpy.zeros(size, jax.numpy.int32)
+            kv = block_ops.copy_blocks(kv, zeros, zeros)
+            count += 1
+        if self.host_pool.k.shape[0]:
+            for size in _powers_of_two_upto(max_swaps):
+                zeros = jax.numpy.zeros(size, jax.numpy.int32)
+                k_blocks, v_blocks = block_ops.gather_blocks(kv, zeros)
+                kv = block_ops.scatter_blocks(kv, zeros, k_blocks, v_blocks)
+                count += 2
+        self.kv_cache = kv
+        return count
 
     def measure_host_bandwidth(self, num_bytes: int = 32 * 2**20) -> float:
         """Bytes/s of a device-to-host copy (best of three), for the preemption cost model."""
@@ -87,3 +111,12 @@ class ModelRunner:
         self.kv_cache, logits = self._forward_logits(self.state, self.kv_cache,
                                                      jax.device_put(batch.as_dict()))
         return np.asarray(logits)
+
+
+def _powers_of_two_upto(limit: int) -> list[int]:
+    sizes, size = [], 1
+    while True:
+        sizes.append(size)
+        if size >= limit:
+            return sizes
+        size *= 2

@@ -52,3 +52,26 @@ def test_padding_sequences_repeat_the_last_offset():
     assert batch.block_tables.shape[0] == 4
     np.testing.assert_array_equal(batch.cu_q_lens, [0, 2, 4, 6, 6])
     np.testing.assert_array_equal(batch.kv_lens, [2, 2, 2, 0])
+
+
+def test_enumerated_shapes_cover_every_batch_the_builder_makes():
+    import itertools
+
+    s = make_scheduler(num_blocks=200, block_size=4, max_num_seqs=6, max_num_batched_tokens=40)
+    builder = BatchBuilder(s.kv, max_num_batched_tokens=40, max_num_seqs=6, max_model_len=64)
+    shapes = set(builder.step_shapes())
+    decode = set(builder.decode_shapes())
+    assert decode <= shapes
+    seen = set()
+    for n, extra in itertools.product(range(1, 7), (0, 3, 9, 30)):
+        s = make_scheduler(num_blocks=200, block_size=4, max_num_seqs=6, max_num_batched_tokens=40)
+        builder = BatchBuilder(s.kv, max_num_batched_tokens=40, max_num_seqs=6, max_model_len=64)
+        for i in range(n):
+            s.add_request(make_request(f"r{i}", 1 + (extra if i == 0 else 0), max_tokens=3))
+        batch = builder.build(s.schedule())
+        seen.add(batch.shape_key)
+        assert batch.shape_key in shapes
+        empty = builder.empty(*batch.shape_key)
+        assert {k: (v.shape, v.dtype) for k, v in empty.as_dict().items()} == \
+               {k: (v.shape, v.dtype) for k, v in batch.as_dict().items()}
+    assert len(seen) > 4

@@ -1,0 +1,41 @@
+"""After warm-up, no workload compiles anything (counted through jax.monitoring)."""
+
+import jax
+import pytest
+
+from jaxpage import BeamSearchParams, LLM, SamplingParams
+from tests.engine.prompts import BASE
+
+
+@pytest.fixture
+def compile_events():
+    events = []
+
+    def listener(name, *args, **kwargs):
+        if "compile" in name or "trace" in name or "cache_hit" in name:
+            events.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    jax.monitoring.register_event_listener(listener)
+    yield events
+    jax.monitoring.clear_event_listeners()
+
+
+def test_nothing_compiles_after_warmup(tiny_checkpoints, compile_events):
+    llm = LLM(tiny_checkpoints["llama"], max_model_len=64, max_num_seqs=4,
+              max_num_batched_tokens=32, block_size=8, num_kv_blocks=16, swap_space=0.001,
+              preemption_mode="swap", warmup=True)
+    compiled = len(compile_events)
+    assert compiled > 0  # the listener sees compilations at all
+    compile_events.clear()
+    params = [SamplingParams(temperature=0, max_tokens=12),
+              SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1, max_tokens=20),
+              SamplingParams(n=2, temperature=1.0, max_tokens=9, stop=[" the"]),
+              SamplingParams(temperature=0, max_tokens=30, min_tokens=5, ignore_eos=True)]
+    prompts = [{"prompt_token_ids": [100 + 7 * i + j for j in range(3 + 5 * i)]} for i in range(8)]
+    llm.generate(prompts, [params[i % 4] for i in range(8)], use_tqdm=False)
+    llm.generate([BASE[0]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    llm.beam_search([BASE[0]], BeamSearchParams(beam_width=2, max_tokens=4))
+    stats = llm.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["num_swap_preemptions"] > 0
+    assert compile_events == []
