@@ -54,7 +54,7 @@ def assert_all_blocks_free(llm) -> None:
 
 
 # Every LLM built during the suite is checked after every test: no KV block may leak.
-_LLMS: "weakref.WeakSet" = None  # type: ignore[assignment]
+_LLMS = None  # a weakref.WeakSet of every LLM, set at session start
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import os
 import logging
@@ -12,13 +11,14 @@ from typing import Any
 import numpy as np
 
 from jaxpage.config import EngineConfig
-from jaxpage.core.batch import MAX_STOP_TOKENS, BatchBuilder
+from jaxpage.core.batch import BatchBuilder
 from jaxpage.core.block_pool import BlockPool
 from jaxpage.core.kv_cache_manager import KVCacheManager
-from jaxpage.core.request import Request, RequestStatus, derive_sample_seed
+from jaxpage.core.request import Request, RequestStatus
 from jaxpage.core.scheduler import PreemptionCostModel, Scheduler
 from jaxpage.beam_search import BeamSearchParams
 from jaxpage.engine.beam_search_driver import BeamSearchDriver
+from jaxpage.engine.input_processor import InputProcessor, PromptInput
 from jaxpage.engine.stop_strings import decode_output, find_stop_string
 from jaxpage.engine.tokenizer import cache_dir, load_tokenizer
 from jaxpage.models.loader import load_model
@@ -31,7 +31,6 @@ from pallas_kernels.ragged_paged_attention import resolve_backend as resolve_att
 
 logger = logging.getLogger("jaxpage")
 
-PromptInput = str | dict[str, Any]
 
 
 def jax_backend() -> str:
@@ -50,12 +49,6 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def _sibling_seed(seed: int, index: int) -> int:
-    """uint32 seed of sibling ``index`` of an n > 1 request whose seed is ``seed``."""
-    digest = hashlib.sha256(f"{seed}:sibling:{index}".encode()).digest()
-    return derive_sample_seed(int.from_bytes(digest[:8], "little"))
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -71,7 +64,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len={mc.max_model_len} exceeds the model's context "
                              f"length {limit}")
         self.max_model_len = mc.max_model_len or limit
-        self.eos_token_ids = self._eos_token_ids(loaded.hf_config)
+        eos_token_ids = self._eos_token_ids(loaded.hf_config)
 
         block_size = cc.block_size
         blocks_per_seq = -(-self.max_model_len // block_size)
@@ -104,13 +97,19 @@ class LLMEngine:
         warmup = mc.warmup if mc.warmup is not None else jax_backend() != "cpu"
         if warmup:
             self.warmup()
-        self.beam_search = BeamSearchDriver(self.scheduler, self.eos_token_ids, self._decode)
+        self.input_processor = InputProcessor(
+            tokenizer=self.tokenizer, vocab_size=self.arch.vocab_size,
+            max_model_len=self.max_model_len, eos_token_ids=eos_token_ids,
+            engine_seed=mc.seed, max_num_seqs=config.scheduler.max_num_seqs,
+            num_blocks_for=self.kv_cache_manager.num_blocks_for, num_kv_blocks=num_kv_blocks)
+        self.beam_search = BeamSearchDriver(self.scheduler, eos_token_ids, self._decode)
         self._ids = itertools.count()
         self._groups: dict[str, list[Request]] = {}  # request id -> its n sequences
         self._group_of: dict[str, str] = {}           # sequence id -> request id
         # Wall time split of step(): device calls (dispatch to results on the host) vs the
         # host's own work (scheduling, batch building, updates), during which the device idles.
-        self.step_profile = {"calls": 0, "device_s": 0.0, "host_s": 0.0, "tokens": 0}
+        self.step_profile = {"calls": 0, "device_s": 0.0, "host_s": 0.0}
+        self._empty_steps = 0  # consecutive empty schedules (see _check_not_stalled)
         self._stop_text_searched: dict[str, int] = {}
         self._stop_cut: dict[str, int] = {}
 
@@ -142,68 +141,18 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------
 
-    def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        """(prompt text, prompt token ids) for a string, {"prompt": ...} or {"prompt_token_ids": ...}."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, (list, tuple)) or any(
-                        not isinstance(t, int) or isinstance(t, bool) for t in ids):
-                    raise ValueError(f"prompt_token_ids={ids!r} must be a list of integers")
-                return prompt.get("prompt"), list(ids)
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError(f"prompt dict {prompt!r} needs 'prompt' or 'prompt_token_ids'")
-        if not isinstance(prompt, str):
-            raise ValueError(f"prompt={prompt!r} must be a string or a dict with 'prompt' or "
-                             "'prompt_token_ids'")
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
-        return prompt, list(self.tokenizer(prompt).input_ids)
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.input_processor.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: frozenset[int]) -> None:
+        self.input_processor.eos_token_ids = frozenset(ids)
 
     def make_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
                      priority: int = 0) -> Request:
-        """Validate a prompt and its sampling params into a Request (nothing is queued).
-
-        With ``n > 1`` the request leads ``n - 1`` siblings (ids ``"<id>#<i>"``), each with
-        its own random stream, that fork from it once the prompt is in.
-        """
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority={priority!r} must be an integer")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params={params!r} must be a SamplingParams")
-        text, ids = self.tokenize_prompt(prompt)
-        if not ids:
-            raise ValueError(f"prompt={prompt!r} is empty (it has no tokens)")
-        vocab = self.arch.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len={self.max_model_len}"
-                             " (the prompt plus at least one generated token must fit)")
-        seed = params.seed
-        if seed is None:  # stable across processes (str hashes are salted per process)
-            digest = hashlib.sha256(f"{self.config.model.seed}:{request_id}".encode()).digest()
-            seed = int.from_bytes(digest[:8], "little")
-        request = Request(request_id, ids, params, max_model_len=self.max_model_len,
-                          eos_token_ids=self.eos_token_ids, sample_seed=derive_sample_seed(seed),
-                          prompt=text, priority=priority)
-        if params.n > self.config.scheduler.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs="
-                             f"{self.config.scheduler.max_num_seqs}")
-        request.fork_children = [request.fork(f"{request_id}#{i}", _sibling_seed(seed, i))
-                                 for i in range(1, params.n)]
-        if params.min_tokens and len(request.stop_token_ids_to_suppress) > MAX_STOP_TOKENS:
-            raise ValueError(f"min_tokens={params.min_tokens} with more than "
-                             f"{MAX_STOP_TOKENS} stop token ids is not supported")
-        needed = self.kv_cache_manager.num_blocks_for(request.num_prompt_tokens + request.max_tokens)
-        if needed > self.num_kv_blocks:
-            raise ValueError(f"request needs up to {needed} KV blocks (prompt {len(ids)} + "
-                             f"max_tokens {request.max_tokens}) but the cache has only "
-                             f"{self.num_kv_blocks}; lower max_tokens or raise num_kv_blocks")
-        return request
+        """Validate a prompt into a Request (nothing is queued); see InputProcessor."""
+        return self.input_processor.make_request(request_id, prompt, params, priority)
 
     def next_request_id(self) -> str:
         return str(next(self._ids))
@@ -297,7 +246,9 @@ class LLMEngine:
         began = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
+            self._check_not_stalled(out)
             return []
+        self._empty_steps = 0
         num_steps = self.scheduler.reserve_multi_step(
             out, self.config.scheduler.num_scheduler_steps)
         self.runner.apply_block_ops(*self.kv_cache_manager.take_pending_block_ops())
@@ -327,6 +278,18 @@ class LLMEngine:
         profile["device_s"] += device_s
         profile["host_s"] += time.perf_counter() - began - device_s
         return outputs
+
+    def _check_not_stalled(self, out) -> None:
+        """An empty schedule can happen once (a fork due at admission, a self-preemption);
+        several in a row with requests left would be a hang, so fail loudly instead."""
+        if out.preempted or not self.scheduler.has_unfinished_requests():
+            self._empty_steps = 0
+            return
+        self._empty_steps += 1
+        if self._empty_steps > 3:
+            self._empty_steps = 0
+            raise RuntimeError(f"scheduler made no progress: {self.scheduler.stats()}, "
+                               f"{self.block_pool.num_free_blocks} free blocks")
 
     def _accept_multi_step(self, out, tokens: np.ndarray) -> list[Request]:
         touched = []

@@ -75,3 +75,15 @@ def test_engine_option_errors():
 def test_max_model_len_beyond_the_model(tiny_checkpoints):
     with pytest.raises(ValueError, match="max_model_len=4096"):
         LLM(tiny_checkpoints["llama"], max_model_len=4096)
+
+
+def test_a_stalled_scheduler_raises_instead_of_hanging(tiny_llm, monkeypatch):
+    from jaxpage.core.scheduler import SchedulerOutput
+
+    engine = tiny_llm.llm_engine
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda: SchedulerOutput())
+    with pytest.raises(RuntimeError, match="no progress"):
+        tiny_llm.generate(["Hello"], SamplingParams(max_tokens=4), use_tqdm=False)
+    monkeypatch.undo()
+    stats = tiny_llm.get_stats()
+    assert stats["num_waiting"] == 0 and stats["num_free_blocks"] == stats["num_kv_blocks"]
