@@ -193,7 +193,7 @@ class LLMEngine:
         Steps for every (tokens, sequences, blocks) bucket, the multi-step decode loop for
         every all-decode bucket, and block copies / swaps for every padded size. Returns
         the number of programs; with the persistent compilation cache warm, a second start
-        loads them instead of compiling.
+        loads them instead of compiling. ``prompt_logits`` (a diagnostic path) is not covered.
         """
         from tqdm.auto import tqdm
 
