@@ -63,12 +63,10 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # int32 [NT] each
     count = count_ref[tile]
     kv_len = kv_len_ref[tile]
 
-    # KV positions this tile attends to: [first, last] of its rows, causally.
-    end = jnp.where(count > 0, jnp.minimum(pos0 + count, kv_len), 0)
-    begin = 0 if sliding_window is None else jnp.maximum(pos0 - sliding_window + 1, 0)
-    lo = begin // block_kv
+    lo, hi = tiling.tile_kv_block_range(pos0, count, kv_len, sliding_window=sliding_window,
+                                        block_kv=block_kv)
     table_blocks = block_tables_ref.shape[1] // pages_per_block  # never read past the table
-    hi = jnp.clip(pl.cdiv(end, block_kv), lo, jnp.maximum(table_blocks, lo))
+    hi = jnp.minimum(hi, jnp.maximum(table_blocks, lo))
     per_split = pl.cdiv(hi - lo, num_splits)
     my_lo = jnp.minimum(lo + split * per_split, hi)
     my_hi = jnp.minimum(my_lo + per_split, hi)

@@ -53,6 +53,18 @@ def next_pow2(x: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, x))))
 
 
+def tile_kv_block_range(pos0, count, kv_len, *, sliding_window: int | None, block_kv: int):
+    """[lo, hi): the KV blocks (of ``block_kv`` tokens) a query tile attends to.
+
+    Causally up to its last real row (never past ``kv_len``), and with a sliding window
+    from its first row's window start. Scalars in, scalars out; usable inside kernels.
+    """
+    end = jnp.where(count > 0, jnp.minimum(pos0 + count, kv_len), 0)
+    begin = 0 if sliding_window is None else jnp.maximum(pos0 - sliding_window + 1, 0)
+    lo = begin // block_kv
+    return lo, jnp.maximum((end + block_kv - 1) // block_kv, lo)
+
+
 def num_tiles_for(num_tokens: int, max_num_seqs: int, block_q: int) -> int:
     """Static upper bound on the tiles a batch can need."""
     return max(1, min(num_tokens, num_tokens // block_q + max_num_seqs))

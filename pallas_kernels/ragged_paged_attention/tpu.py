@@ -51,10 +51,8 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # SMEM int32 [NT] each (p
     count = count_ref[tile]
     kv_len = kv_len_ref[tile]
 
-    end = jnp.where(count > 0, jnp.minimum(pos0 + count, kv_len), 0)
-    begin = 0 if sliding_window is None else jnp.maximum(pos0 - sliding_window + 1, 0)
-    lo = begin // block_kv
-    hi = jnp.maximum(pl.cdiv(end, block_kv), lo)
+    lo, hi = tiling.tile_kv_block_range(pos0, count, kv_len, sliding_window=sliding_window,
+                                        block_kv=block_kv)
     last_page = jnp.clip(pl.cdiv(kv_len, block_size) - 1, 0, max_blocks_per_seq - 1)
 
     def page_copies(j, slot):
