@@ -106,6 +106,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 assert not self.s.kv.req_to_blocks.get(rid)
 
 
+# Derandomized: CI replays the same 150 examples every run (1000 random ones passed when
+# this was written); raise max_examples and drop derandomize locally to hunt for more.
 BlockManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
-                                                 deadline=None)
+                                                 deadline=None, derandomize=True, database=None)
 TestBlockManager = BlockManagerMachine.TestCase
