@@ -42,26 +42,20 @@ def _kernel(slot_ref,                  # SMEM int32 [T]   (prefetched)
             pltpu.make_async_copy(k_new_hbm.at[token], k_out_hbm.at[page, offset], sems.at[0]),
             pltpu.make_async_copy(v_new_hbm.at[token], v_out_hbm.at[page, offset], sems.at[1]))
 
-    def start(i, carry):
-        valid, pair = copies(i)
+    def each_valid_copy(action: str):
+        """A loop body calling ``action`` ("start" or "wait") on token i's K and V copies."""
+        def body(i, carry):
+            valid, pair = copies(i)
 
-        @pl.when(valid)
-        def _():
-            for copy in pair:
-                copy.start()
-        return carry
+            @pl.when(valid)
+            def _():
+                for copy in pair:
+                    getattr(copy, action)()
+            return carry
+        return body
 
-    def wait(i, carry):
-        valid, pair = copies(i)
-
-        @pl.when(valid)
-        def _():
-            for copy in pair:
-                copy.wait()
-        return carry
-
-    lax.fori_loop(0, tokens_per_step, start, 0)
-    lax.fori_loop(0, tokens_per_step, wait, 0)
+    lax.fori_loop(0, tokens_per_step, each_valid_copy("start"), 0)  # all DMAs in flight,
+    lax.fori_loop(0, tokens_per_step, each_valid_copy("wait"), 0)   # then wait for each
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tokens_per_step"))
