@@ -25,7 +25,9 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``top_k == -1`` disables top-k. ``stop`` strings are
     cut from the returned text unless ``include_stop_str_in_output``. ``stop`` and
     ``stop_token_ids`` are normalised to tuples. ``max_tokens=None`` means "until the
-    context (``max_model_len``) is full".
+    context (``max_model_len``) is full". ``output_kind="delta"`` makes
+    ``LLMEngine.step`` return the new part of a request's output at every step (streaming);
+    ``"final"`` returns it once, finished.
     """
 
     n: int = 1
@@ -41,6 +43,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    output_kind: str = "final"
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -75,9 +78,16 @@ class SamplingParams:
         if any(not _is_int(t) or t < 0 for t in ids):
             _fail("stop_token_ids", self.stop_token_ids, "must be a list of token ids >= 0")
         object.__setattr__(self, "stop_token_ids", ids)
+        if self.output_kind not in ("final", "delta"):
+            _fail("output_kind", self.output_kind, 'must be "final" or "delta"')
         for flag in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, flag), bool):
                 _fail(flag, getattr(self, flag), "must be a bool")
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling depends on the counts of earlier tokens (none supported yet)."""
+        return False
 
     @property
     def greedy(self) -> bool:

@@ -125,8 +125,16 @@ class BatchBuilder:
             stop_token_ids=np.full((S, MAX_STOP_TOKENS), -1, np.int32), min_tokens=zeros(S),
             max_output=zeros(S), want_logprobs=zeros(S))
 
-    def build(self, out: SchedulerOutput) -> BatchMetadata:
+    def build(self, out: SchedulerOutput, ahead: int = 0) -> BatchMetadata:
+        """Pad ``out`` into a batch.
+
+        ``ahead > 0`` builds decodes that continue a device call not yet seen by the host
+        (``Scheduler.chain_multi_step``): every request is ``ahead`` tokens further than
+        its state says, and ``input_ids`` are left 0 (the device supplies them).
+        """
         items = out.scheduled
+        if ahead and any(item.num_new_tokens != 1 for item in items):
+            raise ValueError("only decodes can be built ahead of the host")
         num_tokens = out.num_batched_tokens
         T = self.token_ladder.fit(num_tokens)
         S = self.seq_ladder.fit(len(items))
@@ -155,13 +163,16 @@ class BatchBuilder:
         start = 0
         for i, (item, table) in enumerate(zip(items, tables)):
             req, n = item.request, item.num_new_tokens
-            first = req.num_computed_tokens
+            first = req.num_computed_tokens + ahead
             end = start + n
             pos = np.arange(first, first + n, dtype=np.int32)
-            input_ids[start:end] = req.all_token_ids[first:first + n]
-            positions[start:end] = pos
             table_arr = np.asarray(table, np.int32)
-            slot_mapping[start:end] = table_arr[pos // bs] * bs + pos % bs
+            if not ahead:
+                input_ids[start:end] = req.all_token_ids[first:first + n]
+                slot_mapping[start:end] = table_arr[pos // bs] * bs + pos % bs
+            # ahead: the decode loop derives its slots from positions, and a row that ends
+            # in the previous call may have no block reserved at ``first``.
+            positions[start:end] = pos
             block_tables[i, :len(table)] = table_arr
             kv_lens[i] = first + n
             cu_q_lens[i] = start
@@ -172,7 +183,7 @@ class BatchBuilder:
             top_p[i] = params.top_p
             min_p[i] = params.min_p
             seeds[i] = req.sample_seed
-            sample_index[i] = req.num_output_tokens
+            sample_index[i] = req.num_output_tokens + ahead
             ids = req.stop_token_ids_to_suppress[:MAX_STOP_TOKENS]
             stop_ids[i, :len(ids)] = ids
             min_tokens[i] = params.min_tokens

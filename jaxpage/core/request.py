@@ -57,6 +57,7 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.sample_seed = sample_seed
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_token_time: float | None = None  # monotonic time of its first output token
         room = max_model_len - len(self.prompt_token_ids)
         requested = sampling_params.max_tokens
         self.max_tokens = room if requested is None else min(requested, room)

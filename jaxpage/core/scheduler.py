@@ -328,6 +328,33 @@ class Scheduler:
                 return 1  # blocks already taken stay with their request: used next steps
         return num_steps
 
+    def chain_multi_step(self, out: SchedulerOutput, num_steps: int) -> SchedulerOutput | None:
+        """Schedule the same decodes again while ``out``'s multi-step call still runs.
+
+        The new schedule continues each still-unfinished request of ``out``, ``num_steps``
+        tokens past what the host knows (the device feeds it the last tokens). It is only
+        made when nothing else could use the step: no request waits or is swapped out,
+        every running request is in ``out`` (none was left out for budget), one of them
+        can outlive the window (``max_tokens``), and blocks for another window fit without
+        preemption. Returns None otherwise; blocks reserved before a failure stay with
+        their request and are used by its next steps.
+        """
+        if num_steps <= 1 or self.waiting or self.swapped:
+            return None
+        alive = [item.request for item in out.scheduled if not item.request.is_finished]
+        if not alive or {id(r) for r in alive} != {id(r) for r in self.running}:
+            return None
+        if not any(r.max_tokens - r.num_output_tokens > num_steps for r in alive):
+            return None
+        for request in alive:
+            if request.sampling_params.has_penalties:
+                return None  # penalties count tokens the host has not seen yet
+            remaining = max(1, request.max_tokens - request.num_output_tokens)
+            if not self.kv.allocate_slots(request, min(2 * num_steps, remaining)):
+                return None
+        self.step_count += 1
+        return SchedulerOutput(scheduled=[ScheduledRequest(r, 1) for r in alive])
+
     def stats(self) -> dict[str, int | float]:
         queried = self.kv.num_prefix_queried_tokens
         return {"num_running": len(self.running), "num_waiting": len(self.waiting),

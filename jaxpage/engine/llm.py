@@ -62,6 +62,10 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} "
                                  "prompts; pass one SamplingParams or one per prompt")
+        for params in params_list:
+            if isinstance(params, SamplingParams) and params.output_kind != "final":
+                raise ValueError(f"output_kind={params.output_kind!r}: LLM.generate returns "
+                                 "whole outputs; stream with LLMEngine or AsyncLLMEngine")
         if priority is None:
             priority = [0] * len(prompts)
         elif len(priority) != len(prompts):

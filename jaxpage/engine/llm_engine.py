@@ -6,6 +6,7 @@ import itertools
 import os
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -15,21 +16,31 @@ from jaxpage.core.batch import BatchBuilder
 from jaxpage.core.block_pool import BlockPool
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.request import Request, RequestStatus
-from jaxpage.core.scheduler import PreemptionCostModel, Scheduler
+from jaxpage.core.scheduler import PreemptionCostModel, Scheduler, SchedulerOutput
 from jaxpage.beam_search import BeamSearchParams
 from jaxpage.engine.beam_search_driver import BeamSearchDriver
 from jaxpage.engine.input_processor import InputProcessor, PromptInput
-from jaxpage.engine.stop_strings import decode_output, find_stop_string
+from jaxpage.engine.output_processor import OutputProcessor
 from jaxpage.engine.tokenizer import cache_dir, load_tokenizer
 from jaxpage.models.loader import load_model
 from jaxpage.outputs import CompletionOutput, RequestOutput
 from jaxpage.runtime.kv_cache import (blocks_from_device_memory, bytes_per_block,
                                       device_memory_stats, num_blocks_for_budget)
-from jaxpage.runtime.model_runner import ModelRunner
+from jaxpage.runtime.model_runner import ModelRunner, PendingMultiStep, PendingStep
 from jaxpage.sampling_params import SamplingParams
 from pallas_kernels.ragged_paged_attention import resolve_backend as resolve_attention_backend
 
 logger = logging.getLogger("jaxpage")
+
+
+@dataclass
+class _Call:
+    """A device call on its way: what was scheduled, and its pending results."""
+
+    out: SchedulerOutput
+    num_steps: int
+    pending: PendingStep | PendingMultiStep
+    dispatched_at: float
 
 
 
@@ -84,6 +95,9 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(self.block_pool, block_size,
                                                num_host_blocks=num_host_blocks)
         self.runner = ModelRunner(loaded, num_blocks=num_kv_blocks + 1, block_size=block_size,
+                                  max_num_seqs=config.scheduler.max_num_seqs,
+                                  executable_dir=(os.path.join(cache_dir(), "executables")
+                                                  if mc.compilation_cache else None),
                                   num_host_blocks=num_host_blocks)
         self.cost_model = PreemptionCostModel(
             bytes_per_block=per_block, host_bandwidth=self.runner.measure_host_bandwidth())
@@ -108,15 +122,23 @@ class LLMEngine:
         self._group_of: dict[str, str] = {}           # sequence id -> request id
         # Wall time split of step(): device calls (dispatch to results on the host) vs the
         # host's own work (scheduling, batch building, updates), during which the device idles.
-        self.step_profile = {"calls": 0, "device_s": 0.0, "host_s": 0.0}
+        # ``idle_s`` is the device's idle time (nothing dispatched), counted from when the
+        # host saw the last results arrive: an upper bound when results arrived unobserved.
+        # ``chained``: calls dispatched before the previous call's tokens were processed.
+        self.step_profile = {"calls": 0, "device_s": 0.0, "host_s": 0.0, "idle_s": 0.0,
+                             "chained": 0}
+        self._idle_since: float | None = None
+        self._results_at = 0.0
+        self._inflight: _Call | None = None    # a dispatched call whose tokens wait
+        self._pending_outputs: list[RequestOutput] = []
         self._empty_steps = 0  # consecutive empty schedules (see _check_not_stalled)
-        self._stop_text_searched: dict[str, int] = {}
-        self._stop_cut: dict[str, int] = {}
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
 
     def _profile_num_blocks(self, loaded, block_size: int, dtype, max_useful: int) -> int:
         """Run the largest bucket with a 2-block cache, read peak memory, size the cache."""
         sched = self.config.scheduler
-        probe = ModelRunner(loaded, num_blocks=2, block_size=block_size)
+        probe = ModelRunner(loaded, num_blocks=2, block_size=block_size,
+                            max_num_seqs=sched.max_num_seqs)
         builder = BatchBuilder(KVCacheManager(BlockPool(2), block_size),
                                max_num_batched_tokens=sched.max_num_batched_tokens,
                                max_num_seqs=sched.max_num_seqs, max_model_len=self.max_model_len)
@@ -226,7 +248,7 @@ class LLMEngine:
         self.beam_search.abort(request_id)
         for sequence in self._groups.pop(request_id, []):
             self.scheduler.finish_request(sequence.request_id, RequestStatus.FINISHED_ABORTED)
-            self._forget(sequence.request_id)
+            self.output_processor.forget(sequence.request_id)
             self._group_of.pop(sequence.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -238,46 +260,106 @@ class LLMEngine:
     # -- one iteration ----------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one model call; returns the outputs of the requests that finished in it.
+        """Advance every request by one device call and return what users should see.
 
-        When every scheduled request is a plain decode, the call runs up to
-        ``num_scheduler_steps`` decode iterations on the device.
+        Returns the final output of each request that finished, and for requests with
+        ``output_kind="delta"`` the new part of every sequence that moved. When every
+        scheduled request is a plain decode, one call runs up to ``num_scheduler_steps``
+        decode iterations on the device, and the next such call is dispatched before this
+        one's tokens are processed (see ``Scheduler.chain_multi_step``): the host's
+        bookkeeping and detokenization then overlap the device's work.
         """
         began = time.perf_counter()
+        call, self._inflight = self._inflight, None
+        if call is None:
+            call = self._schedule_and_dispatch()
+            if call is None:
+                outputs, self._pending_outputs = self._pending_outputs, []
+                return outputs
+        if call.num_steps > 1:
+            self._inflight = self._dispatch_chained(call)
+        waited = time.perf_counter()
+        touched = self._process(call)
+        outputs, self._pending_outputs = self._pending_outputs + self._collect(touched), []
+        ended = time.perf_counter()
+        if self._inflight is not None and self._inflight.pending.is_ready():
+            # The queued call finished while the host was busy: count the device as idle
+            # from when this call's results arrived (an upper bound).
+            self._idle_since = self._results_at
+        profile = self.step_profile
+        profile["calls"] += 1
+        profile["device_s"] += self._results_at - waited
+        profile["host_s"] += ended - began - (self._results_at - waited)
+        return outputs
+
+    def _mark_dispatch(self) -> float:
+        now = time.perf_counter()
+        if self._idle_since is not None:
+            self.step_profile["idle_s"] += now - self._idle_since
+            self._idle_since = None
+        return now
+
+    def _schedule_and_dispatch(self) -> "_Call | None":
         out = self.scheduler.schedule()
         if out.is_empty:
             self._check_not_stalled(out)
-            return []
+            return None
         self._empty_steps = 0
         num_steps = self.scheduler.reserve_multi_step(
             out, self.config.scheduler.num_scheduler_steps)
         self.runner.apply_block_ops(*self.kv_cache_manager.take_pending_block_ops())
         batch = self.batch_builder.build(out)
-        start = time.perf_counter()
+        dispatched_at = self._mark_dispatch()
         if num_steps > 1:
-            tokens = self.runner.execute_multi_step(batch, num_steps)           # [K, S]
-            device_s = time.perf_counter() - start
-            self._observe_step(out, device_s)
-            touched = self._accept_multi_step(out, tokens)
+            pending = self.runner.dispatch_multi_step(batch, num_steps)
         else:
-            result = self.runner.execute(batch)
-            device_s = time.perf_counter() - start
-            self._observe_step(out, device_s)
-            touched = []
-            for request, row in self.scheduler.update_from_output(out, result.tokens):
-                if request.external_sampling:
-                    self.beam_search.on_distribution(request, result.top_ids[row],
-                                                     result.top_logprobs[row])
-                    continue
-                if not request.is_finished and request.sampling_params.stop:
-                    self._check_stop_strings(request)
-                touched.append(request)
-        outputs = self._collect_finished(touched)
-        profile = self.step_profile
-        profile["calls"] += 1
-        profile["device_s"] += device_s
-        profile["host_s"] += time.perf_counter() - began - device_s
-        return outputs
+            pending = self.runner.dispatch(batch)
+        return _Call(out, num_steps, pending, dispatched_at)
+
+    def _dispatch_chained(self, call: "_Call") -> "_Call | None":
+        """Queue the next multi-step call behind ``call`` before its tokens are known."""
+        out = self.scheduler.chain_multi_step(call.out, call.num_steps)
+        if out is None:
+            return None
+        self.runner.apply_block_ops(*self.kv_cache_manager.take_pending_block_ops())
+        row_of = {id(item.request): row for row, item in enumerate(call.out.scheduled)}
+        row_map = np.array([row_of[id(item.request)] for item in out.scheduled], np.int32)
+        batch = self.batch_builder.build(out, ahead=call.num_steps)
+        dispatched_at = self._mark_dispatch()
+        self.step_profile["chained"] += 1
+        pending = self.runner.dispatch_multi_step(batch, call.num_steps, after=call.pending,
+                                                  row_map=row_map)
+        return _Call(out, call.num_steps, pending, dispatched_at)
+
+    def _process(self, call: "_Call") -> list[Request]:
+        """Wait for ``call``'s tokens and apply them to the requests; returns those touched."""
+        if call.num_steps > 1:
+            tokens = call.pending.fetch()                                   # [K, S]
+            self._results_arrived()
+            return self._accept_multi_step(call.out, tokens)
+        result = call.pending.fetch()
+        self._results_arrived()
+        self._observe_step(call.out, self._results_at - call.dispatched_at)
+        touched = []
+        for request, row in self.scheduler.update_from_output(call.out, result.tokens):
+            if request.external_sampling:
+                self.beam_search.on_distribution(request, result.top_ids[row],
+                                                 result.top_logprobs[row])
+                continue
+            self._after_tokens(request)
+            touched.append(request)
+        return touched
+
+    def _results_arrived(self) -> None:
+        self._results_at = time.perf_counter()
+        if self._inflight is None:
+            self._idle_since = self._results_at  # nothing queued: the device idles from now
+
+    def _after_tokens(self, request: Request) -> None:
+        if request.first_token_time is None and request.num_output_tokens:
+            request.first_token_time = time.monotonic()
+        if not request.is_finished and request.sampling_params.stop:
+            self.output_processor.check_stop_strings(request)
 
     def _check_not_stalled(self, out) -> None:
         """An empty schedule can happen once (a fork due at admission, a self-preemption);
@@ -295,28 +377,43 @@ class LLMEngine:
         touched = []
         for row, item in enumerate(out.scheduled):
             request = item.request
+            if request.is_finished:
+                continue  # finished (or aborted) while this call was queued or running
             for token in tokens[:, row].tolist():
                 if token < 0 or request.is_finished:
                     break  # the device stopped this row; the host agrees (same rules)
                 self.scheduler.accept_token(request, token)
-                if not request.is_finished and request.sampling_params.stop:
-                    self._check_stop_strings(request)  # tokens after a stop string are dropped
+                self._after_tokens(request)  # tokens after a stop string are dropped
             touched.append(request)
         return touched
 
-    def _collect_finished(self, requests: list[Request]) -> list[RequestOutput]:
-        finished = []
+    def _collect(self, requests: list[Request]) -> list[RequestOutput]:
+        """Outputs for the groups of ``requests``: deltas, and finals of finished groups."""
+        outputs = []
+        seen: set[str] = set()
+        moved = {seq.request_id for seq in requests}
         for request in requests:
-            if not request.is_finished:
-                continue
             group_id = self._group_of.get(request.request_id)
-            group = self._groups.get(group_id)
-            if group is not None and all(seq.is_finished for seq in group):
+            if group_id is None or group_id in seen:
+                continue
+            seen.add(group_id)
+            group = self._groups[group_id]
+            finished = all(seq.is_finished for seq in group)
+            if group[0].sampling_params.output_kind == "delta":
+                parts = [self.output_processor.delta(i, seq) for i, seq in enumerate(group)
+                         if seq.request_id in moved]
+                completions = [part for part in parts if part is not None]
+                if completions or finished:
+                    outputs.append(self._request_output(group, completions, finished))
+            elif finished:
+                completions = [self.output_processor.final(i, seq) for i, seq in enumerate(group)]
+                outputs.append(self._request_output(group, completions, True))
+            if finished:
                 del self._groups[group_id]
                 for seq in group:
                     self._group_of.pop(seq.request_id, None)
-                finished.append(self._final_output(group))
-        return finished
+                    self.output_processor.forget(seq.request_id)
+        return outputs
 
     def _observe_step(self, out, seconds: float) -> None:
         """Feed the preemption cost model with the measured prefill speed (moving average)."""
@@ -325,38 +422,25 @@ class LLMEngine:
             model = self.cost_model
             model.prefill_tokens_per_s = 0.8 * model.prefill_tokens_per_s + 0.2 * num_prefill / seconds
 
-    def _check_stop_strings(self, request: Request) -> None:
-        text = decode_output(self.tokenizer, request)
-        searched = self._stop_text_searched.get(request.request_id, 0)
-        hit = find_stop_string(request, text, searched)
-        self._stop_text_searched[request.request_id] = len(text)
-        if hit is not None:
-            request.stop_reason, self._stop_cut[request.request_id] = hit
-            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-
-    def _completion(self, index: int, request: Request) -> CompletionOutput:
-        text = decode_output(self.tokenizer, request) if self.tokenizer is not None else ""
-        cut = self._stop_cut.get(request.request_id)
-        if cut is not None:
-            text = text[:cut]
-        self._forget(request.request_id)
-        return CompletionOutput(
-            index=index, text=text, token_ids=list(request.output_token_ids),
-            finish_reason=request.status.finish_reason, stop_reason=request.stop_reason)
-
-    def _final_output(self, group: list[Request]) -> RequestOutput:
+    def _request_output(self, group: list[Request], completions: list[CompletionOutput],
+                        finished: bool) -> RequestOutput:
         leader = group[0]
+        metrics = {"arrival_time": leader.arrival_time,
+                   "first_token_time": min((s.first_token_time for s in group
+                                            if s.first_token_time is not None), default=None),
+                   "num_preemptions": sum(seq.num_preemptions for seq in group)}
+        if finished:
+            metrics["finished_time"] = time.monotonic()
         return RequestOutput(
             request_id=leader.request_id, prompt=leader.prompt,
-            prompt_token_ids=list(leader.prompt_token_ids),
-            outputs=[self._completion(i, seq) for i, seq in enumerate(group)], finished=True,
-            num_cached_tokens=leader.num_cached_tokens or 0,
-            metrics={"arrival_time": leader.arrival_time, "finished_time": time.monotonic(),
-                     "num_preemptions": sum(seq.num_preemptions for seq in group)})
+            prompt_token_ids=list(leader.prompt_token_ids), outputs=completions,
+            finished=finished, num_cached_tokens=leader.num_cached_tokens or 0, metrics=metrics)
 
-    def _forget(self, request_id: str) -> None:
-        self._stop_text_searched.pop(request_id, None)
-        self._stop_cut.pop(request_id, None)
+    def _drain(self) -> None:
+        """Process a queued call now (its outputs wait for the next ``step``)."""
+        call, self._inflight = self._inflight, None
+        if call is not None:
+            self._pending_outputs += self._collect(self._process(call))
 
     def prompt_logits(self, prompts: list[PromptInput]) -> list[np.ndarray]:
         """float32 logits [num_prompt_tokens, vocab] of each prompt, computed by the paged model.
@@ -365,6 +449,7 @@ class LLMEngine:
         token kept. The prompts bypass the prefix cache (a unique extra hash key), since
         every position must be computed. The requests are removed afterwards.
         """
+        self._drain()
         greedy_one = SamplingParams(temperature=0, max_tokens=1)
         requests = [self.make_request(self.next_request_id(), p, greedy_one) for p in prompts]
         rows: dict[str, list[np.ndarray]] = {r.request_id: [] for r in requests}

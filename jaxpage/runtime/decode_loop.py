@@ -1,12 +1,19 @@
-"""K decode iterations on the device in one call (``lax.fori_loop``).
+"""Up to K decode iterations on the device in one call (``lax.while_loop``).
 
 Every iteration runs the model on one token per sequence, samples the next one, writes
 its K/V through the block table (the host reserved blocks for all K tokens), and checks
 stops on device: a stop token (EOS unless ignored, ``stop_token_ids``) once ``min_tokens``
 are out, or ``max_tokens``. A finished row stops writing (slot -1) and reports -1 for
-the rest of the window. Stop strings are the host's job: it drops tokens past a stop.
+the rest of the window; the loop ends early once every row has finished. Stop strings are
+the host's job: it drops tokens past a stop.
 
 The batch must hold only decodes: token ``t`` belongs to sequence ``t`` for ``t < num_seqs``.
+
+Chaining: a call can start where a previous call (still running, its tokens not yet on
+the host) ended. Every call returns its carry, ``(last_tokens, done)`` padded to
+``carry_rows`` rows; the next call takes it with ``row_map[i]``, the row of the previous
+call that its row ``i`` continues (-1: start from the batch's own ``input_ids``, not done).
+The host builds such a batch with positions already advanced by the previous call's K.
 """
 
 from __future__ import annotations
@@ -23,18 +30,33 @@ KVCache = tuple[jax.Array, jax.Array]
 
 
 def make_decode_loop(graphdef: Any, num_steps: int, block_size: int) -> Callable:
-    """Jitted ``loop(state, kv_cache, batch) -> (kv_cache, tokens int32 [num_steps, S])``."""
+    """Jitted ``loop(state, kv_cache, batch, prev_tokens, prev_done, row_map)``.
 
-    def loop(state: Any, kv_cache: KVCache, batch: dict[str, jax.Array]):
+    prev_tokens int32 [R], prev_done bool [R] (R = carry rows), row_map int32 [S].
+    Returns ``(kv_cache, tokens int32 [num_steps, S], (last_tokens int32 [R], done bool [R]))``.
+    """
+
+    def loop(state: Any, kv_cache: KVCache, batch: dict[str, jax.Array],
+             prev_tokens: jax.Array, prev_done: jax.Array, row_map: jax.Array):
         model = nnx.merge(graphdef, state)
         num_tokens = batch["input_ids"].shape[0]
         num_rows = batch["kv_lens"].shape[0]
+        carry_rows = prev_tokens.shape[0]
         token_row = jnp.minimum(jnp.arange(num_tokens), num_rows - 1)      # [T]
         real = jnp.arange(num_tokens) < batch["num_seqs"][0]                # [T]
         stop_ids = batch["stop_token_ids"]                                   # [S, K_stop]
+        chained = row_map >= 0                                               # [S]
+        source = jnp.clip(row_map, 0, carry_rows - 1)                        # [S]
+        ids = jnp.where(chained[token_row], prev_tokens[source][token_row],
+                        batch["input_ids"])                                  # [T]
+        done = (jnp.arange(num_rows) >= batch["num_seqs"][0]) | (chained & prev_done[source])
 
-        def body(i, carry):
-            kv, ids, positions, kv_lens, done, tokens = carry
+        def cond(carry):
+            i, *_, done, _ = carry
+            return (i < num_steps) & ~jnp.all(done)
+
+        def body(carry):
+            i, kv, ids, positions, kv_lens, done, tokens = carry
             live = real & ~done[token_row]
             table = batch["block_tables"][token_row, positions // block_size]
             slots = jnp.where(live, table * block_size + positions % block_size, -1)
@@ -48,14 +70,17 @@ def make_decode_loop(graphdef: Any, num_steps: int, block_size: int) -> Callable
             is_stop = jnp.any((new[:, None] == stop_ids) & (stop_ids >= 0), axis=-1)
             finishes = (is_stop & (num_out >= batch["min_tokens"])) | (num_out >= batch["max_output"])
             tokens = tokens.at[i].set(jnp.where(done, -1, new))
+            ids = jnp.where(real & ~done[token_row], new[token_row], ids)
             done = done | finishes
-            ids = jnp.where(real, new[token_row], ids)
-            return kv, ids, positions + 1, kv_lens + 1, done, tokens
+            return i + 1, kv, ids, positions + 1, kv_lens + 1, done, tokens
 
-        done = jnp.arange(num_rows) >= batch["num_seqs"][0]
         tokens = jnp.full((num_steps, num_rows), -1, jnp.int32)
-        carry = (kv_cache, batch["input_ids"], batch["positions"], batch["kv_lens"], done, tokens)
-        kv_cache, *_, tokens = jax.lax.fori_loop(0, num_steps, body, carry)
-        return kv_cache, tokens
+        carry = (0, kv_cache, ids, batch["positions"], batch["kv_lens"], done, tokens)
+        _, kv_cache, ids, _, _, done, tokens = jax.lax.while_loop(cond, body, carry)
+        rows = min(num_rows, carry_rows)
+        row_token = jnp.minimum(jnp.arange(num_rows), num_tokens - 1)       # [S]
+        last = jnp.zeros(carry_rows, jnp.int32).at[:rows].set(ids[row_token][:rows])
+        done_out = jnp.ones(carry_rows, bool).at[:rows].set(done[:rows])
+        return kv_cache, tokens, (last, done_out)
 
     return jax.jit(loop, donate_argnums=(1,))

@@ -13,8 +13,42 @@ from jaxpage.runtime import block_ops
 from jaxpage.core.batch import BatchMetadata
 from jaxpage.models.loader import LoadedModel
 from jaxpage.runtime.decode_loop import make_decode_loop
+from jaxpage.runtime.executable_cache import ExecutableCache, fingerprint
 from jaxpage.runtime.kv_cache import allocate_kv_cache
 from jaxpage.runtime.step import make_forward_logits, make_step
+
+
+@dataclass
+class PendingStep:
+    """A dispatched single step whose outputs may still be on the device."""
+
+    tokens: jax.Array                       # int32 [S]
+    top_ids: jax.Array | None = None        # int32 [S, K] (only when a row wants logprobs)
+    top_logprobs: jax.Array | None = None   # float32 [S, K]
+
+    def is_ready(self) -> bool:
+        return self.tokens.is_ready()
+
+    def fetch(self) -> "StepResult":
+        """Wait for the step and bring its outputs to the host."""
+        if self.top_ids is None:
+            return StepResult(np.asarray(self.tokens), None, None)
+        return StepResult(np.asarray(self.tokens), np.asarray(self.top_ids),
+                          np.asarray(self.top_logprobs))
+
+
+@dataclass
+class PendingMultiStep:
+    """A dispatched multi-step decode call; ``carry`` stays on the device for chaining."""
+
+    tokens: jax.Array                       # int32 [K, S], -1 after a row stops
+    carry: tuple[jax.Array, jax.Array]      # (last token int32 [R], done bool [R])
+
+    def is_ready(self) -> bool:
+        return self.tokens.is_ready()
+
+    def fetch(self) -> np.ndarray:
+        return np.asarray(self.tokens)
 
 
 @dataclass
@@ -28,7 +62,8 @@ class ModelRunner:
     """Executes BatchMetadata on the device. ``num_blocks`` includes the null block."""
 
     def __init__(self, loaded: LoadedModel, *, num_blocks: int, block_size: int,
-                 num_host_blocks: int = 0) -> None:
+                 max_num_seqs: int, num_host_blocks: int = 0,
+                 executable_dir: str | None = None) -> None:
         self.arch = loaded.arch
         graphdef, self.state = nnx.split(loaded.model)
         dtype = loaded.model.embed[...].dtype
@@ -41,6 +76,12 @@ class ModelRunner:
         self._decode_loops: dict[int, object] = {}
         self._forward_logits = make_forward_logits(graphdef)
         self.compiled_shapes: set[tuple[int, int, int]] = set()
+        # The carry of a multi-step call that continues nothing: one row per possible sequence.
+        self._no_carry = (jax.numpy.zeros(max_num_seqs, jax.numpy.int32),
+                          jax.numpy.ones(max_num_seqs, bool))
+        self.executables = ExecutableCache(executable_dir, fingerprint(
+            self.state, self.kv_cache, self._no_carry,
+            extra=f"{graphdef}|{self.arch}|block_size={block_size}"))
 
     def reallocate_kv_cache(self, num_blocks: int) -> None:
         """Replace the KV cache with a zeroed one of ``num_blocks`` (null block included)."""
@@ -87,24 +128,53 @@ class ModelRunner:
             best = min(best, time.perf_counter() - start)
         return num_bytes / best
 
-    def execute(self, batch: BatchMetadata) -> StepResult:
-        """Run one step. Rows past ``num_seqs`` are junk."""
+    def dispatch(self, batch: BatchMetadata) -> "PendingStep":
+        """Launch one step without waiting; its outputs start moving to the host at once."""
         self.compiled_shapes.add(batch.shape_key)
-        self.kv_cache, (tokens, top_ids, top_logprobs) = self._step(
-            self.state, self.kv_cache, jax.device_put(batch.as_dict()))
-        if not batch.want_logprobs.any():
-            return StepResult(np.asarray(tokens), None, None)
-        return StepResult(np.asarray(tokens), np.asarray(top_ids), np.asarray(top_logprobs))
+        args = (self.state, self.kv_cache, jax.device_put(batch.as_dict()))
+        program = self.executables.get("step", batch.shape_key, self._step, args)
+        self.kv_cache, (tokens, top_ids, top_logprobs) = program(*args)
+        outputs = (tokens, top_ids, top_logprobs) if batch.want_logprobs.any() else (tokens,)
+        for array in outputs:
+            array.copy_to_host_async()
+        return PendingStep(*outputs)
 
-    def execute_multi_step(self, batch: BatchMetadata, num_steps: int) -> np.ndarray:
-        """Run ``num_steps`` decode iterations; int32 [num_steps, S], -1 after a row stops."""
+    def execute(self, batch: BatchMetadata) -> StepResult:
+        """Run one step and wait for it. Rows past ``num_seqs`` are junk."""
+        return self.dispatch(batch).fetch()
+
+    def dispatch_multi_step(self, batch: BatchMetadata, num_steps: int,
+                            after: "PendingMultiStep | None" = None,
+                            row_map: np.ndarray | None = None) -> "PendingMultiStep":
+        """Launch up to ``num_steps`` decode iterations without waiting.
+
+        With ``after`` (a call not yet fetched), row ``i`` of ``batch`` continues row
+        ``row_map[i]`` of that call: its first input token and done flag come from the
+        device, and the host must have built ``batch`` that call's K tokens ahead.
+        """
         loop = self._decode_loops.get(num_steps)
         if loop is None:
             loop = self._decode_loops[num_steps] = make_decode_loop(
                 self._graphdef, num_steps, self._block_size)
+        num_rows = batch.block_tables.shape[0]
+        if after is None:
+            prev_tokens, prev_done = self._no_carry
+            row_map = np.full(num_rows, -1, np.int32)
+        else:
+            prev_tokens, prev_done = after.carry
+            row_map = np.pad(np.asarray(row_map, np.int32), (0, num_rows - len(row_map)),
+                             constant_values=-1)
         self.compiled_shapes.add(batch.shape_key + (num_steps,))
-        self.kv_cache, tokens = loop(self.state, self.kv_cache, jax.device_put(batch.as_dict()))
-        return np.asarray(tokens)
+        args = (self.state, self.kv_cache, jax.device_put(batch.as_dict()), prev_tokens,
+                prev_done, jax.device_put(row_map))
+        program = self.executables.get(f"decode{num_steps}", batch.shape_key, loop, args)
+        self.kv_cache, tokens, carry = program(*args)
+        tokens.copy_to_host_async()
+        return PendingMultiStep(tokens, carry)
+
+    def execute_multi_step(self, batch: BatchMetadata, num_steps: int) -> np.ndarray:
+        """Run ``num_steps`` decode iterations; int32 [num_steps, S], -1 after a row stops."""
+        return self.dispatch_multi_step(batch, num_steps).fetch()
 
     def logits(self, batch: BatchMetadata) -> np.ndarray:
         """Run one step and return float32 logits [T, V] for every token (the cache is updated)."""

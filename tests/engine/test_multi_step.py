@@ -46,6 +46,7 @@ def test_stops_in_the_middle_of_a_window_match_single_steps(engines):
     assert want[2][3] == stop_str                                    # stop string
     assert [len(w[0]) for w in want[3:]] == [13, 5, 21]              # max_tokens mid-window
     assert multi.llm_engine.runner._decode_loops  # the multi-step path really ran
+    assert multi.llm_engine.step_profile["chained"] > 0  # and calls were queued ahead
 
 
 def test_seeded_sampling_and_max_model_len(engines):
@@ -57,3 +58,28 @@ def test_seeded_sampling_and_max_model_len(engines):
     a = run(single, [{"prompt_token_ids": ids}], edge)
     b = run(multi, [{"prompt_token_ids": ids}], edge)
     assert a == b and len(a[0][0]) == 13 and a[0][2] == "length"
+
+
+def test_abort_while_a_chained_call_is_queued(engines):
+    """Aborting a request whose next call is already on the device frees its blocks at once;
+    the others finish exactly as if it had never been there."""
+    _, multi = engines
+    engine = multi.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = run(multi, BASE[:3], params)
+    ids = [engine.add_request(None, prompt, params) for prompt in BASE[:4]]
+    chained_before = engine.step_profile["chained"]
+    while engine.step_profile["chained"] == chained_before:
+        assert not engine.step()
+    assert engine._inflight is not None
+    free_before = engine.block_pool.num_free_blocks
+    engine.abort_request(ids[3])
+    assert engine.block_pool.num_free_blocks > free_before
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step())
+    assert sorted(done) == sorted(ids[:3])
+    got = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
+            o.outputs[0].stop_reason) for o in (done[i] for i in ids[:3])]
+    assert got == want
+    assert engine.num_used_blocks() == 0

@@ -1,0 +1,128 @@
+"""Compiled device programs kept on disk, so a second start neither traces nor compiles.
+
+JAX's persistent compilation cache skips XLA compilation but still traces and lowers
+every program (about a second each for a model step). This cache stores the compiled
+executables themselves (``jax.experimental.serialize_executable``), one file per program
+and bucket, under a directory whose name fingerprints everything the programs depend on:
+jax and jaxlib versions, the platform and its devices, the source code of ``jaxpage`` and
+``pallas_kernels``, and the avals of the fixed arguments (params, KV cache). A changed
+model, option or code gets a fresh directory; nothing stale is ever loaded. Files are
+written atomically; one that cannot be read is recompiled and replaced.
+
+Backends that cannot serialize an executable still work: the program stays in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+
+logger = logging.getLogger("jaxpage")
+
+_PACKAGES = ("jaxpage", "pallas_kernels")
+
+
+def _source_digest() -> str:
+    """Hash of every Python source file of the packages the programs are built from."""
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parents[2]
+    for package in _PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _avals(tree: Any) -> str:
+    leaves, treedef = jax.tree.flatten(tree)
+    shapes = [(tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", ""))) for x in leaves]
+    return f"{treedef}|{shapes}"
+
+
+def fingerprint(*fixed_args: Any, extra: str = "") -> str:
+    """A digest of what every cached program depends on besides its own bucket."""
+    import jaxlib
+
+    devices = jax.devices()
+    parts = [jax.__version__, jaxlib.__version__, jax.default_backend(),
+             str([(d.platform, d.device_kind) for d in devices]), _source_digest(),
+             *(_avals(arg) for arg in fixed_args), extra]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+class ExecutableCache:
+    """``get(name, bucket, jitted, args)`` returns a compiled program for those arguments.
+
+    Lookup order: memory, then ``directory/<fingerprint>/<name>-<bucket>.bin``, then
+    compiling (and saving). ``directory=None`` keeps programs in memory only.
+    """
+
+    def __init__(self, directory: str | os.PathLike | None, fingerprint: str) -> None:
+        self.directory = Path(directory, fingerprint) if directory is not None else None
+        self._programs: dict[tuple[str, tuple], Callable] = {}
+        self.num_loaded = 0      # programs read from disk
+        self.num_compiled = 0    # programs traced and compiled in this process
+
+    def get(self, name: str, bucket: tuple, jitted: Any, args: tuple) -> Callable:
+        key = (name, bucket)
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs[key] = self._load(key) or self._compile(key, jitted, args)
+        return program
+
+    def _path(self, key: tuple[str, tuple]) -> Path | None:
+        if self.directory is None:
+            return None
+        name, bucket = key
+        return self.directory / f"{name}-{'x'.join(str(b) for b in bucket)}.bin"
+
+    def _load(self, key: tuple[str, tuple]) -> Callable | None:
+        path = self._path(key)
+        if path is None or not path.exists():
+            return None
+        from jax.experimental.serialize_executable import deserialize_and_load
+
+        try:
+            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+            program = deserialize_and_load(payload, in_tree, out_tree)
+        except Exception as error:  # noqa: BLE001 - a bad file is recompiled, never fatal
+            logger.warning("recompiling %s: cached executable unreadable (%s)", path.name, error)
+            return None
+        self.num_loaded += 1
+        return program
+
+    def _compile(self, key: tuple[str, tuple], jitted: Any, args: tuple) -> Callable:
+        # An executable that XLA's persistent cache handed back serializes without its
+        # code on the CPU (jax 0.10: "Function ... not found" when the copy runs), so the
+        # programs this cache saves are always compiled afresh.
+        saved = jax.config.jax_enable_compilation_cache
+        jax.config.update("jax_enable_compilation_cache", self.directory is None and saved)
+        try:
+            compiled = jitted.lower(*args).compile()
+        finally:
+            jax.config.update("jax_enable_compilation_cache", saved)
+        self.num_compiled += 1
+        path = self._path(key)
+        if path is not None:
+            self._save(path, compiled)
+        return compiled
+
+    def _save(self, path: Path, compiled: Any) -> None:
+        from jax.experimental.serialize_executable import serialize
+
+        try:
+            payload = pickle.dumps(serialize(compiled))
+        except Exception as error:  # noqa: BLE001 - some backends cannot serialize
+            logger.info("executable not cached on disk (%s); it stays in memory", error)
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".tmp{os.getpid()}")
+        temporary.write_bytes(payload)
+        os.replace(temporary, path)
