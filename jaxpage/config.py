@@ -31,7 +31,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
     attention_backend: str = "auto"
-    compilation_cache: bool = True  # JAX's persistent compilation cache under the jaxpage cache dir
+    compilation_cache: bool = True  # save compiled programs under the jaxpage cache dir
     warmup: bool | None = None  # compile every bucket at start-up; None: on accelerators only
 
     def __post_init__(self) -> None:

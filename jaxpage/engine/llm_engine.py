@@ -50,23 +50,11 @@ def jax_backend() -> str:
     return jax.default_backend()
 
 
-def enable_compilation_cache() -> None:
-    """Turn on JAX's persistent compilation cache, unless the user already chose a directory."""
-    import jax
-
-    if jax.config.jax_compilation_cache_dir:
-        return
-    jax.config.update("jax_compilation_cache_dir", os.path.join(cache_dir(), "xla"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc, cc = config.model, config.cache
         resolve_attention_backend(mc.attention_backend)  # a backend this platform lacks fails now
-        if mc.compilation_cache:
-            enable_compilation_cache()
         loaded = load_model(mc.model, dtype=mc.dtype, attention_backend=mc.attention_backend)
         self.arch = loaded.arch
         self.tokenizer = load_tokenizer(loaded.path, mc.tokenizer)

@@ -1,6 +1,7 @@
 """Whole-block KV operations on the device: copy-on-write copies and host swapping.
 
-Index lists are padded to a power of two so each function compiles for few shapes;
+Index lists are padded to a power of two so each function compiles for few shapes
+(``programs``, an ExecutableCache, keeps them compiled across starts);
 padding entries point at the null block 0 (a copy 0 -> 0, or zeros written to block 0),
 which is never read unmasked.
 """
@@ -43,6 +44,15 @@ def scatter_blocks(kv: KVCache, ids: jax.Array, k_blocks: jax.Array, v_blocks: j
     return k.at[:, ids].set(k_blocks.astype(k.dtype)), v.at[:, ids].set(v_blocks.astype(v.dtype))
 
 
+def run_program(programs, function, *args):
+    """``function(*args)``, through the executable cache when one is given (keyed by the
+    padded index count, the only shape that varies)."""
+    if programs is None:
+        return function(*args)
+    bucket = tuple(args[1].shape)
+    return programs.get(function.__name__, bucket, function, args)(*args)
+
+
 class HostKVPool:
     """Host-memory copies of swapped-out blocks: (k, v), each [num_host_blocks, layers, ...]."""
 
@@ -52,18 +62,21 @@ class HostKVPool:
         self.v = np.empty((num_blocks, *block_shape), dtype)
 
 
-def swap_out(kv: KVCache, host: HostKVPool, pairs: list[tuple[int, int]]) -> None:
+def swap_out(kv: KVCache, host: HostKVPool, pairs: list[tuple[int, int]],
+             programs=None) -> None:
     """Copy device blocks to host slots: pairs of (device block, host block)."""
     if not pairs:
         return
     device_ids, host_ids = zip(*pairs)
-    k_blocks, v_blocks = jax.device_get(gather_blocks(kv, jax.device_put(padded(list(device_ids)))))
+    k_blocks, v_blocks = jax.device_get(
+        run_program(programs, gather_blocks, kv, jax.device_put(padded(list(device_ids)))))
     n = len(pairs)
     host.k[list(host_ids)] = np.moveaxis(k_blocks, 1, 0)[:n]
     host.v[list(host_ids)] = np.moveaxis(v_blocks, 1, 0)[:n]
 
 
-def swap_in(kv: KVCache, host: HostKVPool, pairs: list[tuple[int, int]]) -> KVCache:
+def swap_in(kv: KVCache, host: HostKVPool, pairs: list[tuple[int, int]],
+            programs=None) -> KVCache:
     """Copy host slots back into device blocks: pairs of (host block, device block)."""
     if not pairs:
         return kv
@@ -73,13 +86,15 @@ def swap_in(kv: KVCache, host: HostKVPool, pairs: list[tuple[int, int]]) -> KVCa
     v_blocks = np.zeros_like(k_blocks)
     k_blocks[:len(pairs)] = host.k[list(host_ids)]
     v_blocks[:len(pairs)] = host.v[list(host_ids)]
-    return scatter_blocks(kv, jax.device_put(ids), jax.device_put(np.moveaxis(k_blocks, 0, 1)),
-                          jax.device_put(np.moveaxis(v_blocks, 0, 1)))
+    return run_program(programs, scatter_blocks, kv, jax.device_put(ids),
+                jax.device_put(np.moveaxis(k_blocks, 0, 1)),
+                jax.device_put(np.moveaxis(v_blocks, 0, 1)))
 
 
-def copy(kv: KVCache, pairs: list[tuple[int, int]]) -> KVCache:
+def copy(kv: KVCache, pairs: list[tuple[int, int]], programs=None) -> KVCache:
     """Copy-on-write copies: pairs of (src block, dst block), applied in order."""
     if not pairs:
         return kv
     src, dst = zip(*pairs)
-    return copy_blocks(kv, jax.device_put(padded(list(src))), jax.device_put(padded(list(dst))))
+    return run_program(programs, copy_blocks, kv, jax.device_put(padded(list(src))),
+                jax.device_put(padded(list(dst))))

@@ -28,6 +28,16 @@ logger = logging.getLogger("jaxpage")
 
 _PACKAGES = ("jaxpage", "pallas_kernels")
 
+_persistent_cache_hits = [0]  # programs JAX's persistent compilation cache supplied
+
+
+def _count_cache_hits(event: str, **_: Any) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _persistent_cache_hits[0] += 1
+
+
+jax.monitoring.register_event_listener(_count_cache_hits)
+
 
 def _source_digest() -> str:
     """Hash of every Python source file of the packages the programs are built from."""
@@ -99,18 +109,14 @@ class ExecutableCache:
         return program
 
     def _compile(self, key: tuple[str, tuple], jitted: Any, args: tuple) -> Callable:
-        # An executable that XLA's persistent cache handed back serializes without its
-        # code on the CPU (jax 0.10: "Function ... not found" when the copy runs), so the
-        # programs this cache saves are always compiled afresh.
-        saved = jax.config.jax_enable_compilation_cache
-        jax.config.update("jax_enable_compilation_cache", self.directory is None and saved)
-        try:
-            compiled = jitted.lower(*args).compile()
-        finally:
-            jax.config.update("jax_enable_compilation_cache", saved)
+        hits = _persistent_cache_hits[0]
+        compiled = jitted.lower(*args).compile()
         self.num_compiled += 1
         path = self._path(key)
-        if path is not None:
+        if path is not None and _persistent_cache_hits[0] == hits:
+            # An executable that XLA's persistent cache handed back serializes without its
+            # code on the CPU (jax 0.10: "Function ... not found" when the copy runs), so
+            # only programs compiled afresh are saved.
             self._save(path, compiled)
         return compiled
 

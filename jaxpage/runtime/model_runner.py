@@ -97,9 +97,10 @@ class ModelRunner:
         Swap-outs first (their device blocks may be reused by this very step), then
         swap-ins, then copy-on-write copies (a copy may read a block just swapped in).
         """
-        block_ops.swap_out(self.kv_cache, self.host_pool, swap_out)
-        self.kv_cache = block_ops.swap_in(self.kv_cache, self.host_pool, swap_in)
-        self.kv_cache = block_ops.copy(self.kv_cache, copies)
+        programs = self.executables
+        block_ops.swap_out(self.kv_cache, self.host_pool, swap_out, programs)
+        self.kv_cache = block_ops.swap_in(self.kv_cache, self.host_pool, swap_in, programs)
+        self.kv_cache = block_ops.copy(self.kv_cache, copies, programs)
 
     def compile_block_ops(self, max_copies: int, max_swaps: int) -> int:
         """Compile the block copy / swap programs for every padded size they can take."""
@@ -107,13 +108,15 @@ class ModelRunner:
         count = 0
         for size in _powers_of_two_upto(max_copies):
             zeros = jax.numpy.zeros(size, jax.numpy.int32)
-            kv = block_ops.copy_blocks(kv, zeros, zeros)
+            kv = block_ops.run_program(self.executables, block_ops.copy_blocks, kv, zeros, zeros)
             count += 1
         if self.host_pool.k.shape[0]:
             for size in _powers_of_two_upto(max_swaps):
                 zeros = jax.numpy.zeros(size, jax.numpy.int32)
-                k_blocks, v_blocks = block_ops.gather_blocks(kv, zeros)
-                kv = block_ops.scatter_blocks(kv, zeros, k_blocks, v_blocks)
+                k_blocks, v_blocks = block_ops.run_program(
+                    self.executables, block_ops.gather_blocks, kv, zeros)
+                kv = block_ops.run_program(self.executables, block_ops.scatter_blocks,
+                                           kv, zeros, k_blocks, v_blocks)
                 count += 2
         self.kv_cache = kv
         return count
