@@ -90,6 +90,7 @@ class SchedulerConfig:
     preemption_mode: str = "auto"    # "recompute", "swap" or "auto" (cheaper per request)
     long_prefill_token_threshold: int = 0  # > 0: most prompt tokens one request takes a step
     num_scheduler_steps: int = 8  # decode iterations run on device per call when all decode
+    async_scheduling: bool = True  # queue the next multi-step call before processing the last
 
     def __post_init__(self) -> None:
         _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
@@ -108,6 +109,8 @@ class SchedulerConfig:
                  f"preemption_mode={self.preemption_mode!r} must be 'recompute', 'swap' or 'auto'")
         _require(isinstance(self.num_scheduler_steps, int) and self.num_scheduler_steps >= 1,
                  f"num_scheduler_steps={self.num_scheduler_steps!r} must be an integer >= 1")
+        _require(isinstance(self.async_scheduling, bool),
+                 f"async_scheduling={self.async_scheduling!r} must be a bool")
         _require(isinstance(self.long_prefill_token_threshold, int)
                  and self.long_prefill_token_threshold >= 0,
                  f"long_prefill_token_threshold={self.long_prefill_token_threshold!r} must be "

@@ -264,7 +264,7 @@ class LLMEngine:
             if call is None:
                 outputs, self._pending_outputs = self._pending_outputs, []
                 return outputs
-        if call.num_steps > 1:
+        if call.num_steps > 1 and self.config.scheduler.async_scheduling:
             self._inflight = self._dispatch_chained(call)
         waited = time.perf_counter()
         touched = self._process(call)
