@@ -20,6 +20,11 @@ ENGINE_FLAGS = {
     "kv_cache_memory": (int, "bytes for the KV cache when --num-kv-blocks is unset"),
     "seed": (int, "engine seed for requests without their own"),
     "attention_backend": (str, "auto, reference, gpu or tpu"),
+    "tensor_parallel_size": (int, "devices per model replica (sharded Megatron-style)"),
+    "data_parallel_size": (int, "model replicas on disjoint device groups"),
+    "coordinator_address": (str, "host:port of process 0 (several processes / hosts)"),
+    "num_processes": (int, "processes in the job (same command on each)"),
+    "process_id": (int, "this process's rank; 0 runs the scheduler"),
 }
 
 

@@ -118,10 +118,55 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is spread over devices and processes (see docs/parallel.md).
+
+    ``tensor_parallel_size`` devices hold one replica (Megatron-style sharding);
+    ``data_parallel_size`` replicas run on disjoint device groups behind one router.
+    With ``num_processes > 1`` every process runs the same command and joins through
+    ``jax.distributed.initialize(coordinator_address, num_processes, process_id)``.
+    """
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    coordinator_address: str | None = None  # "host:port" of process 0; None: one process
+    num_processes: int = 1
+    process_id: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "data_parallel_size", "num_processes"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                     f"{name}={value!r} must be an integer >= 1")
+        _require(isinstance(self.process_id, int) and 0 <= self.process_id < self.num_processes,
+                 f"process_id={self.process_id!r} must be an integer in [0, num_processes="
+                 f"{self.num_processes})")
+        _require(self.coordinator_address is None
+                 or (isinstance(self.coordinator_address, str)
+                     and self.coordinator_address.rpartition(":")[2].isdigit()),
+                 f"coordinator_address={self.coordinator_address!r} must be 'host:port'")
+        _require(self.num_processes == 1 or self.coordinator_address is not None,
+                 f"num_processes={self.num_processes} needs a coordinator_address ('host:port' "
+                 "of process 0)")
+        _require(self.num_processes == 1 or self.data_parallel_size == 1,
+                 f"data_parallel_size={self.data_parallel_size} with num_processes="
+                 f"{self.num_processes} is not supported: use tensor parallelism across processes")
+
+    @property
+    def world_size(self) -> int:
+        """Devices used in all: one tensor-parallel group per data-parallel replica."""
+        return self.tensor_parallel_size * self.data_parallel_size
+
+
+SECTIONS = ("model", "cache", "scheduler", "parallel")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -129,7 +174,8 @@ class EngineConfig:
 
         Unknown names raise ``ValueError`` listing the accepted ones.
         """
-        sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+        sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                    "parallel": ParallelConfig}
         owner = {f.name: name for name, sub in sections.items() for f in dataclasses.fields(sub)}
         unknown = sorted(set(kwargs) - set(owner))
         if unknown:
@@ -141,17 +187,17 @@ class EngineConfig:
 
     @classmethod
     def from_toml(cls, path: str, **overrides: Any) -> "EngineConfig":
-        """Read a TOML file with ``[model]``, ``[cache]``, ``[scheduler]`` tables."""
+        """Read a TOML file with ``[model]``, ``[cache]``, ``[scheduler]``, ``[parallel]`` tables."""
         return cls.from_kwargs(**{**load_toml_options(path), **overrides})
 
 
 def load_toml_options(path: str) -> dict[str, Any]:
-    """Flat engine options from a TOML file's ``[model]``, ``[cache]``, ``[scheduler]`` tables."""
+    """Flat engine options from a TOML file's tables (``[model]``, ``[cache]``, ...)."""
     with open(path, "rb") as f:
         data = tomllib.load(f)
-    unknown = sorted(set(data) - {"model", "cache", "scheduler"})
+    unknown = sorted(set(data) - set(SECTIONS))
     if unknown:
-        raise ValueError(f"{path}: unknown table(s) {unknown}; expected model, cache, scheduler")
+        raise ValueError(f"{path}: unknown table(s) {unknown}; expected {', '.join(SECTIONS)}")
     flat: dict[str, Any] = {}
     for table in data.values():
         flat.update(table)

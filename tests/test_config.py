@@ -5,14 +5,15 @@ import pathlib
 
 import pytest
 
-from jaxpage.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, load_toml_options
+from jaxpage.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
+                            SchedulerConfig, load_toml_options)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_configs_engine_toml_mirrors_the_dataclass_defaults():
     options = load_toml_options(str(ROOT / "configs" / "engine.toml"))
-    defaults = {f.name: f.default for cls in (ModelConfig, CacheConfig, SchedulerConfig)
+    defaults = {f.name: f.default for cls in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
                 for f in dataclasses.fields(cls)}
     assert options, "configs/engine.toml is empty"
     for name, value in options.items():
@@ -34,6 +35,11 @@ def test_flat_keywords_are_routed_to_their_section():
     (dict(max_model_len=1), "max_model_len=1"),
     (dict(attention_backend="cuda"), "attention_backend='cuda'"),
     (dict(bogus=1), "unknown engine option"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size=0"),
+    (dict(data_parallel_size=1.5), "data_parallel_size=1.5"),
+    (dict(num_processes=2), "needs a coordinator_address"),
+    (dict(num_processes=2, process_id=2, coordinator_address="h:1"), "process_id=2"),
+    (dict(coordinator_address="nohost"), "coordinator_address='nohost'"),
 ])
 def test_bad_options_raise_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):

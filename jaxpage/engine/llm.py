@@ -8,8 +8,9 @@ from tqdm.auto import tqdm
 
 from jaxpage.beam_search import BeamSearchOutput, BeamSearchParams
 from jaxpage.config import EngineConfig
-from jaxpage.engine.llm_engine import LLMEngine, PromptInput
+from jaxpage.engine.llm_engine import PromptInput
 from jaxpage.outputs import RequestOutput
+from jaxpage.parallel.launch import build_engine
 from jaxpage.sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -21,6 +22,11 @@ class LLM:
     ``model`` is a Hugging Face checkpoint directory, a ``.gguf`` file, or None for the
     embedded default (SmolLM2-135M-Instruct). Every other keyword is an engine option
     (see ``jaxpage.config``); unknown ones raise ``ValueError``.
+
+    ``tensor_parallel_size`` / ``data_parallel_size`` / ``num_processes`` spread the
+    model over devices and processes (``docs/parallel.md``). With several processes, the
+    constructor on processes other than 0 serves process 0's device calls and then exits
+    the process; only process 0 returns an ``LLM`` to generate with.
     """
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
@@ -32,13 +38,23 @@ class LLM:
             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks,
             seed=seed, **engine_options)
-        self.llm_engine = LLMEngine(config)
+        self.llm_engine = build_engine(config)  # LLMEngine, or a router over replicas
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
     def get_stats(self) -> dict[str, Any]:
         return self.llm_engine.get_stats()
+
+    def save_sharded_checkpoint(self, path: str) -> str:
+        """Save the converted (and sharded) params with orbax; ``LLM(model=path)`` restores.
+
+        Restoring skips the conversion from safetensors / GGUF and loads every shard
+        straight onto its device. Returns the absolute path.
+        """
+        from jaxpage.parallel import checkpoint
+
+        return checkpoint.save(self.llm_engine, path)
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

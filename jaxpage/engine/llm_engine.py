@@ -24,6 +24,7 @@ from jaxpage.engine.output_processor import OutputProcessor
 from jaxpage.engine.tokenizer import cache_dir, load_tokenizer
 from jaxpage.models.loader import load_model
 from jaxpage.outputs import CompletionOutput, RequestOutput
+from jaxpage.parallel.placement import default_mesh
 from jaxpage.runtime.kv_cache import (blocks_from_device_memory, bytes_per_block,
                                       device_memory_stats, num_blocks_for_budget)
 from jaxpage.runtime.model_runner import ModelRunner, PendingMultiStep, PendingStep
@@ -51,11 +52,17 @@ def jax_backend() -> str:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, mesh: Any = None) -> None:
+        """``mesh``: this replica's devices (``jaxpage.parallel.launch.build_engine`` picks
+        them); None means replica 0's under ``tensor_parallel_size > 1``, else one device."""
         self.config = config
         mc, cc = config.model, config.cache
         resolve_attention_backend(mc.attention_backend)  # a backend this platform lacks fails now
-        loaded = load_model(mc.model, dtype=mc.dtype, attention_backend=mc.attention_backend)
+        if mesh is None:
+            mesh = default_mesh(config.parallel)
+        num_shards = 1 if mesh is None else mesh.size  # KV sizes are per device
+        loaded = load_model(mc.model, dtype=mc.dtype, attention_backend=mc.attention_backend,
+                            mesh=mesh)
         self.arch = loaded.arch
         self.tokenizer = load_tokenizer(loaded.path, mc.tokenizer)
         limit = self.arch.max_position_embeddings
@@ -72,10 +79,12 @@ class LLMEngine:
         if cc.num_kv_blocks is not None:
             num_kv_blocks = cc.num_kv_blocks
         elif device_memory_stats() is not None:
-            num_kv_blocks = self._profile_num_blocks(loaded, block_size, dtype, max_useful)
+            num_kv_blocks = self._profile_num_blocks(loaded, block_size, dtype, max_useful,
+                                                     num_shards)
         else:
             num_kv_blocks = num_blocks_for_budget(
-                self.arch, block_size, dtype, cc.kv_cache_memory, max_useful_blocks=max_useful)
+                self.arch, block_size, dtype, cc.kv_cache_memory, max_useful_blocks=max_useful,
+                num_shards=num_shards)
         self.num_kv_blocks = num_kv_blocks
         per_block = bytes_per_block(self.arch, block_size, dtype)
         num_host_blocks = int(cc.swap_space * 2**30) // per_block
@@ -122,7 +131,8 @@ class LLMEngine:
         self._empty_steps = 0  # consecutive empty schedules (see _check_not_stalled)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
 
-    def _profile_num_blocks(self, loaded, block_size: int, dtype, max_useful: int) -> int:
+    def _profile_num_blocks(self, loaded, block_size: int, dtype, max_useful: int,
+                            num_shards: int = 1) -> int:
         """Run the largest bucket with a 2-block cache, read peak memory, size the cache."""
         sched = self.config.scheduler
         probe = ModelRunner(loaded, num_blocks=2, block_size=block_size,
@@ -135,8 +145,8 @@ class LLMEngine:
         del probe
         return blocks_from_device_memory(
             stats["bytes_limit"], stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0)),
-            self.config.cache.memory_utilization, bytes_per_block(self.arch, block_size, dtype),
-            max_useful)
+            self.config.cache.memory_utilization,
+            bytes_per_block(self.arch, block_size, dtype, num_shards), max_useful)
 
     def _eos_token_ids(self, hf_config: dict[str, Any]) -> frozenset[int]:
         ids: set[int] = set()

@@ -5,6 +5,11 @@ one ``lax.scan``, so compile time does not grow with depth. Projections are stor
 ``[in_features, out_features]``. The KV cache ``(k, v)``, each
 ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``, travels in the scan
 carry and is returned updated.
+
+With a ``mesh`` (tensor parallelism, ``jaxpage.parallel``) the weights arrive sharded and
+XLA partitions the projections; the KV cache update and the paged attention run under
+``shard_map`` over the KV-head axis, each device on its own heads with the unchanged
+attention function (the shapes it sees are the per-device ones).
 """
 
 from __future__ import annotations
@@ -15,7 +20,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax.sharding import PartitionSpec as P
+
 from jaxpage.models.arch_config import ArchConfig
+from jaxpage.parallel.sharding_rules import TP
 from pallas_kernels.kv_cache_update import kv_cache_update
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
@@ -70,9 +78,11 @@ class CausalLM(nnx.Module):
     """Embeddings -> scanned decoder layers -> final norm; ``compute_logits`` for the head."""
 
     def __init__(self, cfg: ArchConfig, *, dtype: Any = jnp.float32,
-                 attention_backend: str = "auto", rngs: nnx.Rngs) -> None:
+                 attention_backend: str = "auto", rngs: nnx.Rngs,
+                 mesh: jax.sharding.Mesh | None = None) -> None:
         self.cfg = cfg
         self.attention_backend = attention_backend
+        self.mesh = mesh  # static: a one-axis ("tp") mesh, or None on one device
         self.embed = nnx.Param(nnx.initializers.normal(0.02)(
             rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
         self.layers = DecoderLayers(cfg, dtype=dtype, rngs=rngs)
@@ -86,8 +96,8 @@ class CausalLM(nnx.Module):
         """input_ids, positions: int32 [T] -> hidden [T, hidden_size], updated kv_cache."""
         cfg = self.cfg
         inv_freq = jnp.asarray(cfg.rope_inv_freq())
-        sm_scale = cfg.head_dim ** -0.5
         num_tokens = input_ids.shape[0]
+        attention = self._sharded(self._attention)
 
         def layer(carry, xs):
             h, k_all, v_all = carry
@@ -101,12 +111,9 @@ class CausalLM(nnx.Module):
             q = apply_rope(q.reshape(num_tokens, cfg.num_heads, cfg.head_dim), positions, inv_freq)
             k = apply_rope(k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
             v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            k_layer, v_layer = kv_cache_update(k_all[index], v_all[index], k, v,
-                                               batch["slot_mapping"])
-            attn = ragged_paged_attention(
-                q, k_layer, v_layer, batch["kv_lens"], batch["block_tables"],
-                batch["cu_q_lens"], batch["num_seqs"], sm_scale=sm_scale,
-                sliding_window=cfg.sliding_window, backend=self.attention_backend)
+            attn, k_layer, v_layer = attention(
+                q, k, v, k_all[index], v_all[index], batch["slot_mapping"], batch["kv_lens"],
+                batch["block_tables"], batch["cu_q_lens"], batch["num_seqs"])
             out = jnp.einsum("td,dh->th", attn.reshape(num_tokens, -1), w["o_proj"])
             if cfg.o_bias:
                 out = out + w["o_bias"]
@@ -123,6 +130,30 @@ class CausalLM(nnx.Module):
         xs = (self.layers.stacked(), jnp.arange(cfg.num_layers, dtype=jnp.int32))
         (h, k_all, v_all), _ = jax.lax.scan(layer, (h, *kv_cache), xs)
         return rms_norm(h, self.final_norm[...], cfg.rms_norm_eps), (k_all, v_all)
+
+    def _attention(self, q, k, v, k_layer, v_layer, slot_mapping, kv_lens, block_tables,
+                   cu_q_lens, num_seqs):
+        """Write the new K/V into one layer's pages, then attend: -> (attn, k_layer, v_layer).
+
+        q: [T, Hq, D]; k, v: [T, Hkv, D]; k_layer, v_layer: [num_blocks, block_size, Hkv, D]
+        (per-device head counts under ``shard_map``).
+        """
+        k_layer, v_layer = kv_cache_update(k_layer, v_layer, k, v, slot_mapping)
+        attn = ragged_paged_attention(
+            q, k_layer, v_layer, kv_lens, block_tables, cu_q_lens, num_seqs,
+            sm_scale=self.cfg.head_dim ** -0.5, sliding_window=self.cfg.sliding_window,
+            backend=self.attention_backend)
+        return attn, k_layer, v_layer
+
+    def _sharded(self, attention):
+        """``attention`` under ``shard_map`` over the KV-head axis when there is a mesh."""
+        if self.mesh is None:
+            return attention
+        heads, pages, whole = P(None, TP, None), P(None, None, TP, None), P()
+        return jax.shard_map(
+            attention, mesh=self.mesh,
+            in_specs=(heads, heads, heads, pages, pages, whole, whole, whole, whole, whole),
+            out_specs=(heads, pages, pages), check_vma=False)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""

@@ -29,7 +29,8 @@ from jaxpage.runtime.sampler import sample
 KVCache = tuple[jax.Array, jax.Array]
 
 
-def make_decode_loop(graphdef: Any, num_steps: int, block_size: int) -> Callable:
+def make_decode_loop(graphdef: Any, num_steps: int, block_size: int,
+                     jit: Callable = jax.jit) -> Callable:
     """Jitted ``loop(state, kv_cache, batch, prev_tokens, prev_done, row_map)``.
 
     prev_tokens int32 [R], prev_done bool [R] (R = carry rows), row_map int32 [S].
@@ -83,4 +84,4 @@ def make_decode_loop(graphdef: Any, num_steps: int, block_size: int) -> Callable
         done_out = jnp.ones(carry_rows, bool).at[:rows].set(done[:rows])
         return kv_cache, tokens, (last, done_out)
 
-    return jax.jit(loop, donate_argnums=(1,))
+    return jit(loop, donate_argnums=(1,))  # jit: a Placement.jit under tensor parallelism

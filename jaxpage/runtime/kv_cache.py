@@ -1,4 +1,9 @@
-"""The paged KV cache on device and its sizing."""
+"""The paged KV cache on device and its sizing.
+
+Under tensor parallelism the cache is split by KV head over the ``tp`` devices, so each
+device holds ``1 / num_shards`` of every block: sizes here are per device when
+``num_shards`` is given, since every device's memory must hold its share.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +14,21 @@ import numpy as np
 from jaxpage.models.arch_config import ArchConfig
 
 
-def bytes_per_block(arch: ArchConfig, block_size: int, dtype) -> int:
-    """K and V bytes of one block across all layers."""
+def bytes_per_block(arch: ArchConfig, block_size: int, dtype, num_shards: int = 1) -> int:
+    """K and V bytes of one block across all layers, on each of ``num_shards`` devices.
+
+    ``arch.num_kv_heads`` is the count the model runs with (after GQA repetition), a
+    multiple of ``num_shards``.
+    """
     itemsize = np.dtype(dtype).itemsize
-    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * itemsize
+    heads = arch.num_kv_heads // num_shards
+    return 2 * arch.num_layers * block_size * heads * arch.head_dim * itemsize
 
 
 def num_blocks_for_budget(arch: ArchConfig, block_size: int, dtype, budget_bytes: int,
-                          max_useful_blocks: int) -> int:
-    """Usable blocks (null block excluded) that fit ``budget_bytes``, capped at what can be used."""
-    per_block = bytes_per_block(arch, block_size, dtype)
+                          max_useful_blocks: int, num_shards: int = 1) -> int:
+    """Usable blocks (null block excluded) that fit ``budget_bytes`` per device, capped."""
+    per_block = bytes_per_block(arch, block_size, dtype, num_shards)
     fitting = budget_bytes // per_block - 1  # one block of the budget goes to the null block
     if fitting < 1:
         raise ValueError(f"kv_cache_memory={budget_bytes} bytes holds no KV block "
@@ -26,14 +36,19 @@ def num_blocks_for_budget(arch: ArchConfig, block_size: int, dtype, budget_bytes
     return int(min(fitting, max_useful_blocks))
 
 
-def allocate_kv_cache(arch: ArchConfig, num_blocks: int, block_size: int,
-                      dtype) -> tuple[jax.Array, jax.Array]:
+def allocate_kv_cache(arch: ArchConfig, num_blocks: int, block_size: int, dtype,
+                      sharding: jax.sharding.Sharding | None = None) -> tuple[jax.Array, jax.Array]:
     """Zeroed (k, v), each [num_layers, num_blocks, block_size, num_kv_heads, head_dim].
 
-    ``num_blocks`` includes the null block 0.
+    ``num_blocks`` includes the null block 0. With a ``sharding`` (KV heads over the
+    mesh) each device allocates only its own heads.
     """
     shape = (arch.num_layers, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    if sharding is None:
+        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    zeros = jax.jit(lambda: (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)),
+                    out_shardings=(sharding, sharding))
+    return zeros()
 
 
 def blocks_from_device_memory(bytes_limit: int, peak_bytes: int, utilization: float,

@@ -13,6 +13,7 @@ from jaxpage.runtime import block_ops
 from jaxpage.core.batch import BatchMetadata
 from jaxpage.models.loader import LoadedModel
 from jaxpage.runtime.decode_loop import make_decode_loop
+from jaxpage.parallel.placement import JitDispatch, Placement
 from jaxpage.runtime.executable_cache import ExecutableCache, fingerprint
 from jaxpage.runtime.kv_cache import allocate_kv_cache
 from jaxpage.runtime.step import make_forward_logits, make_step
@@ -59,36 +60,48 @@ class StepResult:
 
 
 class ModelRunner:
-    """Executes BatchMetadata on the device. ``num_blocks`` includes the null block."""
+    """Executes BatchMetadata on the device. ``num_blocks`` includes the null block.
+
+    With ``loaded.mesh`` (tensor parallelism) the params are already sharded, the KV cache
+    is allocated split by KV head, and every program is jitted by the replica's
+    ``Placement`` (the cache keeps its sharding; small outputs come back replicated).
+    """
 
     def __init__(self, loaded: LoadedModel, *, num_blocks: int, block_size: int,
                  max_num_seqs: int, num_host_blocks: int = 0,
                  executable_dir: str | None = None) -> None:
         self.arch = loaded.arch
+        self.hf_config = loaded.hf_config
+        self.placement = Placement(loaded.mesh)
         graphdef, self.state = nnx.split(loaded.model)
-        dtype = loaded.model.embed[...].dtype
-        self.kv_cache = allocate_kv_cache(self.arch, num_blocks, block_size, dtype)
+        self.dtype = dtype = loaded.model.embed[...].dtype
+        self.kv_cache = allocate_kv_cache(self.arch, num_blocks, block_size, dtype,
+                                          self.placement.kv_sharding)
         block_shape = (self.arch.num_layers,) + self.kv_cache[0].shape[2:]
         self.host_pool = block_ops.HostKVPool(num_host_blocks, block_shape, np.dtype(dtype))
-        self._step = make_step(graphdef)
+        self._step = make_step(graphdef, jit=self.placement.jit)
         self._graphdef = graphdef
         self._block_size = block_size
         self._decode_loops: dict[int, object] = {}
-        self._forward_logits = make_forward_logits(graphdef)
+        self._forward_logits = make_forward_logits(graphdef, jit=self.placement.jit)
         self.compiled_shapes: set[tuple[int, int, int]] = set()
         # The carry of a multi-step call that continues nothing: one row per possible sequence.
         self._no_carry = (jax.numpy.zeros(max_num_seqs, jax.numpy.int32),
                           jax.numpy.ones(max_num_seqs, bool))
-        self.executables = ExecutableCache(executable_dir, fingerprint(
-            self.state, self.kv_cache, self._no_carry,
-            extra=f"{graphdef}|{self.arch}|block_size={block_size}"))
+        if self.placement.mesh is not None:  # sharded programs: plain jit dispatch
+            self.executables = JitDispatch()
+        else:
+            self.executables = ExecutableCache(executable_dir, fingerprint(
+                self.state, self.kv_cache, self._no_carry,
+                extra=f"{graphdef}|{self.arch}|block_size={block_size}"))
 
     def reallocate_kv_cache(self, num_blocks: int) -> None:
         """Replace the KV cache with a zeroed one of ``num_blocks`` (null block included)."""
         shape = self.kv_cache[0].shape
         dtype = self.kv_cache[0].dtype
         self.kv_cache = None  # free the old one first
-        self.kv_cache = allocate_kv_cache(self.arch, num_blocks, shape[2], dtype)
+        self.kv_cache = allocate_kv_cache(self.arch, num_blocks, shape[2], dtype,
+                                          self.placement.kv_sharding)
 
     def apply_block_ops(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
                         copies: list[tuple[int, int]]) -> None:
@@ -158,7 +171,7 @@ class ModelRunner:
         loop = self._decode_loops.get(num_steps)
         if loop is None:
             loop = self._decode_loops[num_steps] = make_decode_loop(
-                self._graphdef, num_steps, self._block_size)
+                self._graphdef, num_steps, self._block_size, jit=self.placement.jit)
         num_rows = batch.block_tables.shape[0]
         if after is None:
             prev_tokens, prev_done = self._no_carry

@@ -18,7 +18,7 @@ from jaxpage.runtime.sampler import sample, top_logprobs
 KVCache = tuple[jax.Array, jax.Array]
 
 
-def make_step(graphdef: Any) -> Callable:
+def make_step(graphdef: Any, jit: Callable = jax.jit) -> Callable:
     """Jitted ``step(state, kv_cache, batch) -> (kv_cache, (tokens, top_ids, top_logprobs))``.
 
     tokens: int32 [S]; top_ids, top_logprobs: [S, MAX_TOP_LOGPROBS] (zeros unless some row
@@ -31,10 +31,10 @@ def make_step(graphdef: Any) -> Callable:
         top_ids, top_values = top_logprobs(logits, batch["want_logprobs"], MAX_TOP_LOGPROBS)
         return kv_cache, (sample(logits, batch), top_ids, top_values)
 
-    return jax.jit(step, donate_argnums=(1,))
+    return jit(step, donate_argnums=(1,))  # jit: a Placement.jit under tensor parallelism
 
 
-def make_forward_logits(graphdef: Any) -> Callable:
+def make_forward_logits(graphdef: Any, jit: Callable = jax.jit) -> Callable:
     """Jitted ``forward(state, kv_cache, batch) -> (kv_cache, logits float32 [T, V])``.
 
     Logits of every scheduled token: for checks against a reference model and for
@@ -45,4 +45,4 @@ def make_forward_logits(graphdef: Any) -> Callable:
         hidden, kv_cache = model(batch["input_ids"], batch["positions"], kv_cache, batch)
         return kv_cache, model.compute_logits(hidden)
 
-    return jax.jit(forward, donate_argnums=(1,))
+    return jit(forward, donate_argnums=(1,))

@@ -1,0 +1,39 @@
+"""Builds the engine a ``ParallelConfig`` asks for: one replica, M replicas, or one of N processes.
+
+* ``tensor_parallel_size=N``: one ``LLMEngine`` on a mesh of N devices.
+* ``data_parallel_size=M``: M engines on disjoint groups of N devices behind a
+  ``DataParallelEngine`` router.
+* ``num_processes > 1``: ``jax.distributed`` is started first; process 0 gets the engine
+  with its runner mirrored to the others; every other process serves those calls in
+  ``build_engine`` and then exits (``SystemExit(0)``) when process 0 stops.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxpage.config import EngineConfig
+from jaxpage.parallel import distributed
+
+
+def build_engine(config: EngineConfig) -> Any:
+    """An ``LLMEngine`` or a ``DataParallelEngine`` for ``config`` (see the module docstring)."""
+    from jaxpage.engine.llm_engine import LLMEngine
+    from jaxpage.parallel.placement import replica_meshes
+
+    parallel = config.parallel
+    distributed.initialize(parallel)
+    if parallel.data_parallel_size == 1:
+        engine = LLMEngine(config)
+    else:
+        from jaxpage.parallel.router import DataParallelEngine
+
+        meshes = replica_meshes(parallel.tensor_parallel_size, parallel.data_parallel_size)
+        engine = DataParallelEngine([LLMEngine(config, mesh=mesh) for mesh in meshes])
+    if parallel.num_processes > 1:
+        if distributed.is_leader():
+            distributed.mirror_engine_runners(engine)
+        else:
+            distributed.follow(engine.runner)
+            raise SystemExit(0)
+    return engine

@@ -1,0 +1,163 @@
+"""Placement: where one model replica's arrays live, and how its programs are jitted.
+
+A ``Placement`` wraps the replica's ``Mesh`` (one axis, ``tp``) or None for the plain
+single-device path, which then runs exactly as without this module. It knows the
+sharding of every parameter (``sharding_rules``) and of the KV cache, loads host arrays
+straight into their shards, and jits the model's programs so that the KV cache keeps its
+sharding (it is donated in and out) and small outputs come back replicated.
+
+Several processes (``jax.distributed``): the mesh spans devices this process cannot
+address. Inputs made on the host are then turned into global replicated arrays, and
+replicated outputs are read from this process's own copy, so callers keep using
+``np.asarray`` on the results.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxpage.parallel.sharding_rules import KV_CACHE_SPEC, TP, param_spec
+
+
+def build_mesh(devices: Sequence[jax.Device]) -> Mesh:
+    """A one-axis (``tp``) mesh over ``devices``, in the given order."""
+    return Mesh(np.array(list(devices)), (TP,))
+
+
+def replica_meshes(tensor_parallel_size: int, data_parallel_size: int) -> list[Mesh]:
+    """One mesh per data-parallel replica, over disjoint consecutive groups of devices.
+
+    ``jax.devices()`` lists every process's devices (process 0's first), so a group may
+    span processes: that is how a tensor-parallel group crosses hosts.
+    """
+    devices = jax.devices()
+    needed = tensor_parallel_size * data_parallel_size
+    if len(devices) < needed:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size="
+                         f"{data_parallel_size} needs {needed} devices; only {len(devices)} "
+                         f"{jax.default_backend()} device(s) are visible")
+    return [build_mesh(devices[r * tensor_parallel_size:(r + 1) * tensor_parallel_size])
+            for r in range(data_parallel_size)]
+
+
+def _path_name(path: tuple) -> str:
+    """The parameter name of a pytree path: its last dict / attribute key."""
+    for entry in reversed(path):
+        key = getattr(entry, "key", getattr(entry, "name", None))
+        if isinstance(key, str) and key != "value":
+            return key
+    raise ValueError(f"cannot name the parameter at path {path}")
+
+
+class Placement:
+    """Shardings of one replica on ``mesh`` (None: one device, nothing is sharded)."""
+
+    def __init__(self, mesh: Mesh | None) -> None:
+        self.mesh = mesh
+        self._multi_process = mesh is not None and any(
+            d.process_index != jax.process_index() for d in mesh.devices.flat)
+
+    @property
+    def tp_size(self) -> int:
+        return 1 if self.mesh is None else int(self.mesh.shape[TP])
+
+    @property
+    def multi_process(self) -> bool:
+        return self._multi_process
+
+    def sharding(self, spec: P) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return self.sharding(P())
+
+    @property
+    def kv_sharding(self) -> NamedSharding | None:
+        return None if self.mesh is None else self.sharding(KV_CACHE_SPEC)
+
+    def param_sharding(self, name: str, shape: tuple[int, ...]) -> NamedSharding:
+        return self.sharding(param_spec(name, shape, self.tp_size))
+
+    def state_shardings(self, state: Any) -> Any:
+        """A tree like ``state`` (arrays or shape structs) of each leaf's NamedSharding."""
+        return jax.tree_util.tree_map_with_path(
+            lambda path, leaf: self.param_sharding(_path_name(path), tuple(leaf.shape)), state)
+
+    def put(self, name: str, array: np.ndarray, dtype: Any) -> jax.Array:
+        """A host array into its shards: each device receives only its own slice.
+
+        ``jax.make_array_from_callback`` asks for the slices of this process's devices,
+        so no device (and no process) ever holds more than its share.
+        """
+        sharding = self.param_sharding(name, array.shape)
+        return jax.make_array_from_callback(
+            array.shape, sharding, lambda index: np.asarray(array[index], dtype=dtype))
+
+    def global_input(self, value: Any) -> Any:
+        """Host or single-device arrays -> arrays replicated over the mesh."""
+        if self.mesh is None:
+            return value
+        sharding = self.replicated
+        if not self.multi_process:
+            return jax.device_put(value, sharding)
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), value)
+
+    def local_output(self, value: Any) -> Any:
+        """Replicated outputs -> this process's copy (np.asarray works on it)."""
+        if not self.multi_process:
+            return value
+        return jax.tree.map(lambda x: x.addressable_data(0), value)
+
+    def jit(self, fn: Callable, *, donate_argnums: tuple[int, ...] = ()) -> Callable:
+        """``jax.jit`` for ``fn(state, kv_cache, *inputs) -> (kv_cache, *outputs)``.
+
+        On a mesh the KV cache keeps its KV-head sharding through the program (so the
+        donated buffers are reused) and every other output is replicated; inputs made
+        on the host are placed replicated first, and outputs are read back locally
+        (``global_input`` / ``local_output``).
+        """
+        if self.mesh is None:
+            return jax.jit(fn, donate_argnums=donate_argnums)
+        kv_sharding, replicated = self.kv_sharding, self.replicated
+
+        def constrained(state, kv_cache, *inputs):
+            kv_cache = jax.lax.with_sharding_constraint(kv_cache, kv_sharding)
+            kv_cache, *outputs = fn(state, kv_cache, *inputs)
+            return (jax.lax.with_sharding_constraint(kv_cache, kv_sharding),
+                    *jax.lax.with_sharding_constraint(tuple(outputs), replicated))
+
+        jitted = jax.jit(constrained, donate_argnums=donate_argnums)
+
+        def run(state, kv_cache, *inputs):
+            kv_cache, *outputs = jitted(state, kv_cache, *self.global_input(inputs))
+            return (kv_cache, *self.local_output(tuple(outputs)))
+
+        run.jitted = jitted  # for lowering / inspection
+        run.place_inputs = lambda state, kv, *inputs: (state, kv, *self.global_input(inputs))
+        return run
+
+
+class JitDispatch:
+    """Stands in for the runner's ``ExecutableCache`` on a mesh: ``get`` returns the jitted
+    function itself, so every call goes through ``jax.jit`` dispatch (which places
+    host-made inputs on the mesh and caches the compiled program per shape) instead of a
+    compiled executable that would demand exactly placed arguments."""
+
+    directory = None
+    num_loaded = 0
+    num_compiled = 0
+
+    def get(self, name: str, bucket: tuple, jitted: Callable, args: tuple) -> Callable:
+        return jitted
+
+def default_mesh(parallel: Any) -> Mesh | None:
+    """Replica 0's mesh for a ``ParallelConfig``; None for one device in one process."""
+    if parallel.tensor_parallel_size == 1 and parallel.num_processes == 1:
+        return None
+    return replica_meshes(parallel.tensor_parallel_size, 1)[0]

@@ -1,0 +1,91 @@
+"""Megatron-style tensor-parallel layout: one PartitionSpec per parameter name.
+
+Projections are stored ``[in_features, out_features]`` with a leading ``num_layers`` axis
+(see ``models/llama.py``). Over the mesh axis ``tp`` of N devices:
+
+* ``q_proj`` / ``k_proj`` / ``v_proj`` (and their biases), ``gate_proj`` / ``up_proj``:
+  split by output features, so each device computes its own heads / MLP columns;
+* ``o_proj`` / ``down_proj``: split by input features; XLA sums the partial outputs
+  (one all-reduce per block);
+* ``embed`` (``[vocab, hidden]``) and ``lm_head`` (``[hidden, vocab]``): split by vocabulary;
+* norms and ``o_bias``: replicated;
+* the KV cache ``[layers, blocks, block_size, kv_heads, head_dim]``: split by KV head.
+
+Invariant: a device holding query heads ``[d*Hq/N, (d+1)*Hq/N)`` also holds the KV heads
+they read, ``[d*Hkv/N, (d+1)*Hkv/N)``. That needs ``Hq % N == 0`` and ``Hkv % N == 0``;
+when ``Hkv < N`` (GQA), each KV head is repeated ``N / Hkv`` times (``replicated_arch``,
+``repeat_kv_heads``), which keeps every query head paired with a copy of its own KV head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxpage.models.arch_config import ArchConfig
+
+TP = "tp"  # the mesh axis of tensor parallelism
+
+# parameter name (last key of its path) -> spec; layer weights carry a leading L axis
+PARAM_SPECS: dict[str, P] = {
+    "embed": P(TP, None),
+    "lm_head": P(None, TP),
+    "final_norm": P(),
+    "input_norm": P(),
+    "post_attention_norm": P(),
+    "q_proj": P(None, None, TP), "k_proj": P(None, None, TP), "v_proj": P(None, None, TP),
+    "q_bias": P(None, TP), "k_bias": P(None, TP), "v_bias": P(None, TP),
+    "o_proj": P(None, TP, None), "o_bias": P(),
+    "gate_proj": P(None, None, TP), "up_proj": P(None, None, TP),
+    "down_proj": P(None, TP, None),
+}
+KV_CACHE_SPEC = P(None, None, None, TP, None)  # [L, num_blocks, block_size, kv_heads, head_dim]
+VOCAB_PARAMS = ("embed", "lm_head")
+
+
+def param_spec(name: str, shape: tuple[int, ...], tp_size: int) -> P:
+    """The spec of parameter ``name``; vocab tables that do not divide are replicated."""
+    if name not in PARAM_SPECS:
+        raise ValueError(f"no tensor-parallel sharding rule for parameter {name!r}")
+    spec = PARAM_SPECS[name]
+    for dim, axis in enumerate(spec):
+        if axis is not None and shape[dim] % tp_size:
+            if name in VOCAB_PARAMS:
+                return P()  # an odd vocabulary stays whole on every device
+            raise ValueError(f"parameter {name} dimension {dim} of size {shape[dim]} does not "
+                             f"divide over tensor_parallel_size={tp_size}")
+    return spec
+
+
+def kv_heads_for(arch: ArchConfig, tp_size: int) -> int:
+    """KV heads after GQA replication for ``tp_size`` devices (raises if none fits)."""
+    if arch.num_heads % tp_size:
+        raise ValueError(f"tensor_parallel_size={tp_size} must divide the model's "
+                         f"num_heads={arch.num_heads}")
+    kv = arch.num_kv_heads
+    if kv % tp_size == 0:
+        return kv
+    if tp_size % kv == 0:
+        return tp_size  # each KV head repeated tp_size / kv times
+    raise ValueError(f"tensor_parallel_size={tp_size} and num_kv_heads={kv}: one must divide "
+                     "the other")
+
+
+def replicated_arch(arch: ArchConfig, tp_size: int) -> ArchConfig:
+    """The architecture as the sharded model runs it (KV heads repeated when fewer than N)."""
+    return dataclasses.replace(arch, num_kv_heads=kv_heads_for(arch, tp_size))
+
+
+def repeat_kv_heads(weight: np.ndarray, num_kv_heads: int, head_dim: int,
+                    repeats: int) -> np.ndarray:
+    """Repeat each KV head's output columns ``repeats`` times (head j -> j*r ... j*r+r-1).
+
+    weight: [..., num_kv_heads * head_dim] -> [..., num_kv_heads * repeats * head_dim].
+    """
+    if repeats == 1:
+        return weight
+    lead = weight.shape[:-1]
+    heads = weight.reshape(*lead, num_kv_heads, head_dim)
+    return np.repeat(heads, repeats, axis=-2).reshape(*lead, num_kv_heads * repeats * head_dim)
