@@ -95,8 +95,9 @@ def data_parallel(args: dict) -> dict:
     engine = llm.llm_engine
     shared = args["shared_prefix"]
     owners = []
-    for i in range(4):
-        request_id = engine.add_request(None, {"prompt_token_ids": shared + [100 + i]},
+    heads = [shared + [100 + i] for i in range(3)] + [args["other_prompt"]]
+    for ids in heads:  # three sharing a prefix, then an unrelated one
+        request_id = engine.add_request(None, {"prompt_token_ids": ids},
                                         SamplingParams(max_tokens=1))
         owners.append(engine._owner[request_id])
     while engine.has_unfinished_requests():
