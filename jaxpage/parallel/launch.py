@@ -5,15 +5,20 @@
   ``DataParallelEngine`` router.
 * ``num_processes > 1``: ``jax.distributed`` is started first; process 0 gets the engine
   with its runner mirrored to the others; every other process serves those calls in
-  ``build_engine`` and then exits (``SystemExit(0)``) when process 0 stops.
+  ``build_engine`` and then exits (``SystemExit(0)``) when process 0 stops. Swapping to
+  host memory is off there (``swap_space=0``): preempted requests are recomputed.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Any
 
 from jaxpage.config import EngineConfig
 from jaxpage.parallel import distributed
+
+logger = logging.getLogger("jaxpage")
 
 
 def build_engine(config: EngineConfig) -> Any:
@@ -22,6 +27,13 @@ def build_engine(config: EngineConfig) -> Any:
     from jaxpage.parallel.placement import replica_meshes
 
     parallel = config.parallel
+    if parallel.num_processes > 1 and config.cache.swap_space:
+        # each process would have to keep its own heads' host copies; until then, preempted
+        # requests are recomputed
+        logger.warning("swap_space=%s ignored with num_processes=%d: preemption recomputes",
+                       config.cache.swap_space, parallel.num_processes)
+        config = dataclasses.replace(config, cache=dataclasses.replace(config.cache,
+                                                                       swap_space=0.0))
     distributed.initialize(parallel)
     if parallel.data_parallel_size == 1:
         engine = LLMEngine(config)

@@ -19,3 +19,4 @@ def test_two_processes_match_one_process(tp_checkpoints, tp_prompts):
     assert leader["process_count"] == 2 and leader["device_count"] == 8
     assert single["process_count"] == 1 and single["device_count"] == 8
     assert leader["tokens"] == single["tokens"]
+    assert leader["forked"] == single["forked"]

@@ -122,7 +122,10 @@ def multi_process(args: dict) -> dict:
 
     params = SamplingParams(temperature=0, max_tokens=args["max_tokens"])
     tokens = _generate(llm, args["prompts"], [params] * len(args["prompts"]))
-    return {"tokens": tokens, "process_count": jax.process_count(),
+    # n=2 seeded sampling: copy-on-write block copies run on every process too
+    forked = _generate(llm, args["prompts"][:2],
+                       [SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=6)] * 2)
+    return {"tokens": tokens, "forked": forked, "process_count": jax.process_count(),
             "device_count": jax.device_count()}
 
 
