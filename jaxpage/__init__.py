@@ -17,6 +17,8 @@ _EXPORTS = {
     "SamplingParams": "jaxpage.sampling_params",
     "RequestOutput": "jaxpage.outputs",
     "CompletionOutput": "jaxpage.outputs",
+    "Logprob": "jaxpage.outputs",
+    "AsyncLLMEngine": "jaxpage.engine.async_llm_engine",
     "EngineConfig": "jaxpage.config",
     "ModelConfig": "jaxpage.config",
     "CacheConfig": "jaxpage.config",

@@ -1,14 +1,26 @@
-"""Command line: ``jaxpage generate``.
+"""Command line: ``jaxpage serve`` (the OpenAI-compatible server) and ``jaxpage generate``.
 
 Engine options mirror ``LLM``'s keyword arguments (``--max-num-seqs`` is
 ``max_num_seqs``); ``--config FILE.toml`` reads them from a file like
-``configs/engine.toml``, and flags given on the command line win.
+``configs/engine.toml``, and flags given on the command line win. With no model, the
+embedded default (SmolLM2-135M-Instruct) is used. ``jaxpage serve --help`` and
+``jaxpage generate --help`` list every option.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+
+def _bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not a boolean (true/false)")
+
 
 ENGINE_FLAGS = {
     "dtype": (str, "compute dtype: auto, float32, bfloat16, float16"),
@@ -18,8 +30,20 @@ ENGINE_FLAGS = {
     "block_size": (int, "tokens per KV block"),
     "num_kv_blocks": (int, "KV blocks (default: sized from --kv-cache-memory)"),
     "kv_cache_memory": (int, "bytes for the KV cache when --num-kv-blocks is unset"),
+    "memory_utilization": (float, "share of device memory to use (devices with memory stats)"),
+    "enable_prefix_caching": (_bool, "reuse KV blocks of shared prompt prefixes (true/false)"),
+    "swap_space": (float, "GiB of host memory for swapped-out KV blocks"),
+    "scheduling_policy": (str, "fcfs or priority"),
+    "priority_aging_steps": (int, "steps of waiting that improve a priority by one"),
+    "preemption_mode": (str, "recompute, swap or auto"),
+    "long_prefill_token_threshold": (int, "most prompt tokens one request takes a step (0: off)"),
+    "num_scheduler_steps": (int, "decode iterations per device call when all decode"),
+    "max_waiting_requests": (int, "server: answer 503 when this many requests wait (default: no cap)"),
     "seed": (int, "engine seed for requests without their own"),
     "attention_backend": (str, "auto, reference, gpu or tpu"),
+    "compilation_cache": (_bool, "save compiled programs for the next start (true/false)"),
+    "warmup": (_bool, "compile every bucket at start-up (default: on accelerators only)"),
+    "async_scheduling": (_bool, "queue the next multi-step call before processing the last (true/false)"),
     "tensor_parallel_size": (int, "devices per model replica (sharded Megatron-style)"),
     "data_parallel_size": (int, "model replicas on disjoint device groups"),
     "coordinator_address": (str, "host:port of process 0 (several processes / hosts)"),
@@ -28,49 +52,92 @@ ENGINE_FLAGS = {
 }
 
 
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine options (LLM keyword arguments)")
+    group.add_argument("--tokenizer", default=None, help="tokenizer directory or .gguf file")
+    group.add_argument("--config", default=None, help="TOML file of engine options")
+    for name, (kind, help_text) in ENGINE_FLAGS.items():
+        group.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                           help=help_text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxpage", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="generate a completion for one prompt")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate}")
+    serve = commands.add_parser(
+        "serve", help="serve the OpenAI-compatible HTTP API",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, "
+                    "/metrics, /tokenize and /detokenize.")
+    serve.add_argument("model", nargs="?", default=None,
+                       help="HF checkpoint directory or .gguf file (default: embedded SmolLM2)")
+    serve.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--served-model-name", default=None,
+                       help="model name clients use (default: the model path's name)")
+    serve.add_argument("--log-level", default="info", help="uvicorn log level")
+    _add_engine_flags(serve)
+
+    gen = commands.add_parser("generate", help="generate a completion for one prompt, streamed",
+                              description="Generate for one prompt, printing text as it comes.")
     gen.add_argument("prompt", help="the prompt text")
     gen.add_argument("--model", default=None,
                      help="HF checkpoint directory or .gguf file (default: embedded SmolLM2)")
-    gen.add_argument("--tokenizer", default=None, help="tokenizer directory or .gguf file")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=-1, help="-1 disables top-k")
     gen.add_argument("--sample-seed", type=int, default=None, help="seed of this request")
-    gen.add_argument("--config", default=None, help="TOML file of engine options")
-    for name, (kind, help_text) in ENGINE_FLAGS.items():
-        gen.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=help_text)
+    _add_engine_flags(gen)
     return parser
+
+
+def _engine_options(args) -> dict:
+    from jaxpage.config import load_toml_options
+
+    options = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    if args.config:
+        options = {**load_toml_options(args.config), **options}
+    return options
+
+
+def _serve(args) -> int:
+    from jaxpage.server.launch import serve
+
+    model = args.model or args.model_flag
+    serve(model, tokenizer=args.tokenizer, host=args.host, port=args.port, api_key=args.api_key,
+          served_model_name=args.served_model_name, log_level=args.log_level,
+          **_engine_options(args))
+    return 0
+
+
+def _generate(args) -> int:
+    from jaxpage.engine.generate_stream import stream_generate
+    from jaxpage.engine.llm import LLM
+    from jaxpage.sampling_params import SamplingParams
+
+    llm = LLM(args.model, tokenizer=args.tokenizer, **_engine_options(args))
+    params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                  top_k=args.top_k, seed=args.sample_seed)
+    SamplingParams(**params)  # validate before anything is printed
+    for piece in stream_generate(llm, args.prompt, params, chat=args.chat):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from jaxpage.config import load_toml_options
-    from jaxpage.engine.llm import LLM
-    from jaxpage.sampling_params import SamplingParams
-
-    options = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
     try:
-        if args.config:
-            options = {**load_toml_options(args.config), **options}
-        llm = LLM(args.model, tokenizer=args.tokenizer, **options)
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k, seed=args.sample_seed)
-        if args.chat:
-            outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
-        else:
-            outputs = llm.generate([args.prompt], params, use_tqdm=False)
+        return _serve(args) if args.command == "serve" else _generate(args)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(outputs[0].outputs[0].text)
-    return 0
 
 
 if __name__ == "__main__":

@@ -91,6 +91,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # > 0: most prompt tokens one request takes a step
     num_scheduler_steps: int = 8  # decode iterations run on device per call when all decode
     async_scheduling: bool = True  # queue the next multi-step call before processing the last
+    max_waiting_requests: int | None = None  # server: more waiting than this is a 503; None: no cap
 
     def __post_init__(self) -> None:
         _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
@@ -111,6 +112,12 @@ class SchedulerConfig:
                  f"num_scheduler_steps={self.num_scheduler_steps!r} must be an integer >= 1")
         _require(isinstance(self.async_scheduling, bool),
                  f"async_scheduling={self.async_scheduling!r} must be a bool")
+        _require(self.max_waiting_requests is None
+                 or (isinstance(self.max_waiting_requests, int)
+                     and not isinstance(self.max_waiting_requests, bool)
+                     and self.max_waiting_requests >= 1),
+                 f"max_waiting_requests={self.max_waiting_requests!r} must be None or an "
+                 "integer >= 1")
         _require(isinstance(self.long_prefill_token_threshold, int)
                  and self.long_prefill_token_threshold >= 0,
                  f"long_prefill_token_threshold={self.long_prefill_token_threshold!r} must be "

@@ -6,19 +6,34 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """Log-probability of one token at one position, with its 1-based rank in the vocabulary."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One entry per generated token: token id -> Logprob (the sampled token and the top ones).
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence of a request.
 
     ``finish_reason`` is ``"stop"`` (EOS, a stop token or a stop string), ``"length"``
     (``max_tokens`` or the context limit) or ``None`` while unfinished. ``stop_reason`` is
     the stop string or stop token id that ended it, or ``None`` for EOS and length.
+    ``logprobs`` (when the request asked for them) has one dict per token of
+    ``token_ids``; ``cumulative_logprob`` is then the sum of the sampled tokens' logprobs.
     """
 
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: None = None
+    logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

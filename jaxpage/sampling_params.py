@@ -18,6 +18,10 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+# Most top log-probabilities a request may ask for per generated token (vLLM's default cap).
+MAX_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Frozen, validated sampling parameters.
@@ -28,6 +32,14 @@ class SamplingParams:
     context (``max_model_len``) is full". ``output_kind="delta"`` makes
     ``LLMEngine.step`` return the new part of a request's output at every step (streaming);
     ``"final"`` returns it once, finished.
+
+    Penalties follow vLLM: ``repetition_penalty`` (> 0, 1 = off) divides positive logits
+    and multiplies negative ones of every token seen in the prompt or the output;
+    ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2]) subtract a constant, and a
+    constant per occurrence, from the logits of tokens in the output. ``logprobs=N``
+    returns, per generated token, the log-probabilities of the N most likely tokens of
+    the raw model distribution plus the sampled one (``0``: the sampled one only).
+    ``prompt_logprobs`` is not supported.
     """
 
     n: int = 1
@@ -44,6 +56,11 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     output_kind: str = "final"
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -80,15 +97,27 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", ids)
         if self.output_kind not in ("final", "delta"):
             _fail("output_kind", self.output_kind, 'must be "final" or "delta"')
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                _fail(name, value, "must be a number in [-2, 2]")
+        if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0:
+            _fail("repetition_penalty", self.repetition_penalty, "must be a number > 0")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            _fail("logprobs", self.logprobs, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None:
+            _fail("prompt_logprobs", self.prompt_logprobs, "is not supported (leave it None)")
         for flag in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, flag), bool):
                 _fail(flag, getattr(self, flag), "must be a bool")
 
     @property
-    def has_penalties(self) -> bool:
-        """Whether sampling depends on the counts of earlier tokens (none supported yet)."""
-        return False
-
-    @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when presence, frequency or repetition penalties change the logits."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)

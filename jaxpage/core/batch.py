@@ -8,6 +8,11 @@ rounded up to a rung of their ladder. Padding is explicit:
 * padded sequences: ``kv_lens = 0``, ``cu_q_lens`` repeats its last value, block table
   rows are 0 (the null block), ``logits_indices = 0``, greedy sampling;
 * ``num_seqs[0]`` is the number of real sequences.
+
+Penalties travel as the distinct tokens each sequence has seen (``penalty_ids``, prompt
+and output) with their counts in the output (``penalty_counts``); the device scatters
+them into dense ``[S, V]`` tables. Their width ``P`` is a rung of its own ladder, and
+``P == 0`` when no sequence of the batch has penalties: that program has no penalty code.
 """
 
 from __future__ import annotations
@@ -72,11 +77,19 @@ class BatchMetadata:
     min_tokens: np.ndarray       # int32 [S]  stop tokens are masked while sample_index < this
     max_output: np.ndarray       # int32 [S]  the request's max_tokens (after context clipping)
     want_logprobs: np.ndarray    # int32 [S]  1 = return this row's top log-probabilities
+    presence_penalty: np.ndarray   # float32 [S]  0 = off
+    frequency_penalty: np.ndarray  # float32 [S]  0 = off
+    repetition_penalty: np.ndarray  # float32 [S]  1 = off
+    penalty_ids: np.ndarray      # int32 [S, P]  distinct prompt + output tokens, -1 = none
+    penalty_counts: np.ndarray   # int32 [S, P]  occurrences of penalty_ids[i, j] in the output
 
     @property
-    def shape_key(self) -> tuple[int, int, int]:
-        """(T, S, M): which compiled program runs this batch."""
-        return (self.input_ids.shape[0], self.block_tables.shape[0], self.block_tables.shape[1])
+    def shape_key(self) -> tuple[int, ...]:
+        """Which compiled program runs this batch: (T, S, M), plus the penalty width P
+        when some sequence has penalties (warm-up covers P == 0 only)."""
+        key = (self.input_ids.shape[0], self.block_tables.shape[0], self.block_tables.shape[1])
+        width = self.penalty_ids.shape[1]
+        return key + (width,) if width else key
 
     def as_dict(self) -> dict[str, np.ndarray]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -93,6 +106,7 @@ class BatchBuilder:
         self.seq_ladder = BucketLadder(1, max_num_seqs)
         max_blocks = kv_cache_manager.num_blocks_for(max_model_len)
         self.block_ladder = BucketLadder(min(8, max_blocks), max_blocks)
+        self.penalty_ladder = BucketLadder(min(16, max_model_len), max_model_len)
 
     def step_shapes(self) -> list[tuple[int, int, int]]:
         """Every (T, S, M) that ``build`` can produce: n sequences carry n..max tokens."""
@@ -123,7 +137,7 @@ class BatchBuilder:
             top_k=zeros(S), top_p=np.ones(S, np.float32), min_p=np.zeros(S, np.float32),
             sample_seeds=np.zeros(S, np.uint32), sample_index=zeros(S),
             stop_token_ids=np.full((S, MAX_STOP_TOKENS), -1, np.int32), min_tokens=zeros(S),
-            max_output=zeros(S), want_logprobs=zeros(S))
+            max_output=zeros(S), want_logprobs=zeros(S), **_no_penalties(S))
 
     def build(self, out: SchedulerOutput, ahead: int = 0) -> BatchMetadata:
         """Pad ``out`` into a batch.
@@ -188,7 +202,7 @@ class BatchBuilder:
             stop_ids[i, :len(ids)] = ids
             min_tokens[i] = params.min_tokens
             max_output[i] = req.max_tokens
-            want_logprobs[i] = req.external_sampling
+            want_logprobs[i] = req.external_sampling or params.logprobs is not None
             start = end
         cu_q_lens[len(items)] = num_tokens
         return BatchMetadata(
@@ -198,4 +212,42 @@ class BatchBuilder:
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             sample_seeds=seeds, sample_index=sample_index, stop_token_ids=stop_ids,
             min_tokens=min_tokens, max_output=max_output,
-            want_logprobs=want_logprobs)
+            want_logprobs=want_logprobs, **self._penalties([it.request for it in items], S))
+
+    def _penalties(self, requests, S: int) -> dict[str, np.ndarray]:
+        """The penalty fields of a batch (width 0 when no request has penalties)."""
+        fields_ = _no_penalties(S)
+        seen = {i: penalty_table(r) for i, r in enumerate(requests)
+                if r.sampling_params.has_penalties}
+        if not seen:
+            return fields_
+        P = self.penalty_ladder.fit(max(len(ids) for ids, _ in seen.values()))
+        ids_arr = np.full((S, P), -1, np.int32)
+        counts_arr = np.zeros((S, P), np.int32)
+        for i, (ids, counts) in seen.items():
+            params = requests[i].sampling_params
+            fields_["presence_penalty"][i] = params.presence_penalty
+            fields_["frequency_penalty"][i] = params.frequency_penalty
+            fields_["repetition_penalty"][i] = params.repetition_penalty
+            ids_arr[i, :len(ids)] = ids
+            counts_arr[i, :len(ids)] = counts
+        fields_["penalty_ids"], fields_["penalty_counts"] = ids_arr, counts_arr
+        return fields_
+
+
+def penalty_table(request) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct tokens of prompt + output, int32 [D]; their counts in the output, int32 [D])."""
+    ids = np.unique(np.asarray(request.all_token_ids, np.int32))
+    out_ids, out_counts = np.unique(np.asarray(request.output_token_ids, np.int32),
+                                    return_counts=True)
+    counts = np.zeros(len(ids), np.int32)
+    counts[np.searchsorted(ids, out_ids)] = out_counts
+    return ids, counts
+
+
+def _no_penalties(S: int) -> dict[str, np.ndarray]:
+    return {"presence_penalty": np.zeros(S, np.float32),
+            "frequency_penalty": np.zeros(S, np.float32),
+            "repetition_penalty": np.ones(S, np.float32),
+            "penalty_ids": np.zeros((S, 0), np.int32),
+            "penalty_counts": np.zeros((S, 0), np.int32)}

@@ -20,6 +20,7 @@ from jaxpage.core.scheduler import PreemptionCostModel, Scheduler, SchedulerOutp
 from jaxpage.beam_search import BeamSearchParams
 from jaxpage.engine.beam_search_driver import BeamSearchDriver
 from jaxpage.engine.input_processor import InputProcessor, PromptInput
+from jaxpage.engine.logprobs import LogprobsRecorder
 from jaxpage.engine.output_processor import OutputProcessor
 from jaxpage.engine.tokenizer import cache_dir, load_tokenizer
 from jaxpage.models.loader import load_model
@@ -130,6 +131,7 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self._empty_steps = 0  # consecutive empty schedules (see _check_not_stalled)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
+        self.logprobs = LogprobsRecorder(lambda token: self._decode([token]))
 
     def _profile_num_blocks(self, loaded, block_size: int, dtype, max_useful: int,
                             num_shards: int = 1) -> int:
@@ -247,6 +249,7 @@ class LLMEngine:
         for sequence in self._groups.pop(request_id, []):
             self.scheduler.finish_request(sequence.request_id, RequestStatus.FINISHED_ABORTED)
             self.output_processor.forget(sequence.request_id)
+            self.logprobs.forget(sequence.request_id)
             self._group_of.pop(sequence.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -332,9 +335,9 @@ class LLMEngine:
     def _process(self, call: "_Call") -> list[Request]:
         """Wait for ``call``'s tokens and apply them to the requests; returns those touched."""
         if call.num_steps > 1:
-            tokens = call.pending.fetch()                                   # [K, S]
+            result = call.pending.fetch_result()                            # [K, S]
             self._results_arrived()
-            return self._accept_multi_step(call.out, tokens)
+            return self._accept_multi_step(call.out, result)
         result = call.pending.fetch()
         self._results_arrived()
         self._observe_step(call.out, self._results_at - call.dispatched_at)
@@ -344,6 +347,7 @@ class LLMEngine:
                 self.beam_search.on_distribution(request, result.top_ids[row],
                                                  result.top_logprobs[row])
                 continue
+            self.logprobs.record(request, result, row)
             self._after_tokens(request)
             touched.append(request)
         return touched
@@ -371,16 +375,17 @@ class LLMEngine:
             raise RuntimeError(f"scheduler made no progress: {self.scheduler.stats()}, "
                                f"{self.block_pool.num_free_blocks} free blocks")
 
-    def _accept_multi_step(self, out, tokens: np.ndarray) -> list[Request]:
+    def _accept_multi_step(self, out, result) -> list[Request]:
         touched = []
         for row, item in enumerate(out.scheduled):
             request = item.request
             if request.is_finished:
                 continue  # finished (or aborted) while this call was queued or running
-            for token in tokens[:, row].tolist():
+            for k, token in enumerate(result.tokens[:, row].tolist()):
                 if token < 0 or request.is_finished:
                     break  # the device stopped this row; the host agrees (same rules)
                 self.scheduler.accept_token(request, token)
+                self.logprobs.record(request, result, row, k)
                 self._after_tokens(request)  # tokens after a stop string are dropped
             touched.append(request)
         return touched
@@ -398,19 +403,21 @@ class LLMEngine:
             group = self._groups[group_id]
             finished = all(seq.is_finished for seq in group)
             if group[0].sampling_params.output_kind == "delta":
-                parts = [self.output_processor.delta(i, seq) for i, seq in enumerate(group)
-                         if seq.request_id in moved]
+                parts = [self.logprobs.attach(self.output_processor.delta(i, seq), seq)
+                         for i, seq in enumerate(group) if seq.request_id in moved]
                 completions = [part for part in parts if part is not None]
                 if completions or finished:
                     outputs.append(self._request_output(group, completions, finished))
             elif finished:
-                completions = [self.output_processor.final(i, seq) for i, seq in enumerate(group)]
+                completions = [self.logprobs.attach(self.output_processor.final(i, seq), seq)
+                               for i, seq in enumerate(group)]
                 outputs.append(self._request_output(group, completions, True))
             if finished:
                 del self._groups[group_id]
                 for seq in group:
                     self._group_of.pop(seq.request_id, None)
                     self.output_processor.forget(seq.request_id)
+                    self.logprobs.forget(seq.request_id)
         return outputs
 
     def _observe_step(self, out, seconds: float) -> None:

@@ -5,7 +5,9 @@ its K/V through the block table (the host reserved blocks for all K tokens), and
 stops on device: a stop token (EOS unless ignored, ``stop_token_ids``) once ``min_tokens``
 are out, or ``max_tokens``. A finished row stops writing (slot -1) and reports -1 for
 the rest of the window; the loop ends early once every row has finished. Stop strings are
-the host's job: it drops tokens past a stop.
+the host's job: it drops tokens past a stop. Penalty tables (when the batch has
+penalties) gain each iteration's token, and the log-probabilities of every sampled token
+come back when some row asked for them.
 
 The batch must hold only decodes: token ``t`` belongs to sequence ``t`` for ``t < num_seqs``.
 
@@ -24,7 +26,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpage.runtime.sampler import sample
+from jaxpage.core.batch import MAX_TOP_LOGPROBS
+from jaxpage.runtime.sampler import (penalty_tables, record_tokens, sample,
+                                      sampled_logprobs)
 
 KVCache = tuple[jax.Array, jax.Array]
 
@@ -34,7 +38,11 @@ def make_decode_loop(graphdef: Any, num_steps: int, block_size: int,
     """Jitted ``loop(state, kv_cache, batch, prev_tokens, prev_done, row_map)``.
 
     prev_tokens int32 [R], prev_done bool [R] (R = carry rows), row_map int32 [S].
-    Returns ``(kv_cache, tokens int32 [num_steps, S], (last_tokens int32 [R], done bool [R]))``.
+    Returns ``(kv_cache, tokens int32 [num_steps, S], (last_tokens int32 [R], done bool [R]),
+    (top_ids, top_logprobs, token_logprobs, token_ranks))``: top_* [num_steps, S,
+    MAX_TOP_LOGPROBS], token_* [num_steps, S], all zeros unless some row wants logprobs.
+    A chained call's penalty tables come from the batch alone, so the host must not chain
+    batches with penalties (``SamplingParams.has_penalties``).
     """
 
     def loop(state: Any, kv_cache: KVCache, batch: dict[str, jax.Array],
@@ -53,11 +61,11 @@ def make_decode_loop(graphdef: Any, num_steps: int, block_size: int,
         done = (jnp.arange(num_rows) >= batch["num_seqs"][0]) | (chained & prev_done[source])
 
         def cond(carry):
-            i, *_, done, _ = carry
+            i, *_, done, _, _ = carry
             return (i < num_steps) & ~jnp.all(done)
 
         def body(carry):
-            i, kv, ids, positions, kv_lens, done, tokens = carry
+            i, kv, ids, positions, kv_lens, done, tables, out = carry
             live = real & ~done[token_row]
             table = batch["block_tables"][token_row, positions // block_size]
             slots = jnp.where(live, table * block_size + positions % block_size, -1)
@@ -66,22 +74,30 @@ def make_decode_loop(graphdef: Any, num_steps: int, block_size: int,
             hidden, kv = model(ids, positions, kv, step_batch)
             logits = model.compute_logits(hidden[batch["logits_indices"]])  # [S, V]
             index = batch["sample_index"] + i
-            new = sample(logits, dict(step_batch, sample_index=index))      # [S]
+            new = sample(logits, dict(step_batch, sample_index=index), tables)  # [S]
+            if tables is not None:
+                tables = record_tokens(tables, new, ~done)
+            logprobs = sampled_logprobs(logits, new, batch["want_logprobs"], MAX_TOP_LOGPROBS)
             num_out = index + 1
             is_stop = jnp.any((new[:, None] == stop_ids) & (stop_ids >= 0), axis=-1)
             finishes = (is_stop & (num_out >= batch["min_tokens"])) | (num_out >= batch["max_output"])
-            tokens = tokens.at[i].set(jnp.where(done, -1, new))
+            out = tuple(o.at[i].set(v) for o, v in zip(out, (jnp.where(done, -1, new),) + logprobs))
             ids = jnp.where(real & ~done[token_row], new[token_row], ids)
             done = done | finishes
-            return i + 1, kv, ids, positions + 1, kv_lens + 1, done, tokens
+            return i + 1, kv, ids, positions + 1, kv_lens + 1, done, tables, out
 
-        tokens = jnp.full((num_steps, num_rows), -1, jnp.int32)
-        carry = (0, kv_cache, ids, batch["positions"], batch["kv_lens"], done, tokens)
-        _, kv_cache, ids, _, _, done, tokens = jax.lax.while_loop(cond, body, carry)
+        K, S, N = num_steps, num_rows, MAX_TOP_LOGPROBS
+        out = (jnp.full((K, S), -1, jnp.int32), jnp.zeros((K, S), jnp.float32),
+               jnp.zeros((K, S), jnp.int32), jnp.zeros((K, S, N), jnp.int32),
+               jnp.zeros((K, S, N), jnp.float32))
+        tables = penalty_tables(batch, model.embed[...].shape[0])  # None without penalties
+        carry = (0, kv_cache, ids, batch["positions"], batch["kv_lens"], done, tables, out)
+        _, kv_cache, ids, _, _, done, _, out = jax.lax.while_loop(cond, body, carry)
+        tokens, chosen, rank, top_ids, top_values = out
         rows = min(num_rows, carry_rows)
         row_token = jnp.minimum(jnp.arange(num_rows), num_tokens - 1)       # [S]
         last = jnp.zeros(carry_rows, jnp.int32).at[:rows].set(ids[row_token][:rows])
         done_out = jnp.ones(carry_rows, bool).at[:rows].set(done[:rows])
-        return kv_cache, tokens, (last, done_out)
+        return kv_cache, tokens, (last, done_out), (top_ids, top_values, chosen, rank)
 
     return jit(loop, donate_argnums=(1,))  # jit: a Placement.jit under tensor parallelism

@@ -26,16 +26,16 @@ class PendingStep:
     tokens: jax.Array                       # int32 [S]
     top_ids: jax.Array | None = None        # int32 [S, K] (only when a row wants logprobs)
     top_logprobs: jax.Array | None = None   # float32 [S, K]
+    token_logprobs: jax.Array | None = None  # float32 [S]  (likewise)
+    token_ranks: jax.Array | None = None     # int32 [S]
 
     def is_ready(self) -> bool:
         return self.tokens.is_ready()
 
     def fetch(self) -> "StepResult":
         """Wait for the step and bring its outputs to the host."""
-        if self.top_ids is None:
-            return StepResult(np.asarray(self.tokens), None, None)
-        return StepResult(np.asarray(self.tokens), np.asarray(self.top_ids),
-                          np.asarray(self.top_logprobs))
+        return _fetch(self.tokens, self.top_ids, self.top_logprobs, self.token_logprobs,
+                      self.token_ranks)
 
 
 @dataclass
@@ -44,19 +44,31 @@ class PendingMultiStep:
 
     tokens: jax.Array                       # int32 [K, S], -1 after a row stops
     carry: tuple[jax.Array, jax.Array]      # (last token int32 [R], done bool [R])
+    # (top_ids [K, S, N], top_logprobs [K, S, N], token_logprobs [K, S], token_ranks [K, S])
+    # when some row wants logprobs, else None
+    logprobs: tuple[jax.Array, ...] | None = None
 
     def is_ready(self) -> bool:
         return self.tokens.is_ready()
 
     def fetch(self) -> np.ndarray:
+        """Tokens int32 [K, S] on the host (see ``fetch_result`` for the logprobs too)."""
         return np.asarray(self.tokens)
+
+    def fetch_result(self) -> "StepResult":
+        """Tokens and logprob arrays, each with a leading [K] axis."""
+        return _fetch(self.tokens, *(self.logprobs or (None,) * 4))
 
 
 @dataclass
 class StepResult:
+    """One device call's results on the host; multi-step calls add a leading [K] axis."""
+
     tokens: np.ndarray                      # int32 [S] sampled token per sequence
     top_ids: np.ndarray | None              # int32 [S, K] when some row asked for logprobs
     top_logprobs: np.ndarray | None         # float32 [S, K]
+    token_logprobs: np.ndarray | None = None  # float32 [S]  logprob of the sampled token
+    token_ranks: np.ndarray | None = None     # int32 [S]  its 1-based rank in the vocabulary
 
 
 class ModelRunner:
@@ -149,8 +161,8 @@ class ModelRunner:
         self.compiled_shapes.add(batch.shape_key)
         args = (self.state, self.kv_cache, jax.device_put(batch.as_dict()))
         program = self.executables.get("step", batch.shape_key, self._step, args)
-        self.kv_cache, (tokens, top_ids, top_logprobs) = program(*args)
-        outputs = (tokens, top_ids, top_logprobs) if batch.want_logprobs.any() else (tokens,)
+        self.kv_cache, (tokens, *logprobs) = program(*args)
+        outputs = (tokens, *logprobs) if batch.want_logprobs.any() else (tokens,)
         for array in outputs:
             array.copy_to_host_async()
         return PendingStep(*outputs)
@@ -184,9 +196,13 @@ class ModelRunner:
         args = (self.state, self.kv_cache, jax.device_put(batch.as_dict()), prev_tokens,
                 prev_done, jax.device_put(row_map))
         program = self.executables.get(f"decode{num_steps}", batch.shape_key, loop, args)
-        self.kv_cache, tokens, carry = program(*args)
+        self.kv_cache, tokens, carry, logprobs = program(*args)
         tokens.copy_to_host_async()
-        return PendingMultiStep(tokens, carry)
+        if not batch.want_logprobs.any():
+            return PendingMultiStep(tokens, carry)
+        for array in logprobs:
+            array.copy_to_host_async()
+        return PendingMultiStep(tokens, carry, logprobs)
 
     def execute_multi_step(self, batch: BatchMetadata, num_steps: int) -> np.ndarray:
         """Run ``num_steps`` decode iterations; int32 [num_steps, S], -1 after a row stops."""
@@ -197,6 +213,13 @@ class ModelRunner:
         self.kv_cache, logits = self._forward_logits(self.state, self.kv_cache,
                                                      jax.device_put(batch.as_dict()))
         return np.asarray(logits)
+
+
+def _fetch(tokens, top_ids, top_logprobs, token_logprobs, token_ranks) -> StepResult:
+    if top_ids is None:
+        return StepResult(np.asarray(tokens), None, None)
+    return StepResult(np.asarray(tokens), np.asarray(top_ids), np.asarray(top_logprobs),
+                      np.asarray(token_logprobs), np.asarray(token_ranks))
 
 
 def _powers_of_two_upto(limit: int) -> list[int]:

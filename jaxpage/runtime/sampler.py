@@ -1,7 +1,13 @@
-"""Sampling on device: greedy, temperature, top-k, top-p, min-p, per-request random streams.
+"""Sampling on device: penalties, greedy, temperature, top-k, top-p, min-p, per-request
+random streams, and log-probabilities of the sampled token and the top ones.
 
 Each row's randomness comes from ``fold_in(key(sample_seeds[i]), sample_index[i])``, so a
 request draws the same numbers whether it runs alone or in a batch, and after preemption.
+
+Order, as in vLLM: ``min_tokens`` masking, then penalties (repetition over prompt and
+output tokens, presence and frequency over output tokens), then greedy or temperature and
+the top-k / top-p / min-p filters. Log-probabilities are those of the raw model
+distribution (before penalties and temperature), over the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -37,10 +43,52 @@ def _filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
-def sample(logits: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:
-    """logits float32 [S, V] -> token ids int32 [S]."""
+PenaltyTables = tuple[jax.Array, jax.Array]  # seen bool [S, V], output counts int32 [S, V]
+
+
+def penalty_tables(batch: dict[str, jax.Array], vocab: int) -> PenaltyTables | None:
+    """Dense tables from the batch's ``penalty_ids`` / ``penalty_counts`` (None when P == 0).
+
+    seen[i, t]: token t is in sequence i's prompt or output; counts[i, t]: times in its output.
+    """
+    ids = batch["penalty_ids"]                                               # [S, P]
+    if ids.shape[1] == 0:
+        return None
+    rows = jnp.arange(ids.shape[0])[:, None]
+    safe = jnp.where(ids < 0, vocab, ids)                                    # -1: dropped
+    seen = jnp.zeros((ids.shape[0], vocab), bool).at[rows, safe].set(True, mode="drop")
+    counts = jnp.zeros((ids.shape[0], vocab), jnp.int32).at[rows, safe].add(
+        batch["penalty_counts"], mode="drop")
+    return seen, counts
+
+
+def record_tokens(tables: PenaltyTables, tokens: jax.Array, live: jax.Array) -> PenaltyTables:
+    """Add one new output token per row (int32 [S]) where ``live`` (bool [S]) to the tables."""
+    seen, counts = tables
+    rows = jnp.arange(tokens.shape[0])
+    safe = jnp.where(live & (tokens >= 0), tokens, seen.shape[1])
+    return (seen.at[rows, safe].set(True, mode="drop"),
+            counts.at[rows, safe].add(1, mode="drop"))
+
+
+def apply_penalties(logits: jax.Array, tables: PenaltyTables,
+                    batch: dict[str, jax.Array]) -> jax.Array:
+    """vLLM's repetition, frequency and presence penalties. logits float32 [S, V]."""
+    seen, counts = tables
+    rep = batch["repetition_penalty"][:, None]                               # [S, 1]
+    penalized = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = jnp.where(seen, penalized, logits)
+    logits = logits - batch["frequency_penalty"][:, None] * counts.astype(logits.dtype)
+    return logits - batch["presence_penalty"][:, None] * (counts > 0).astype(logits.dtype)
+
+
+def sample(logits: jax.Array, batch: dict[str, jax.Array],
+           tables: PenaltyTables | None = None) -> jax.Array:
+    """logits float32 [S, V] -> token ids int32 [S]. ``tables``: see ``penalty_tables``."""
     too_early = (batch["sample_index"] < batch["min_tokens"])[:, None]
     logits = suppress_tokens(logits, jnp.where(too_early, batch["stop_token_ids"], -1))
+    if tables is not None:
+        logits = apply_penalties(logits, tables, batch)
     temperature = batch["temperature"]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
@@ -56,16 +104,25 @@ def sample(logits: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:
     return jax.lax.cond(jnp.any(temperature > 0), stochastic, lambda: greedy)
 
 
-def top_logprobs(logits: jax.Array, want: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """Top-``k`` (ids int32 [S, k], log-probabilities float32 [S, k]) of the raw model
-    distribution, computed only when some row of ``want`` (int32 [S]) asks (else zeros)."""
+def sampled_logprobs(logits: jax.Array, tokens: jax.Array, want: jax.Array,
+                     k: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Log-probabilities of the raw distribution (logits float32 [S, V]) for rows that want
+    them (int32 [S]; all zeros when none does):
+
+    (logprob of ``tokens`` float32 [S], its 1-based rank int32 [S],
+     top-``k`` ids int32 [S, k], top-``k`` logprobs float32 [S, k]).
+    """
     rows = logits.shape[0]
 
     def compute():
-        values, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)
-        return ids.astype(jnp.int32), values
+        logp = jax.nn.log_softmax(logits, axis=-1)                           # [S, V]
+        chosen = jnp.take_along_axis(logp, jnp.maximum(tokens, 0)[:, None], axis=-1)[:, 0]
+        rank = jnp.sum(logp > chosen[:, None], axis=-1).astype(jnp.int32) + 1
+        values, ids = jax.lax.top_k(logp, k)
+        return chosen, rank, ids.astype(jnp.int32), values
 
     def skip():
-        return jnp.zeros((rows, k), jnp.int32), jnp.zeros((rows, k), jnp.float32)
+        return (jnp.zeros(rows, jnp.float32), jnp.zeros(rows, jnp.int32),
+                jnp.zeros((rows, k), jnp.int32), jnp.zeros((rows, k), jnp.float32))
 
     return jax.lax.cond(jnp.any(want > 0), compute, skip)

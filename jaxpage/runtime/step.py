@@ -13,23 +13,27 @@ import jax
 from flax import nnx
 
 from jaxpage.core.batch import MAX_TOP_LOGPROBS
-from jaxpage.runtime.sampler import sample, top_logprobs
+from jaxpage.runtime.sampler import penalty_tables, sample, sampled_logprobs
 
 KVCache = tuple[jax.Array, jax.Array]
 
 
 def make_step(graphdef: Any, jit: Callable = jax.jit) -> Callable:
-    """Jitted ``step(state, kv_cache, batch) -> (kv_cache, (tokens, top_ids, top_logprobs))``.
+    """Jitted ``step(state, kv_cache, batch) -> (kv_cache, (tokens, top_ids, top_logprobs,
+    token_logprobs, token_ranks))``.
 
-    tokens: int32 [S]; top_ids, top_logprobs: [S, MAX_TOP_LOGPROBS] (zeros unless some row
-    has ``want_logprobs``).
+    tokens: int32 [S]; top_ids, top_logprobs: [S, MAX_TOP_LOGPROBS]; token_logprobs float32
+    [S] and token_ranks int32 [S] of the sampled tokens (all zeros unless some row has
+    ``want_logprobs``).
     """
     def step(state: Any, kv_cache: KVCache, batch: dict[str, jax.Array]):
         model = nnx.merge(graphdef, state)
         hidden, kv_cache = model(batch["input_ids"], batch["positions"], kv_cache, batch)
         logits = model.compute_logits(hidden[batch["logits_indices"]])  # [S, V]
-        top_ids, top_values = top_logprobs(logits, batch["want_logprobs"], MAX_TOP_LOGPROBS)
-        return kv_cache, (sample(logits, batch), top_ids, top_values)
+        tokens = sample(logits, batch, penalty_tables(batch, logits.shape[-1]))
+        chosen, rank, top_ids, top_values = sampled_logprobs(
+            logits, tokens, batch["want_logprobs"], MAX_TOP_LOGPROBS)
+        return kv_cache, (tokens, top_ids, top_values, chosen, rank)
 
     return jit(step, donate_argnums=(1,))  # jit: a Placement.jit under tensor parallelism
 

@@ -1,0 +1,307 @@
+"""The FastAPI app: OpenAI routes over one AsyncLLMEngine, plus health, metrics, tokenize.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` false or true:
+server-sent events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /health``,
+``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``. With an API key set, every
+``/v1`` route needs ``Authorization: Bearer KEY``. A client that disconnects mid-stream
+aborts its requests (their KV blocks are freed before the engine's next step).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, AsyncIterator
+
+import anyio
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from jaxpage.engine.async_llm_engine import AsyncLLMEngine
+from jaxpage.server.errors import APIError, error_body, error_response, install_error_handlers
+from jaxpage.server.metrics import ServerMetrics
+from jaxpage.server.protocol import (ChatCompletionRequest, CompletionRequest,
+                                     DetokenizeRequest, ErrorResponse, TokenizeRequest)
+from jaxpage.server.serving import (GenerationJob, chat_logprobs, completion_logprobs,
+                                    context_check, sampling_params)
+
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
+
+
+class _APIKeyMiddleware:
+    """Pure ASGI middleware: ``/v1`` routes need ``Authorization: Bearer <key>`` (401)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            headers = dict(scope.get("headers") or [])
+            if headers.get(b"authorization") != self.expected:
+                response = error_response(401, "invalid or missing API key", code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events that stop as soon as the client disconnects.
+
+    Starlette only notices a disconnect on its next send under ASGI 2.4; this response
+    always listens for ``http.disconnect`` and cancels the stream then, so the stream's
+    ``finally`` (which aborts the engine requests) runs at once even between events.
+    """
+
+    def __init__(self, content) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        async with anyio.create_task_group() as group:
+            async def stream() -> None:
+                try:
+                    await self.stream_response(send)
+                except OSError:
+                    pass  # the client went away mid-send
+                group.cancel_scope.cancel()
+
+            group.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            group.cancel_scope.cancel()
+
+
+def _sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
+              api_key: str | None = None) -> FastAPI:
+    """The app serving ``engine`` as the model ``served_model_name``."""
+    app = FastAPI(title="jaxpage", version="0.1.0",
+                  description="OpenAI-compatible API of a jaxpage engine")
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+    metrics = ServerMetrics(served_model_name, lambda: engine.stats)
+    core = engine.engine
+    max_model_len = core.max_model_len
+    app.state.engine, app.state.metrics = engine, metrics
+    created = int(time.time())
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != served_model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves "
+                                f"`{served_model_name}`", param="model", code="model_not_found")
+
+    def tokenizer():
+        if core.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send token ids")
+        return core.tokenizer
+
+    # -- models, health, metrics --------------------------------------------------------
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [{
+            "id": served_model_name, "object": "model", "created": created,
+            "owned_by": "jaxpage", "root": served_model_name, "max_model_len": max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if engine.errored is not None or not engine.alive:
+            return error_response(503, "the engine has stopped")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def get_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    # -- tokenize ----------------------------------------------------------------------
+
+    @app.post("/tokenize", responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of `prompt` and `messages`", param="prompt")
+        tok = tokenizer()
+        if body.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            ids = await engine.run(lambda: _apply_template(
+                tok, messages, add_generation_prompt=body.add_generation_prompt))
+        else:
+            ids = await engine.run(lambda: list(tok(
+                body.prompt, add_special_tokens=body.add_special_tokens).input_ids))
+        return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
+
+    @app.post("/detokenize", responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        vocab = core.arch.vocab_size
+        bad = [t for t in body.tokens if t >= vocab]
+        if bad:
+            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
+                           param="tokens")
+        tok = tokenizer()
+        return {"prompt": await engine.run(lambda: tok.decode(body.tokens))}
+
+    # -- completions -------------------------------------------------------------------
+
+    @app.post("/v1/completions", responses=_ERRORS)
+    async def completions(body: CompletionRequest):
+        check_model(body.model)
+        if body.echo:
+            raise APIError(400, "echo=true is not supported", param="echo")
+        if body.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif all(isinstance(p, str) for p in prompt):
+            prompts = list(prompt)
+        elif all(isinstance(p, int) for p in prompt):
+            prompts = [{"prompt_token_ids": list(prompt)}]
+        else:
+            prompts = [{"prompt_token_ids": list(p)} for p in prompt]
+        params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
+                                 stream=body.stream)
+        job = GenerationJob(engine, metrics, body.n)
+        await job.start(prompts, params, context_check(max_model_len, params))
+        rid, name = f"cmpl-{job.tracked[0].stream.request_id}", served_model_name
+        now = int(time.time())
+
+        def logprobs_of(choice, token_ids, entries, offset=0):
+            if body.logprobs is None:
+                return None
+            return completion_logprobs(entries, token_ids, offset)
+
+        if not body.stream:
+            try:
+                await job.run_to_end()
+            finally:
+                job.close()
+            return {"id": rid, "object": "text_completion", "created": now, "model": name,
+                    "choices": [{"index": c.index, "text": c.text,
+                                 "logprobs": logprobs_of(c, c.token_ids, c.logprobs),
+                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                                for c in job.choices],
+                    "usage": job.usage()}
+
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        async def events() -> AsyncIterator[str]:
+            offsets = [0] * len(job.choices)
+            try:
+                async for choice, delta, finished in job.events():
+                    if not (delta.text or delta.token_ids or finished):
+                        continue
+                    lp = logprobs_of(choice, delta.token_ids, delta.logprobs or [],
+                                     offsets[choice.index])
+                    offsets[choice.index] += len(delta.text)
+                    yield _sse({"id": rid, "object": "text_completion", "created": now,
+                                "model": name, "choices": [{
+                                    "index": choice.index, "text": delta.text, "logprobs": lp,
+                                    "finish_reason": choice.finish_reason if finished else None,
+                                    "stop_reason": choice.stop_reason if finished else None}]})
+                if include_usage:
+                    yield _sse({"id": rid, "object": "text_completion", "created": now,
+                                "model": name, "choices": [], "usage": job.usage()})
+            except APIError as error:
+                yield _sse(error_body(error.status, error.message, error.param))
+            except ValueError as error:
+                yield _sse(error_body(400, str(error)))
+            finally:
+                job.close()
+            yield "data: [DONE]\n\n"
+
+        return EventStreamResponse(events())
+
+    # -- chat completions --------------------------------------------------------------
+
+    @app.post("/v1/chat/completions", responses=_ERRORS)
+    async def chat_completions(body: ChatCompletionRequest):
+        check_model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        tok = tokenizer()
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            ids = await engine.run(lambda: _apply_template(
+                tok, messages, add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message))
+        except ValueError:
+            raise
+        except Exception as error:  # a template that rejects the conversation
+            raise APIError(400, f"the chat template rejected the messages: {error}",
+                           param="messages") from None
+        num_top = (body.top_logprobs or 0) if body.logprobs else None
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        params = sampling_params(body, max_tokens=max_tokens, logprobs=num_top,
+                                 stream=body.stream)
+        job = GenerationJob(engine, metrics, body.n)
+        await job.start([{"prompt_token_ids": ids}], params, context_check(max_model_len, params))
+        rid, name = f"chatcmpl-{job.tracked[0].stream.request_id}", served_model_name
+        now = int(time.time())
+
+        def logprobs_of(token_ids, entries):
+            return None if num_top is None else chat_logprobs(entries, token_ids, num_top)
+
+        if not body.stream:
+            try:
+                await job.run_to_end()
+            finally:
+                job.close()
+            return {"id": rid, "object": "chat.completion", "created": now, "model": name,
+                    "choices": [{"index": c.index,
+                                 "message": {"role": "assistant", "content": c.text},
+                                 "logprobs": logprobs_of(c.token_ids, c.logprobs),
+                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                                for c in job.choices],
+                    "usage": job.usage()}
+
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def chunk(choices: list[dict], **extra) -> str:
+            return _sse({"id": rid, "object": "chat.completion.chunk", "created": now,
+                         "model": name, "choices": choices, **extra})
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                for choice in job.choices:
+                    yield chunk([{"index": choice.index,
+                                  "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}])
+                async for choice, delta, finished in job.events():
+                    if not (delta.text or delta.token_ids or finished):
+                        continue
+                    yield chunk([{"index": choice.index,
+                                  "delta": {"content": delta.text} if delta.text else {},
+                                  "logprobs": logprobs_of(delta.token_ids, delta.logprobs or []),
+                                  "finish_reason": choice.finish_reason if finished else None,
+                                  "stop_reason": choice.stop_reason if finished else None}])
+                if include_usage:
+                    yield chunk([], usage=job.usage())
+            except APIError as error:
+                yield _sse(error_body(error.status, error.message, error.param))
+            except ValueError as error:
+                yield _sse(error_body(400, str(error)))
+            finally:
+                job.close()
+            yield "data: [DONE]\n\n"
+
+        return EventStreamResponse(events())
+
+    return app
+
+
+def _apply_template(tok, messages: list[dict], *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message=true needs add_generation_prompt=false")
+    if getattr(tok, "chat_template", None) is None:
+        raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
+    out = tok.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                  add_generation_prompt=add_generation_prompt,
+                                  continue_final_message=continue_final_message)
+    return list(out["input_ids"])
