@@ -26,7 +26,11 @@ the ratio to the Hugging Face row, as ``<out>/<stem>.json``, ``.md`` and ``.png`
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -86,6 +90,30 @@ def run_jaxpage(args, model, workload: Workload, num_steps: int, log) -> dict:
     return row
 
 
+def add_roofline(args, row: dict, model, workload: Workload, device_kind: str) -> None:
+    """Fraction of the decode memory roofline reached (see bench_roofline.py)."""
+    import bench_roofline
+    from jaxpage.models.loader import default_model_path, open_source
+    from jaxpage.models.presets import preset_config
+    from jaxpage.models.registry import resolve_architecture
+
+    bandwidth = (args.peak_bandwidth_gbs * 1e9 if args.peak_bandwidth_gbs
+                 else bench_roofline.peak_bandwidth(device_kind))
+    if bandwidth is None:
+        return
+    if model is not None and model.startswith("preset:"):
+        hf_config = preset_config(model)
+    else:
+        hf_config = open_source(model or default_model_path()).hf_config
+    arch = resolve_architecture(hf_config)[1]
+    summary = workload.summary()
+    batch = min(args.max_num_seqs, len(workload.requests))
+    context = summary["input_len_mean"] + summary["output_len_mean"] / 2
+    roof = bench_roofline.roofline(arch, args.dtype, batch, context, bandwidth)
+    row.update(roof, roofline_fraction=row["output_tokens_per_s"]
+               / roof["roofline_output_tokens_per_s"])
+
+
 def run_hf(args, model, workload: Workload, log) -> dict:
     import bench_hf
 
@@ -137,6 +165,22 @@ def plot(rows):
     return draw
 
 
+def run_isolated(argv, system: str, steps: int | None, log) -> dict:
+    """One system in a fresh child process (so JAX and PyTorch never share an accelerator's
+    memory), returning its result row."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--systems", system,
+               "--isolate", "no", "--out-dir", out, "--name", "cell", "--json", "",
+               *(["--steps", str(steps)] if steps is not None else [])]
+        log(f"running {system} in a child process")
+        env = dict(os.environ)
+        if system == "jaxpage":  # the engine sizes its KV cache from the device's memory
+            env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
+        return json.loads((Path(out) / "cell.json").read_text())["results"][0]
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -163,6 +207,10 @@ def parse_args(argv=None):
                         help="how jaxpage compiles before the timed pass")
     parser.add_argument("--hf-batch-size", default="auto", help="an integer, or 'auto' (probe)")
     parser.add_argument("--hf-max-batch-size", type=int, default=64)
+    parser.add_argument("--isolate", default="auto", choices=["auto", "yes", "no"],
+                        help="each system in its own child process (auto: on accelerators)")
+    parser.add_argument("--peak-bandwidth-gbs", type=float, default=None,
+                        help="memory bandwidth for the decode roofline (default: by device)")
     parser.add_argument("--out-dir", default="bench_results")
     parser.add_argument("--name", default=None, help="file stem (default: throughput-<workload>)")
     parser.add_argument("--json", default=None, help="also write the JSON here")
@@ -184,17 +232,30 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.isolate != "no":  # this process must not reserve an accelerator's memory
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     log = (lambda msg: print(msg, file=sys.stderr, flush=True))
     model = resolve_model(args.model)
     workload = make_workload(args.workload, vocab_size_of(model), num_requests=args.num_requests,
                              input_len=args.input_len, output_len=args.output_len, seed=args.seed)
     log(f"workload {workload.name}: {len(workload.requests)} requests, "
         f"{workload.num_input_tokens} prompt + {workload.num_output_tokens} output tokens")
+    env = environment()
+    cells = [("jaxpage", k) for k in args.steps if "jaxpage" in args.systems]
+    cells += [("hf", None)] if "hf" in args.systems else []
+    isolate = args.isolate == "yes" or (args.isolate == "auto" and env["jax_backend"] != "cpu"
+                                        and len(cells) > 1)
     rows = []
-    if "jaxpage" in args.systems:
-        rows += [run_jaxpage(args, model, workload, k, log) for k in args.steps]
-    if "hf" in args.systems:
-        rows.append(run_hf(args, model, workload, log))
+    for system, steps in cells:
+        if isolate:
+            rows.append(run_isolated(argv, system, steps, log))
+        elif system == "jaxpage":
+            rows.append(run_jaxpage(args, model, workload, steps, log))
+        else:
+            rows.append(run_hf(args, model, workload, log))
+    for row in rows:
+        if not row["system"].startswith("hf"):
+            add_roofline(args, row, model, workload, env["device"])
     hf_rows = [r for r in rows if r["system"].startswith("hf")]
     first = next((r for r in rows if not r["system"].startswith("hf")), None)
     for row in rows:
@@ -203,9 +264,12 @@ def main(argv=None) -> dict:
         if first is not None and not row["system"].startswith("hf") and len(args.steps) > 1:
             row["ratio_vs_first"] = row["output_tokens_per_s"] / first["output_tokens_per_s"]
     columns = COLUMNS + (PROFILE_COLUMNS if args.profile else [])
+    if any("roofline_fraction" in r for r in rows):
+        columns += [("roofline_output_tokens_per_s", "decode roofline tok/s"),
+                    ("roofline_fraction", "fraction of roofline")]
     table = markdown_table(rows, columns)
     summary = workload.summary()
-    payload = {"benchmark": "throughput", "environment": environment(),
+    payload = {"benchmark": "throughput", "environment": env, "isolated": isolate,
                "model": model_label(model), "dtype": args.dtype, "workload": summary,
                "engine_options": jaxpage_engine_options(args, workload), "results": rows}
     notes = (f"Model {model_label(model)}, {args.dtype}. Workload `{workload.name}`: "

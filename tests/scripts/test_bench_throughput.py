@@ -76,3 +76,22 @@ def test_bad_flags_are_clear_errors():
         bench_throughput.parse_args(["--hf-batch-size", "big"])
     with pytest.raises(ValueError, match="dtype='int8'"):
         bench_hf.load_hf_model("preset:tiny-llama", "int8", "cpu")
+
+
+def test_isolated_child_processes_and_the_roofline_column(tmp_path):
+    """The accelerator path: each system in its own process, results merged, roofline added."""
+    payload = bench_throughput.main([
+        "--model", "tiny-llama", "--workload", "random", "--num-requests", "3",
+        "--input-len", "6", "--output-len", "4", "--isolate", "yes", "--hf-batch-size", "2",
+        "--peak-bandwidth-gbs", "20", "--out-dir", str(tmp_path), "--name", "iso",
+        "--no-progress"])
+    assert payload["isolated"] is True
+    jax_row, hf_row = payload["results"]
+    assert jax_row["system"] == "jaxpage (K=8)" and hf_row["batch_size"] == 2
+    assert jax_row["output_tokens_per_s"] == pytest.approx(12 / jax_row["wall_s"])
+    assert jax_row["ratio_vs_hf"] == pytest.approx(
+        jax_row["output_tokens_per_s"] / hf_row["output_tokens_per_s"])
+    assert jax_row["peak_bandwidth_gbs"] == 20
+    assert jax_row["roofline_fraction"] == pytest.approx(
+        jax_row["output_tokens_per_s"] / jax_row["roofline_output_tokens_per_s"])
+    assert "fraction of roofline" in (tmp_path / "iso.md").read_text()
