@@ -55,21 +55,25 @@ def jaxpage_engine_options(args, workload: Workload) -> dict:
                 **({"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}))
 
 
-def run_jaxpage(args, model, workload: Workload, num_steps: int, log) -> dict:
+def run_jaxpage(args, model, workload: Workload, config: str, log) -> dict:
+    """One engine configuration: "K" (``num_scheduler_steps``) or "Ksync" (the same with
+    asynchronous scheduling turned off, on engines that have that option)."""
     from jaxpage import LLM, SamplingParams
 
+    num_steps = int(config.removesuffix("sync"))
+    extra = {"async_scheduling": False} if config.endswith("sync") else {}
     began = time.perf_counter()
     llm = LLM(model, num_scheduler_steps=num_steps, warmup=(args.warmup == "buckets"),
-              **jaxpage_engine_options(args, workload))
+              **jaxpage_engine_options(args, workload), **extra)
     engine = llm.llm_engine
     load_s = time.perf_counter() - began
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True)
               for r in workload.requests]
     if args.warmup == "workload":
-        log(f"jaxpage K={num_steps}: untimed pass (compiles every shape of this workload)")
+        log(f"jaxpage K={config}: untimed pass (compiles every shape of this workload)")
         llm.generate(prompts, params, use_tqdm=not args.no_progress)
-    engine.step_profile.update(calls=0, device_s=0.0, host_s=0.0)
+    engine.step_profile.update({k: type(v)() for k, v in engine.step_profile.items()})
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
     wall = time.perf_counter() - start
@@ -77,7 +81,7 @@ def run_jaxpage(args, model, workload: Workload, num_steps: int, log) -> dict:
     wanted = [r.output_len for r in workload.requests]
     if made != wanted:
         raise RuntimeError("jaxpage generated a different number of tokens than requested")
-    row = {"system": f"jaxpage (K={num_steps})", "num_scheduler_steps": num_steps,
+    row = {"system": f"jaxpage (K={config})", "num_scheduler_steps": num_steps, "config": config,
            "load_s": load_s, "num_kv_blocks": engine.num_kv_blocks, **rates(workload, wall)}
     if args.profile:
         p = engine.step_profile
@@ -86,6 +90,8 @@ def run_jaxpage(args, model, workload: Workload, num_steps: int, log) -> dict:
         row.update(engine_calls=p["calls"], host_ms_per_call=1e3 * p["host_s"] / calls,
                    device_ms_per_call=1e3 * p["device_s"] / calls,
                    device_wait_fraction=p["host_s"] / busy if busy else 0.0)
+        if "idle_s" in p:  # engines with asynchronous dispatch measure idleness directly
+            row.update(device_idle_fraction=p["idle_s"] / wall, chained_calls=p.get("chained"))
     del llm, engine
     return row
 
@@ -144,7 +150,8 @@ COLUMNS = [("system", "system"), ("requests_per_s", "requests/s"),
            ("ratio_vs_first", "vs first jaxpage row")]
 PROFILE_COLUMNS = [("engine_calls", "engine calls"), ("host_ms_per_call", "host ms/call"),
                    ("device_ms_per_call", "device ms/call"),
-                   ("device_wait_fraction", "device waited for host")]
+                   ("device_wait_fraction", "device waited for host"),
+                   ("device_idle_fraction", "device idle"), ("chained_calls", "chained calls")]
 
 
 def plot(rows):
@@ -165,7 +172,7 @@ def plot(rows):
     return draw
 
 
-def run_isolated(argv, system: str, steps: int | None, log) -> dict:
+def run_isolated(argv, system: str, steps: str | None, log) -> dict:
     """One system in a fresh child process (so JAX and PyTorch never share an accelerator's
     memory), returning its result row."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -195,7 +202,9 @@ def parse_args(argv=None):
     parser.add_argument("--output-len", type=int, default=None, help="fixed output length")
     parser.add_argument("--seed", type=int, default=None, help="override the workload's seed")
     parser.add_argument("--systems", default="jaxpage,hf", help="comma list of jaxpage, hf")
-    parser.add_argument("--steps", default="8", help="num_scheduler_steps values for jaxpage")
+    parser.add_argument("--steps", default="8",
+                        help="jaxpage configurations: num_scheduler_steps values, each "
+                             "optionally with 'sync' (asynchronous scheduling off)")
     parser.add_argument("--profile", action="store_true", help="report jaxpage's host/device split")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="default: the workload's longest prompt + output")
@@ -221,10 +230,10 @@ def parse_args(argv=None):
     if bad or not systems:
         parser.error(f"--systems={args.systems!r}: each must be 'jaxpage' or 'hf'")
     args.systems = systems
-    try:
-        args.steps = [int(k) for k in args.steps.split(",")]
-    except ValueError:
-        parser.error(f"--steps={args.steps!r} must be a comma list of integers")
+    args.steps = [k.strip() for k in args.steps.split(",") if k.strip()]
+    if not args.steps or not all(k.removesuffix("sync").isdigit() for k in args.steps):
+        parser.error(f"--steps={','.join(args.steps)!r} must be a comma list of integers, "
+                     "each optionally followed by 'sync'")
     if args.hf_batch_size != "auto" and not args.hf_batch_size.isdigit():
         parser.error(f"--hf-batch-size={args.hf_batch_size!r} must be an integer or 'auto'")
     return args
