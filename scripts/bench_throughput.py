@@ -13,14 +13,15 @@ seeded log-normal lengths, see that file) runs with ``ignore_eos`` on:
 
 Reported per system: requests/s, output tokens/s, total tokens/s (prompt + output) and
 the ratio to the Hugging Face row, as ``<out>/<stem>.json``, ``.md`` and ``.png``. With
-``--profile``, jaxpage rows add the host/device split of ``LLMEngine.step``.
+``--profile``, jaxpage rows add the host/device split of ``LLMEngine.step`` (host time
+per call, time spent waiting for results, the device's idle fraction, chained calls).
 
     python scripts/bench_throughput.py --workload sharegpt-like            # SmolLM2, CPU
     python scripts/bench_throughput.py --model llama3-8b --dtype bfloat16 \\
         --workload random --num-requests 500                               # a GPU
     python scripts/bench_throughput.py --model preset:tiny-llama --systems jaxpage \\
         --workload random --num-requests 64 --input-len 32 --output-len 128 \\
-        --steps 1,8 --profile                                              # multi-step
+        --steps 1,8sync,8 --profile                     # multi-step, async scheduling
 """
 
 from __future__ import annotations
@@ -88,10 +89,11 @@ def run_jaxpage(args, model, workload: Workload, config: str, log) -> dict:
         calls = max(p["calls"], 1)
         busy = p["device_s"] + p["host_s"]
         row.update(engine_calls=p["calls"], host_ms_per_call=1e3 * p["host_s"] / calls,
-                   device_ms_per_call=1e3 * p["device_s"] / calls,
-                   device_wait_fraction=p["host_s"] / busy if busy else 0.0)
-        if "idle_s" in p:  # engines with asynchronous dispatch measure idleness directly
+                   wait_ms_per_call=1e3 * p["device_s"] / calls)
+        if "idle_s" in p:  # asynchronous dispatch: the engine measures the device's idle time
             row.update(device_idle_fraction=p["idle_s"] / wall, chained_calls=p.get("chained"))
+        else:              # synchronous calls: the device idles exactly while the host works
+            row.update(device_idle_fraction=p["host_s"] / busy if busy else 0.0)
     del llm, engine
     return row
 
@@ -149,9 +151,9 @@ COLUMNS = [("system", "system"), ("requests_per_s", "requests/s"),
            ("wall_s", "wall s"), ("ratio_vs_hf", "output tok/s vs HF"),
            ("ratio_vs_first", "vs first jaxpage row")]
 PROFILE_COLUMNS = [("engine_calls", "engine calls"), ("host_ms_per_call", "host ms/call"),
-                   ("device_ms_per_call", "device ms/call"),
-                   ("device_wait_fraction", "device waited for host"),
-                   ("device_idle_fraction", "device idle"), ("chained_calls", "chained calls")]
+                   ("wait_ms_per_call", "wait for results ms/call"),
+                   ("device_idle_fraction", "device idle fraction"),
+                   ("chained_calls", "chained calls")]
 
 
 def plot(rows):

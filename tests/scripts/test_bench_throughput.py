@@ -34,7 +34,7 @@ def test_jaxpage_and_hf_side_by_side_on_a_tiny_checkpoint(tiny_checkpoints, tmp_
             row["output_tokens_per_s"] / hf["output_tokens_per_s"])
     assert rows[1]["ratio_vs_first"] == pytest.approx(
         rows[1]["output_tokens_per_s"] / rows[0]["output_tokens_per_s"])
-    assert rows[0]["engine_calls"] > 0 and 0 <= rows[0]["device_wait_fraction"] <= 1
+    assert rows[0]["engine_calls"] > 0 and 0 <= rows[0]["device_idle_fraction"] <= 1
     # HF pads each batch to its longest prompt: it computed at least the wanted tokens.
     assert hf["generated_tokens_incl_padding"] >= 30
     assert json.loads((out / "t.json").read_text())["results"][2]["system"] == hf["system"]
@@ -47,12 +47,14 @@ def test_jaxpage_and_hf_side_by_side_on_a_tiny_checkpoint(tiny_checkpoints, tmp_
 def test_legacy_multi_step_mode_on_a_preset(tmp_path):
     payload = bench_throughput.main([
         "--model", "preset:tiny-llama", "--systems", "jaxpage", "--workload", "random",
-        "--num-requests", "4", "--input-len", "8", "--output-len", "9", "--steps", "1,8",
+        "--num-requests", "4", "--input-len", "8", "--output-len", "9", "--steps", "1,8sync,8",
         "--profile", "--out-dir", str(tmp_path), "--no-progress"])
     rows = payload["results"]
-    assert [r["num_scheduler_steps"] for r in rows] == [1, 8]
+    assert [r["config"] for r in rows] == ["1", "8sync", "8"]
+    assert [r["num_scheduler_steps"] for r in rows] == [1, 8, 8]
     assert all("ratio_vs_hf" not in r for r in rows)
     assert rows[1]["engine_calls"] < rows[0]["engine_calls"]  # 8 decode steps per call
+    assert rows[1]["chained_calls"] == 0                      # sync: nothing dispatched ahead
     assert (tmp_path / "throughput-random.png").exists()
 
 
