@@ -4,7 +4,10 @@ Per-layer weights are stacked along a leading ``num_layers`` axis and the layers
 one ``lax.scan``, so compile time does not grow with depth. Projections are stored as
 ``[in_features, out_features]``. The KV cache ``(k, v)``, each
 ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``, travels in the scan
-carry and is returned updated.
+carry and is returned updated. Inside the scan it is viewed as one flat page pool
+``[num_layers * num_blocks, ...]`` (a free reshape), and layer ``l`` addresses its pages
+by offsetting block ids by ``l * num_blocks``: no layer's cache is ever sliced out and
+written back, which on the CPU copied the whole cache several times per step.
 
 With a ``mesh`` (tensor parallelism, ``jaxpage.parallel``) the weights arrive sharded and
 XLA partitions the projections; the KV cache update and the paged attention run under
@@ -99,9 +102,16 @@ class CausalLM(nnx.Module):
         num_tokens = input_ids.shape[0]
         attention = self._sharded(self._attention)
 
+        k_all, v_all = kv_cache                       # [L, N, B, Hkv, D] each
+        num_layers, num_blocks, block_size = k_all.shape[:3]
+        k_pool = k_all.reshape(num_layers * num_blocks, *k_all.shape[2:])  # [L*N, B, Hkv, D]
+        v_pool = v_all.reshape(num_layers * num_blocks, *v_all.shape[2:])
+        slot_mapping = batch["slot_mapping"]           # int32 [T], -1 = skip
+
         def layer(carry, xs):
-            h, k_all, v_all = carry
+            h, k_pool, v_pool = carry
             w, index = xs
+            first_block = index * num_blocks           # this layer's block 0 in the pool
             x = rms_norm(h, w["input_norm"], cfg.rms_norm_eps)
             q = jnp.einsum("th,hd->td", x, w["q_proj"])
             k = jnp.einsum("th,hd->td", x, w["k_proj"])
@@ -111,9 +121,10 @@ class CausalLM(nnx.Module):
             q = apply_rope(q.reshape(num_tokens, cfg.num_heads, cfg.head_dim), positions, inv_freq)
             k = apply_rope(k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
             v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            attn, k_layer, v_layer = attention(
-                q, k, v, k_all[index], v_all[index], batch["slot_mapping"], batch["kv_lens"],
-                batch["block_tables"], batch["cu_q_lens"], batch["num_seqs"])
+            slots = jnp.where(slot_mapping < 0, -1, slot_mapping + first_block * block_size)
+            attn, k_pool, v_pool = attention(
+                q, k, v, k_pool, v_pool, slots, batch["kv_lens"],
+                batch["block_tables"] + first_block, batch["cu_q_lens"], batch["num_seqs"])
             out = jnp.einsum("td,dh->th", attn.reshape(num_tokens, -1), w["o_proj"])
             if cfg.o_bias:
                 out = out + w["o_bias"]
@@ -122,21 +133,22 @@ class CausalLM(nnx.Module):
             gate = jnp.einsum("th,hi->ti", x, w["gate_proj"])
             up = jnp.einsum("th,hi->ti", x, w["up_proj"])
             h = h + jnp.einsum("ti,ih->th", jax.nn.silu(gate) * up, w["down_proj"])
-            k_all = jax.lax.dynamic_update_index_in_dim(k_all, k_layer, index, 0)
-            v_all = jax.lax.dynamic_update_index_in_dim(v_all, v_layer, index, 0)
-            return (h, k_all, v_all), None
+            return (h, k_pool, v_pool), None
 
         h = self.embed[...][input_ids]                                     # [T, hidden]
         xs = (self.layers.stacked(), jnp.arange(cfg.num_layers, dtype=jnp.int32))
-        (h, k_all, v_all), _ = jax.lax.scan(layer, (h, *kv_cache), xs)
-        return rms_norm(h, self.final_norm[...], cfg.rms_norm_eps), (k_all, v_all)
+        (h, k_pool, v_pool), _ = jax.lax.scan(layer, (h, k_pool, v_pool), xs)
+        return (rms_norm(h, self.final_norm[...], cfg.rms_norm_eps),
+                (k_pool.reshape(k_all.shape), v_pool.reshape(v_all.shape)))
 
     def _attention(self, q, k, v, k_layer, v_layer, slot_mapping, kv_lens, block_tables,
                    cu_q_lens, num_seqs):
-        """Write the new K/V into one layer's pages, then attend: -> (attn, k_layer, v_layer).
+        """Write the new K/V into the pages, then attend: -> (attn, k_layer, v_layer).
 
-        q: [T, Hq, D]; k, v: [T, Hkv, D]; k_layer, v_layer: [num_blocks, block_size, Hkv, D]
-        (per-device head counts under ``shard_map``).
+        q: [T, Hq, D]; k, v: [T, Hkv, D]; k_layer, v_layer: the flat page pool
+        [num_layers * num_blocks, block_size, Hkv, D] (per-device head counts under
+        ``shard_map``), addressed through ``slot_mapping`` and ``block_tables`` already
+        offset to the layer's pages.
         """
         k_layer, v_layer = kv_cache_update(k_layer, v_layer, k, v, slot_mapping)
         attn = ragged_paged_attention(

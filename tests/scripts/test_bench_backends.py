@@ -1,0 +1,24 @@
+"""bench_backends.py on this machine: the CPU is found, each attention path gets a row."""
+
+import json
+
+import bench_backends
+
+
+def test_cpu_rows_for_each_attention_path(tmp_path):
+    payload = bench_backends.main([
+        "--platforms", "cpu,tpu", "--attention", "pallas,reference",
+        "--out-dir", str(tmp_path), "--no-progress",
+        "--model", "preset:tiny-llama", "--workload", "random", "--num-requests", "3",
+        "--input-len", "8", "--output-len", "4"])
+    rows = payload["results"]
+    assert [(r["platform"], r["attention"]) for r in rows] == [("cpu", "pallas"),
+                                                               ("cpu", "reference")]
+    assert rows[0]["status"].startswith("n/a")
+    assert rows[1]["status"] == "ok" and rows[1]["output_tokens_per_s"] > 0
+    assert rows[1]["output_tokens_per_s"] * rows[1]["wall_s"] == \
+        __import__("pytest").approx(12)
+    assert payload["throughput_args"][:2] == ["--model", "preset:tiny-llama"]
+    assert json.loads((tmp_path / "backends.json").read_text())["results"] == rows
+    assert "| cpu |" in (tmp_path / "backends.md").read_text()
+    assert (tmp_path / "backends.png").exists()
