@@ -74,8 +74,12 @@ class ExecutableCache:
     compiling (and saving). ``directory=None`` keeps programs in memory only.
     """
 
-    def __init__(self, directory: str | os.PathLike | None, fingerprint: str) -> None:
+    def __init__(self, directory: str | os.PathLike | None, fingerprint: str,
+                 devices: list | None = None) -> None:
         self.directory = Path(directory, fingerprint) if directory is not None else None
+        # The devices the programs run on; a loaded program would otherwise be placed on
+        # every device of the backend.
+        self.devices = devices
         self._programs: dict[tuple[str, tuple], Callable] = {}
         self.num_loaded = 0      # programs read from disk
         self.num_compiled = 0    # programs traced and compiled in this process
@@ -101,7 +105,8 @@ class ExecutableCache:
 
         try:
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-            program = deserialize_and_load(payload, in_tree, out_tree)
+            program = deserialize_and_load(payload, in_tree, out_tree,
+                                           execution_devices=self.devices)
         except Exception as error:  # noqa: BLE001 - a bad file is recompiled, never fatal
             logger.warning("recompiling %s: cached executable unreadable (%s)", path.name, error)
             return None

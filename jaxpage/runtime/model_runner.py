@@ -105,7 +105,8 @@ class ModelRunner:
         else:
             self.executables = ExecutableCache(executable_dir, fingerprint(
                 self.state, self.kv_cache, self._no_carry,
-                extra=f"{graphdef}|{self.arch}|block_size={block_size}"))
+                extra=f"{graphdef}|{self.arch}|block_size={block_size}"),
+                devices=sorted(self.kv_cache[0].devices(), key=lambda d: d.id))
 
     def reallocate_kv_cache(self, num_blocks: int) -> None:
         """Replace the KV cache with a zeroed one of ``num_blocks`` (null block included)."""
