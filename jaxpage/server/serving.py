@@ -124,8 +124,12 @@ class GenerationJob:
     def _apply(self, which: int, output: RequestOutput) -> list[tuple[Choice, Any, bool]]:
         """Fold one output into the choices; returns (choice, its delta output, finished)."""
         tracked = self.tracked[which]
-        if tracked.first_token is None and any(o.token_ids for o in output.outputs):
-            tracked.first_token = time.monotonic()
+        if tracked.first_token is None:
+            engine_time = (output.metrics or {}).get("first_token_time")  # time.monotonic()
+            if engine_time is not None:
+                tracked.first_token = engine_time
+            elif any(o.token_ids for o in output.outputs):
+                tracked.first_token = time.monotonic()
         changes = []
         for seq in output.outputs:
             choice = self.choices[which * self.n + seq.index]

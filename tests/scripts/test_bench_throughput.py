@@ -13,8 +13,8 @@ def test_jaxpage_and_hf_side_by_side_on_a_tiny_checkpoint(tiny_checkpoints, tmp_
     out = tmp_path / "out"
     payload = bench_throughput.main([
         "--model", tiny_checkpoints["llama"], "--workload", "sharegpt-like",
-        "--num-requests", "6", "--output-len", "5", "--max-model-len", "1100",
-        "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--num-kv-blocks", "160",
+        "--num-requests", "6", "--output-len", "5", "--max-model-len", "256",
+        "--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--num-kv-blocks", "80",
         "--hf-max-batch-size", "4", "--steps", "1,4", "--profile", "--out-dir", str(out),
         "--name", "t", "--no-progress"])
     rows = payload["results"]

@@ -38,7 +38,7 @@ def completion(**fields):
     (completion(max_tokens="5"), "max_tokens"),          # strings are not integers
     (completion(temperature=-1), "temperature"),
     (completion(top_p=0), "top_p"),
-    (completion(top_k=0), "top_k"),
+    (completion(top_k=-2), "top_k"),
     (completion(n=0), "n"),
     (completion(presence_penalty=3), "presence_penalty"),
     (completion(repetition_penalty=0), "repetition_penalty"),
