@@ -56,7 +56,8 @@ def bad_request_from(error: ValueError) -> APIError:
     """A 400 from a ValueError raised by validation; ``param`` names the field when known."""
     message = str(error)
     match = _PARAM.match(message)
-    return APIError(400, message, param=match.group(1) if match else None)
+    param = match.group(1) if match else ("prompt" if message.startswith("prompt") else None)
+    return APIError(400, message, param=param)
 
 
 def _describe_validation(error: RequestValidationError) -> tuple[str, str | None]:

@@ -14,14 +14,15 @@ import socket
 import threading
 import time
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
 FIRST_TOKEN_S = 0.03
 ITL_S = 0.004
 
 
 def make_app(ttft_s: float = FIRST_TOKEN_S, itl_s: float = ITL_S):
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-    from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
     registry = CollectorRegistry()
     buckets = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)

@@ -41,10 +41,11 @@ def test_three_rates_table_plot_and_metrics_agree(standin, tmp_path):
         assert row["p99_e2el_ms"] >= row["median_e2el_ms"]
         assert row["goodput"] == pytest.approx(row["request_throughput"])
         # The client's means agree with the server's /metrics histograms over the same run
-        # (the client also pays loopback HTTP: allow a few ms).
+        # (the client also pays loopback HTTP and shares this process and 2 cores with the
+        # stand-in server: allow tens of ms).
         assert row["server_ttft_count"] == 12 and row["server_e2el_count"] == 12
-        assert row["mean_ttft_ms"] == pytest.approx(row["server_mean_ttft_ms"], abs=15)
-        assert row["mean_e2el_ms"] == pytest.approx(row["server_mean_e2el_ms"], abs=15)
+        assert row["mean_ttft_ms"] == pytest.approx(row["server_mean_ttft_ms"], abs=40)
+        assert row["mean_e2el_ms"] == pytest.approx(row["server_mean_e2el_ms"], abs=40)
         assert row["mean_tpot_ms"] == pytest.approx(row["server_mean_tpot_ms"], abs=3)
     saved = json.loads((out / "serving.json").read_text())
     assert saved["results"][0]["completed"] == 12

@@ -50,7 +50,7 @@ def completion(**fields):
     (completion(prompt=[10**9]), "prompt"),
     (completion(prompt=[60000]), "prompt"),                # outside the vocabulary
     (completion(prompt=None), "prompt"),
-    (completion(max_tokens=250), "max_tokens"),            # prompt + max_tokens > context
+    (completion(max_tokens=256), "max_tokens"),            # prompt + max_tokens > context
     (completion(prompt="word " * 400), None),              # prompt alone longer than context
     (completion(logit_bias={"1": 2}), "logit_bias"),       # unsupported parameter
     (completion(echo=True), "echo"),

@@ -100,12 +100,18 @@ def test_64_streaming_clients_with_disconnects_and_bad_bodies(served):
             assert status == 200 and text == want[i], i
     stats = wait_idle(served)
     assert stats["num_running"] == 0
-    after = scrape(served.url)
+    expected = len(good) + kinds.count("disconnect")
+    for _ in range(50):  # a disconnected stream's handler may record its abort just after
+        after = scrape(served.url)
+        done = after["jaxpage:request_success_total"] - before.get(
+            "jaxpage:request_success_total", 0)
+        if done >= expected:
+            break
+        time.sleep(0.2)
     assert after["jaxpage:num_requests_running"] == 0
     assert after["jaxpage:num_requests_waiting"] == 0
     assert after["jaxpage:kv_cache_usage_perc"] == 0
-    done = after["jaxpage:request_success_total"] - before.get("jaxpage:request_success_total", 0)
-    assert done == len(good) + kinds.count("disconnect")
+    assert done == expected
     assert after["jaxpage:e2e_request_latency_seconds_count"] - before.get(
         "jaxpage:e2e_request_latency_seconds_count", 0) == done
     # the server still answers
