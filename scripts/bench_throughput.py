@@ -8,6 +8,8 @@ seeded log-normal lengths, see that file) runs with ``ignore_eos`` on:
   ``--steps`` value (``num_scheduler_steps``). The workload runs once untimed first
   (``--warmup workload``: compiles every shape it needs), then timed. Prefix caching is
   off so the timed pass gains nothing from the untimed one.
+Each system (and each jaxpage configuration) runs in its own child process by default.
+
 * ``hf``: ``transformers`` ``generate`` with static, left-padded batches (see
   ``bench_hf.py``), at ``--hf-batch-size`` or the best size a short probe predicts.
 
@@ -219,7 +221,9 @@ def parse_args(argv=None):
     parser.add_argument("--hf-batch-size", default="auto", help="an integer, or 'auto' (probe)")
     parser.add_argument("--hf-max-batch-size", type=int, default=64)
     parser.add_argument("--isolate", default="auto", choices=["auto", "yes", "no"],
-                        help="each system in its own child process (auto: on accelerators)")
+                        help="each system in its own child process (auto: when more than one "
+                             "runs, so that neither inherits the other's threads or, on an "
+                             "accelerator, memory)")
     parser.add_argument("--peak-bandwidth-gbs", type=float, default=None,
                         help="memory bandwidth for the decode roofline (default: by device)")
     parser.add_argument("--out-dir", default="bench_results")
@@ -254,8 +258,7 @@ def main(argv=None) -> dict:
     env = environment()
     cells = [("jaxpage", k) for k in args.steps if "jaxpage" in args.systems]
     cells += [("hf", None)] if "hf" in args.systems else []
-    isolate = args.isolate == "yes" or (args.isolate == "auto" and env["jax_backend"] != "cpu"
-                                        and len(cells) > 1)
+    isolate = args.isolate == "yes" or (args.isolate == "auto" and len(cells) > 1)
     rows = []
     for system, steps in cells:
         if isolate:

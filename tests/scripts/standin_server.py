@@ -6,8 +6,6 @@ latencies it served in Prometheus histograms named as vLLM names them, on ``/met
 Requests carrying ``"fail": true`` in the prompt ids (a negative id) get HTTP 400.
 """
 
-from __future__ import annotations
-
 import asyncio
 import json
 import socket

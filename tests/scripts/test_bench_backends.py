@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 import bench_backends
 
 
+@pytest.mark.slow
 def test_cpu_rows_for_each_attention_path(tmp_path):
     payload = bench_backends.main([
         "--platforms", "cpu,tpu", "--attention", "pallas,reference",
@@ -16,8 +19,7 @@ def test_cpu_rows_for_each_attention_path(tmp_path):
                                                                ("cpu", "reference")]
     assert rows[0]["status"].startswith("n/a")
     assert rows[1]["status"] == "ok" and rows[1]["output_tokens_per_s"] > 0
-    assert rows[1]["output_tokens_per_s"] * rows[1]["wall_s"] == \
-        __import__("pytest").approx(12)
+    assert rows[1]["output_tokens_per_s"] * rows[1]["wall_s"] == pytest.approx(12)
     assert payload["throughput_args"][:2] == ["--model", "preset:tiny-llama"]
     assert json.loads((tmp_path / "backends.json").read_text())["results"] == rows
     assert "| cpu |" in (tmp_path / "backends.md").read_text()

@@ -36,16 +36,18 @@ def test_three_rates_table_plot_and_metrics_agree(standin, tmp_path):
         assert row["request_throughput"] == pytest.approx(12 / row["duration_s"])
         # The stand-in's delays bound what the client can see.
         assert row["mean_ttft_ms"] >= 1e3 * FIRST_TOKEN_S
-        assert row["median_itl_ms"] >= 1e3 * ITL_S * 0.9
+        assert row["mean_itl_ms"] >= 1e3 * ITL_S * 0.9  # chunks may coalesce: not the median
         assert row["mean_e2el_ms"] >= row["mean_ttft_ms"]
         assert row["p99_e2el_ms"] >= row["median_e2el_ms"]
         assert row["goodput"] == pytest.approx(row["request_throughput"])
-        # The client's means agree with the server's /metrics histograms over the same run
-        # (the client also pays loopback HTTP and shares this process and 2 cores with the
-        # stand-in server: allow tens of ms).
+        # The client's means agree with the server's /metrics histograms over the same run.
+        # The client's clock starts before the connection and the request's parsing, the
+        # server's after, and here both share one process and two busy cores: the client
+        # sees the same constant extra on TTFT and E2E, and the same decode phase.
         assert row["server_ttft_count"] == 12 and row["server_e2el_count"] == 12
-        assert row["mean_ttft_ms"] == pytest.approx(row["server_mean_ttft_ms"], abs=40)
-        assert row["mean_e2el_ms"] == pytest.approx(row["server_mean_e2el_ms"], abs=40)
+        extra = row["mean_ttft_ms"] - row["server_mean_ttft_ms"]
+        assert -1 <= extra <= 100
+        assert row["mean_e2el_ms"] - row["server_mean_e2el_ms"] == pytest.approx(extra, abs=25)
         assert row["mean_tpot_ms"] == pytest.approx(row["server_mean_tpot_ms"], abs=3)
     saved = json.loads((out / "serving.json").read_text())
     assert saved["results"][0]["completed"] == 12

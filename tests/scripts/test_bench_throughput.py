@@ -9,6 +9,7 @@ import bench_throughput
 from bench_common import make_workload
 
 
+@pytest.mark.slow
 def test_jaxpage_and_hf_side_by_side_on_a_tiny_checkpoint(tiny_checkpoints, tmp_path):
     out = tmp_path / "out"
     payload = bench_throughput.main([
@@ -48,7 +49,7 @@ def test_legacy_multi_step_mode_on_a_preset(tmp_path):
     payload = bench_throughput.main([
         "--model", "preset:tiny-llama", "--systems", "jaxpage", "--workload", "random",
         "--num-requests", "4", "--input-len", "8", "--output-len", "9", "--steps", "1,8sync,8",
-        "--profile", "--out-dir", str(tmp_path), "--no-progress"])
+        "--profile", "--isolate", "no", "--out-dir", str(tmp_path), "--no-progress"])
     rows = payload["results"]
     assert [r["config"] for r in rows] == ["1", "8sync", "8"]
     assert [r["num_scheduler_steps"] for r in rows] == [1, 8, 8]
@@ -80,6 +81,7 @@ def test_bad_flags_are_clear_errors():
         bench_hf.load_hf_model("preset:tiny-llama", "int8", "cpu")
 
 
+@pytest.mark.slow
 def test_isolated_child_processes_and_the_roofline_column(tmp_path):
     """The accelerator path: each system in its own process, results merged, roofline added."""
     payload = bench_throughput.main([
