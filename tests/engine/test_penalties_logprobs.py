@@ -55,7 +55,7 @@ CASES = [
     (BASE[1], dict(presence_penalty=2.0)),
     (BASE[1], dict(frequency_penalty=2.0)),
     (BASE[0], dict(presence_penalty=-2.0, frequency_penalty=0.3)),
-    (BASE[4], dict(frequency_penalty=-2.0, repetition_penalty=1.3)),
+    (BASE[1], dict(frequency_penalty=-2.0, repetition_penalty=1.8)),
 ]
 
 
