@@ -118,10 +118,11 @@ class ExecutableCache:
         compiled = jitted.lower(*args).compile()
         self.num_compiled += 1
         path = self._path(key)
-        if path is not None and _persistent_cache_hits[0] == hits:
-            # An executable that XLA's persistent cache handed back serializes without its
-            # code on the CPU (jax 0.10: "Function ... not found" when the copy runs), so
-            # only programs compiled afresh are saved.
+        # An executable that XLA's persistent cache handed back serializes without its code
+        # on the CPU (jax 0.10: "Function ... not found" when the copy runs). Hits are not
+        # always reported to this process, so nothing is saved while that cache is on.
+        xla_cache_on = bool(jax.config.jax_compilation_cache_dir)
+        if path is not None and not xla_cache_on and _persistent_cache_hits[0] == hits:
             self._save(path, compiled)
         return compiled
 
