@@ -54,22 +54,29 @@ class EventStreamResponse(StreamingResponse):
     ``finally`` (which aborts the engine requests) runs at once even between events.
     """
 
-    def __init__(self, content) -> None:
+    def __init__(self, content, on_close=None) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache"})
+        # Runs however the response ends, even when the client left before the stream's
+        # generator started (its ``finally`` would then never run).
+        self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
-        async with anyio.create_task_group() as group:
-            async def stream() -> None:
-                try:
-                    await self.stream_response(send)
-                except OSError:
-                    pass  # the client went away mid-send
-                group.cancel_scope.cancel()
+        try:
+            async with anyio.create_task_group() as group:
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        pass  # the client went away mid-send
+                    group.cancel_scope.cancel()
 
-            group.start_soon(stream)
-            await self.listen_for_disconnect(receive)
-            group.cancel_scope.cancel()
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            if self.on_close is not None:
+                self.on_close()
 
 
 def _sse(payload: Any) -> str:
@@ -215,7 +222,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
                 job.close()
             yield "data: [DONE]\n\n"
 
-        return EventStreamResponse(events())
+        return EventStreamResponse(events(), on_close=job.close)
 
     # -- chat completions --------------------------------------------------------------
 
@@ -290,7 +297,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
                 job.close()
             yield "data: [DONE]\n\n"
 
-        return EventStreamResponse(events())
+        return EventStreamResponse(events(), on_close=job.close)
 
     return app
 
