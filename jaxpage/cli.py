@@ -40,7 +40,7 @@ ENGINE_FLAGS = {
     "num_scheduler_steps": (int, "decode iterations per device call when all decode"),
     "max_waiting_requests": (int, "server: answer 503 when this many requests wait (default: no cap)"),
     "seed": (int, "engine seed for requests without their own"),
-    "attention_backend": (str, "auto, reference, gpu or tpu"),
+    "attention_backend": (str, "auto, reference, cpu (C++ kernel), gpu or tpu"),
     "compilation_cache": (_bool, "save compiled programs for the next start (true/false)"),
     "warmup": (_bool, "compile every bucket at start-up (default: on accelerators only)"),
     "async_scheduling": (_bool, "queue the next multi-step call before processing the last (true/false)"),

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
-SUPPORTED_ATTENTION_BACKENDS = ("auto", "reference", "gpu", "tpu")
+SUPPORTED_ATTENTION_BACKENDS = ("auto", "reference", "cpu", "gpu", "tpu")
 
 
 def _require(condition: bool, message: str) -> None:

@@ -2,7 +2,8 @@
 
 ``"auto"`` picks by platform (``jax.default_backend()``): the Pallas GPU kernel on a GPU,
 the Pallas TPU kernel on a TPU, the plain-jnp reference anywhere else (the CPU).
-``"gpu"`` / ``"tpu"`` force a Pallas kernel. A Pallas kernel runs compiled only on its own
+``"gpu"`` / ``"tpu"`` force a Pallas kernel; ``"cpu"`` forces a kernel family's hand-written
+C++ CPU kernel (an XLA FFI call, see ``_cpu_build``) where it has one. A Pallas kernel runs compiled only on its own
 platform; with ``interpret=True`` it runs in Pallas interpret mode on any platform (that is
 how the CPU tests run it). Asking for a compiled kernel on the wrong platform raises a
 ``ValueError`` instead of failing deep inside the compiler.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import jax
 
-BACKENDS = ("auto", "reference", "gpu", "tpu")
+BACKENDS = ("auto", "reference", "cpu", "gpu", "tpu")
 
 _PLATFORM_BACKEND = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
 
@@ -34,6 +35,9 @@ def resolve(backend: str, *, interpret: bool = False, platform: str | None = Non
     platform = platform or jax.default_backend()
     if backend == "auto":
         return auto if auto is not None else platform_backend(platform)
+    if backend == "cpu" and platform != "cpu":
+        raise ValueError(f"backend='cpu': the C++ CPU kernel runs only on the CPU, but JAX's "
+                         f"default platform is {platform!r}; use backend='auto'")
     if backend in ("gpu", "tpu") and not interpret and platform_backend(platform) != backend:
         raise ValueError(
             f"backend={backend!r}: the compiled Pallas {backend.upper()} kernel needs a "

@@ -34,7 +34,8 @@ def kv_cache_update(k_cache, v_cache, k_new, v_new, slot_mapping, *, backend: st
         raise ValueError(f"k_new/v_new must be {expected} (num_tokens, num_kv_heads, head_dim), "
                          f"got {k_new.shape} and {v_new.shape}")
     resolved = resolve_backend(backend, interpret=interpret)
-    if resolved == "reference" or slot_mapping.shape[0] == 0:
+    if resolved in ("reference", "cpu") or slot_mapping.shape[0] == 0:  # no C++ version: XLA's
+        # scatter is already one in-place pass
         return kv_cache_update_reference(k_cache, v_cache, k_new, v_new, slot_mapping)
     if resolved == "gpu":
         from pallas_kernels.kv_cache_update.gpu import kv_cache_update_gpu

@@ -3,9 +3,12 @@
 New tokens of sequence ``i`` are the last ``cu_q_lens[i+1] - cu_q_lens[i]`` positions of
 its ``kv_lens[i]`` cached tokens and attend causally. Rows of padding tokens are zero.
 
-Backends: ``"reference"`` (plain jnp, exact, any platform), ``"gpu"`` (Pallas, Triton
-lowering, ``gpu.py``), ``"tpu"`` (Pallas Mosaic TPU, ``tpu.py``). ``"auto"`` picks by
-``jax.default_backend()``: gpu on a GPU, tpu on a TPU, the reference elsewhere (the CPU).
+Backends: ``"reference"`` (plain jnp, exact, any platform), ``"cpu"`` (a C++ kernel called
+through XLA's FFI, float32, ``cpu.py``), ``"gpu"`` (Pallas, Triton lowering, ``gpu.py``),
+``"tpu"`` (Pallas Mosaic TPU, ``tpu.py``). ``"auto"`` picks by ``jax.default_backend()``:
+gpu on a GPU, tpu on a TPU, and on the CPU the C++ kernel when it could be built (a C++
+compiler is needed; ``JAXPAGE_CPU_KERNELS=0`` turns it off) and the cache is float32, else
+the reference.
 ``interpret=True`` runs the chosen Pallas kernel in Pallas interpret mode, on any
 platform; asking for ``"gpu"`` / ``"tpu"`` on another platform without it raises a
 ``ValueError``. ``interpret`` does nothing for the reference. Under ``"auto"`` a GPU falls
@@ -18,6 +21,7 @@ compile-time constants of the kernel.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import _backend
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
@@ -25,9 +29,26 @@ from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attenti
 BACKENDS = _backend.BACKENDS
 
 
-def resolve_backend(backend: str, *, interpret: bool = False) -> str:
-    """The concrete backend ("reference", "gpu" or "tpu") for ``backend`` on this platform."""
-    return _backend.resolve(backend, interpret=interpret)
+def resolve_backend(backend: str, *, interpret: bool = False, dtype=None) -> str:
+    """The concrete backend ("reference", "cpu", "gpu" or "tpu") for ``backend`` here.
+
+    On the CPU, ``"auto"`` means the C++ kernel if it is available for ``dtype`` (float32
+    when None), and ``"cpu"`` raises a ``ValueError`` when it is not. Resolving to
+    ``"cpu"`` registers the kernel with XLA, so compiled programs that call it can be
+    loaded from disk afterwards.
+    """
+    resolved = _backend.resolve(backend, interpret=interpret)
+    if resolved == "reference" and backend == "auto" and jax.default_backend() == "cpu":
+        from pallas_kernels.ragged_paged_attention import cpu
+        return "cpu" if cpu.available(dtype or jnp.float32) else "reference"
+    if resolved == "cpu":
+        from pallas_kernels.ragged_paged_attention import cpu
+        if not cpu.available(dtype or jnp.float32):
+            raise ValueError(f"backend='cpu' needs float32 q, k_cache and v_cache (got "
+                             f"{dtype}) and a C++ compiler to build the kernel (see the log; "
+                             f"JAXPAGE_CPU_KERNELS=0 also turns it off); use "
+                             f"backend='reference'")
+    return resolved
 
 
 def _check(cond: bool, message: str) -> None:
@@ -58,11 +79,16 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     _check(sliding_window is None or sliding_window >= 1,
            f"sliding_window={sliding_window!r} must be None or >= 1")
     _check(soft_cap is None or soft_cap > 0, f"soft_cap={soft_cap!r} must be None or > 0")
-    resolved = resolve_backend(backend, interpret=interpret)
+    same_dtype = q.dtype == k_cache.dtype == v_cache.dtype
+    resolved = resolve_backend(backend, interpret=interpret,
+                               dtype=k_cache.dtype if same_dtype else jnp.float64)  # mixed: not the kernel's
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
     if resolved == "reference" or q.shape[0] == 0:
         return ragged_paged_attention_reference(*args, **kwargs)
+    if resolved == "cpu":
+        from pallas_kernels.ragged_paged_attention.cpu import ragged_paged_attention_cpu
+        return ragged_paged_attention_cpu(*args, **kwargs)
     if resolved == "gpu":
         from pallas_kernels.ragged_paged_attention import gpu
         reason = gpu.unsupported_reason(head_dim=head_dim, block_size=k_cache.shape[1])

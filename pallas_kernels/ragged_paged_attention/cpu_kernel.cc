@@ -1,0 +1,225 @@
+// Ragged paged attention for the CPU, float32, as an XLA FFI custom call.
+//
+// Same contract as reference.py: the new tokens of sequence s are the last
+// q_len = cu_q_lens[s+1] - cu_q_lens[s] of its kv_lens[s] cached tokens and attend
+// causally (and within sliding_window when it is > 0); rows of padding tokens are zero.
+//
+// Why a hand-written kernel: XLA's CPU backend runs the attention's many tiny batched
+// matmuls (a GQA group of query heads against one sequence's keys) at a few GFLOP/s, and
+// a dense formulation must pad every row to the longest block table of the batch. This
+// kernel reads each sequence's own keys and values once, through its block table, only
+// up to its own length.
+//
+// Work is split into items (sequence, tile of query tokens) run in parallel on XLA's own
+// CPU thread pool (no second pool competing with XLA's for the cores). Each item keeps an online softmax (running max m, sum l, accumulator acc) for
+// its query rows (tokens x heads of the GQA group) and walks the KV blocks it needs.
+// Block ids and lengths are clamped into range, as jnp indexing would clamp them.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kMaxTileRows = 64;  // query rows (tokens x query heads) per work item
+
+struct Shape {
+  int64_t num_tokens, num_q_heads, head_dim;  // q: [T, Hq, D]
+  int64_t num_blocks, block_size, num_kv_heads;  // caches: [N, B, Hkv, D]
+  int64_t max_blocks;  // block_tables: [S, M]
+  int64_t group;  // Hq / Hkv
+};
+
+struct WorkItem {
+  int32_t seq, first_token, num_tokens;
+};
+
+inline float Dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  // Eight independent partial sums: the FMA chains overlap instead of waiting on each other.
+  float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int k = 0; k < 8; ++k) part[k] += a[i + k] * b[i + k];
+  float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// Attend `item`'s query rows (its tokens x every query head) to their sequence's keys and
+// values, block by block, and write their outputs. Row r is token r / Hq, head r % Hq.
+void AttendItem(const Shape& s, const WorkItem& item, const float* q, const float* k_cache,
+                const float* v_cache, const int32_t* block_table, int64_t kv_len,
+                int64_t q_len, int64_t first_seq_token, float sm_scale,
+                int64_t sliding_window, float soft_cap, float* out) {
+  const int64_t D = s.head_dim, G = s.group, B = s.block_size, Hq = s.num_q_heads;
+  const int64_t rows = static_cast<int64_t>(item.num_tokens) * Hq;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  // Scratch reused across calls; plain pointers below keep thread-local lookups out of
+  // the inner loops.
+  thread_local std::vector<float> m_buf, l_buf, acc_buf, p_buf;
+  thread_local std::vector<int64_t> pos_buf;
+  m_buf.assign(rows, neg_inf);
+  l_buf.assign(rows, 0.f);
+  acc_buf.assign(rows * D, 0.f);
+  p_buf.resize(B);
+  pos_buf.resize(item.num_tokens);
+  float* __restrict m = m_buf.data();
+  float* __restrict l = l_buf.data();
+  float* __restrict acc = acc_buf.data();
+  float* __restrict p = p_buf.data();
+  int64_t* __restrict q_pos = pos_buf.data();
+  for (int64_t t = 0; t < item.num_tokens; ++t)
+    q_pos[t] = kv_len - q_len + (item.first_token + t - first_seq_token);
+  const int64_t hi = std::min(q_pos[item.num_tokens - 1], s.max_blocks * B - 1);
+  int64_t lo = 0;
+  if (sliding_window > 0) lo = std::max<int64_t>(0, q_pos[0] - sliding_window + 1);
+
+  for (int64_t block = lo / B; hi >= lo && block <= hi / B; ++block) {
+    const int64_t id = std::clamp<int64_t>(block_table[block], 0, s.num_blocks - 1);
+    const int64_t start = std::max(lo, block * B), stop = std::min(hi, block * B + B - 1);
+    const int64_t count = stop - start + 1;
+    const int64_t stride = s.num_kv_heads * D;  // between consecutive positions of a head
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t token = r / Hq, head = r % Hq, kv_head = head / G;
+      const int64_t pos = q_pos[token];
+      const float* qr = q + ((item.first_token + token) * Hq + head) * D;
+      const float* k_first = k_cache + ((id * B + start - block * B) * s.num_kv_heads + kv_head) * D;
+      const float* v_first = v_cache + ((id * B + start - block * B) * s.num_kv_heads + kv_head) * D;
+      float block_max = neg_inf;
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t at = start + j;
+        float score = neg_inf;
+        if (at <= pos && (sliding_window <= 0 || at > pos - sliding_window)) {
+          score = Dot(qr, k_first + j * stride, D) * sm_scale;
+          if (soft_cap > 0.f) score = soft_cap * std::tanh(score / soft_cap);
+        }
+        p[j] = score;
+        block_max = std::max(block_max, score);
+      }
+      if (block_max == neg_inf) continue;  // this row sees nothing in this block
+      const float new_max = std::max(m[r], block_max);
+      const float correction = m[r] == neg_inf ? 0.f : std::exp(m[r] - new_max);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < count; ++j) {  // exp(-inf) = 0 for hidden positions
+        p[j] = std::exp(p[j] - new_max);
+        sum += p[j];
+      }
+      float* __restrict ar = acc + r * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) ar[d] *= correction;
+      for (int64_t j = 0; j < count; ++j) {
+        const float w = p[j];
+        const float* vj = v_first + j * stride;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ar[d] += w * vj[d];
+      }
+      l[r] = l[r] * correction + sum;
+      m[r] = new_max;
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = out + (item.first_token * Hq + r) * D;
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    const float* __restrict ar = acc + r * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) o[d] = ar[d] * inv;
+  }
+}
+
+ffi::Error RaggedPagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                                    ffi::Buffer<ffi::F32> v_cache,
+                                    ffi::Buffer<ffi::S32> kv_lens,
+                                    ffi::Buffer<ffi::S32> block_tables,
+                                    ffi::Buffer<ffi::S32> cu_q_lens,
+                                    ffi::Buffer<ffi::S32> num_seqs,
+                                    ffi::ResultBuffer<ffi::F32> out, float sm_scale,
+                                    int32_t sliding_window, float soft_cap,
+                                    ffi::ThreadPool pool) {
+  const auto qd = q.dimensions();
+  const auto kd = k_cache.dimensions();
+  const auto td = block_tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
+    return ffi::Error::InvalidArgument("ragged paged attention: unexpected ranks");
+  Shape s{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[1], 0};
+  if (s.num_kv_heads <= 0 || s.num_q_heads % s.num_kv_heads != 0 || kd[3] != s.head_dim)
+    return ffi::Error::InvalidArgument("ragged paged attention: head shapes disagree");
+  s.group = s.num_q_heads / s.num_kv_heads;
+  float* o = out->typed_data();
+  std::memset(o, 0, sizeof(float) * s.num_tokens * s.num_q_heads * s.head_dim);
+
+  const int32_t* lens = kv_lens.typed_data();
+  const int32_t* cu = cu_q_lens.typed_data();
+  const int64_t max_seqs = td[0];
+  const int64_t seqs = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, max_seqs);
+  const int64_t tile_tokens = std::max<int64_t>(1, kMaxTileRows / s.num_q_heads);
+  std::vector<WorkItem> items;
+  for (int64_t seq = 0; seq < seqs; ++seq) {
+    const int64_t begin = std::clamp<int64_t>(cu[seq], 0, s.num_tokens);
+    const int64_t end = std::clamp<int64_t>(cu[seq + 1], begin, s.num_tokens);
+    if (end == begin || lens[seq] <= 0) continue;
+    for (int64_t t = begin; t < end; t += tile_tokens)
+      items.push_back({static_cast<int32_t>(seq), static_cast<int32_t>(t),
+                       static_cast<int32_t>(std::min(tile_tokens, end - t))});
+  }
+  // Workers claim items from a shared counter. The calling thread works too and then
+  // waits only for items already claimed, so it never waits on a task the pool has not
+  // started (no deadlock whatever the pool's size or whether the caller is in it). Tasks
+  // that start late find no item left and touch nothing but the shared state.
+  struct Shared {
+    std::vector<WorkItem> items;
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  shared->items = std::move(items);
+  const int64_t num_items = static_cast<int64_t>(shared->items.size());
+  const float* qp = q.typed_data();
+  const float* kp = k_cache.typed_data();
+  const float* vp = v_cache.typed_data();
+  const int32_t* tables = block_tables.typed_data();
+  auto work = [shared, num_items, s, qp, kp, vp, tables, lens, cu, sm_scale, sliding_window,
+               soft_cap, o]() {
+    for (int64_t i = shared->next.fetch_add(1); i < num_items; i = shared->next.fetch_add(1)) {
+      const WorkItem& item = shared->items[i];
+      const int64_t seq = item.seq;
+      AttendItem(s, item, qp, kp, vp, tables + seq * s.max_blocks, lens[seq],
+                 cu[seq + 1] - cu[seq], cu[seq], sm_scale, sliding_window, soft_cap, o);
+      shared->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), num_items - 1);
+  for (int64_t t = 0; t < helpers; ++t) {
+    auto task = work;  // each task owns a copy
+    pool.Schedule(std::move(task));
+  }
+  work();
+  while (shared->done.load(std::memory_order_acquire) < num_items) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageRaggedPagedAttentionF32, RaggedPagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [T, Hq, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_cache [N, B, Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_cache [N, B, Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [S, M]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens [S + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs [1]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, Hq, D]
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
+                                  .Ctx<ffi::ThreadPool>());
