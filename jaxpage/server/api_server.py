@@ -50,8 +50,10 @@ class EventStreamResponse(StreamingResponse):
     """Server-sent events that stop as soon as the client disconnects.
 
     Starlette only notices a disconnect on its next send under ASGI 2.4; this response
-    always listens for ``http.disconnect`` and cancels the stream then, so the stream's
-    ``finally`` (which aborts the engine requests) runs at once even between events.
+    always listens for ``http.disconnect`` and cancels the stream then, so the engine
+    requests are aborted at once even between events: by the stream's ``finally`` when
+    the cancel lands inside the generator, else (cancelled mid-send, or before the
+    generator started) by ``on_close``, which runs however the response ends.
     """
 
     def __init__(self, content, on_close=None) -> None:
@@ -81,6 +83,33 @@ class EventStreamResponse(StreamingResponse):
 
 def _sse(payload: Any) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _event_stream(job: GenerationJob, chunks: AsyncIterator[str]) -> EventStreamResponse:
+    """The streaming response of ``job``: the events of ``chunks``, then ``data: [DONE]``.
+
+    The tail both routes share: an ``APIError`` or ``ValueError`` raised while streaming
+    becomes one error event (the 200 status line has gone out already, so it cannot be a
+    4xx any more) followed by ``[DONE]``; any other exception ends the response. The
+    idempotent ``job.close()`` runs in the generator's ``finally`` when the stream runs
+    out, fails or is cancelled inside it, and again from the response's ``on_close``
+    however the response ended (which covers a client that left mid-send or before the
+    generator started).
+    """
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except APIError as error:
+            yield _sse(error_body(error.status, error.message, error.param))
+        except ValueError as error:
+            yield _sse(error_body(400, str(error)))
+        finally:
+            job.close()
+        # Not in the ``finally``: a closed or cancelled generator must not yield again.
+        yield "data: [DONE]\n\n"
+
+    return EventStreamResponse(events(), on_close=job.close)
 
 
 def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
@@ -197,32 +226,24 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        async def events() -> AsyncIterator[str]:
+        async def chunks() -> AsyncIterator[str]:
             offsets = [0] * len(job.choices)
-            try:
-                async for choice, delta, finished in job.events():
-                    if not (delta.text or delta.token_ids or finished):
-                        continue
-                    lp = logprobs_of(choice, delta.token_ids, delta.logprobs or [],
-                                     offsets[choice.index])
-                    offsets[choice.index] += len(delta.text)
-                    yield _sse({"id": rid, "object": "text_completion", "created": now,
-                                "model": name, "choices": [{
-                                    "index": choice.index, "text": delta.text, "logprobs": lp,
-                                    "finish_reason": choice.finish_reason if finished else None,
-                                    "stop_reason": choice.stop_reason if finished else None}]})
-                if include_usage:
-                    yield _sse({"id": rid, "object": "text_completion", "created": now,
-                                "model": name, "choices": [], "usage": job.usage()})
-            except APIError as error:
-                yield _sse(error_body(error.status, error.message, error.param))
-            except ValueError as error:
-                yield _sse(error_body(400, str(error)))
-            finally:
-                job.close()
-            yield "data: [DONE]\n\n"
+            async for choice, delta, finished in job.events():
+                if not (delta.text or delta.token_ids or finished):
+                    continue
+                lp = logprobs_of(choice, delta.token_ids, delta.logprobs or [],
+                                 offsets[choice.index])
+                offsets[choice.index] += len(delta.text)
+                yield _sse({"id": rid, "object": "text_completion", "created": now,
+                            "model": name, "choices": [{
+                                "index": choice.index, "text": delta.text, "logprobs": lp,
+                                "finish_reason": choice.finish_reason if finished else None,
+                                "stop_reason": choice.stop_reason if finished else None}]})
+            if include_usage:
+                yield _sse({"id": rid, "object": "text_completion", "created": now,
+                            "model": name, "choices": [], "usage": job.usage()})
 
-        return EventStreamResponse(events(), on_close=job.close)
+        return _event_stream(job, chunks())
 
     # -- chat completions --------------------------------------------------------------
 
@@ -273,31 +294,23 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": now,
                          "model": name, "choices": choices, **extra})
 
-        async def events() -> AsyncIterator[str]:
-            try:
-                for choice in job.choices:
-                    yield chunk([{"index": choice.index,
-                                  "delta": {"role": "assistant", "content": ""},
-                                  "logprobs": None, "finish_reason": None}])
-                async for choice, delta, finished in job.events():
-                    if not (delta.text or delta.token_ids or finished):
-                        continue
-                    yield chunk([{"index": choice.index,
-                                  "delta": {"content": delta.text} if delta.text else {},
-                                  "logprobs": logprobs_of(delta.token_ids, delta.logprobs or []),
-                                  "finish_reason": choice.finish_reason if finished else None,
-                                  "stop_reason": choice.stop_reason if finished else None}])
-                if include_usage:
-                    yield chunk([], usage=job.usage())
-            except APIError as error:
-                yield _sse(error_body(error.status, error.message, error.param))
-            except ValueError as error:
-                yield _sse(error_body(400, str(error)))
-            finally:
-                job.close()
-            yield "data: [DONE]\n\n"
+        async def chunks() -> AsyncIterator[str]:
+            for choice in job.choices:
+                yield chunk([{"index": choice.index,
+                              "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
+            async for choice, delta, finished in job.events():
+                if not (delta.text or delta.token_ids or finished):
+                    continue
+                yield chunk([{"index": choice.index,
+                              "delta": {"content": delta.text} if delta.text else {},
+                              "logprobs": logprobs_of(delta.token_ids, delta.logprobs or []),
+                              "finish_reason": choice.finish_reason if finished else None,
+                              "stop_reason": choice.stop_reason if finished else None}])
+            if include_usage:
+                yield chunk([], usage=job.usage())
 
-        return EventStreamResponse(events(), on_close=job.close)
+        return _event_stream(job, chunks())
 
     return app
 

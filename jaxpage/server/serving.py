@@ -13,8 +13,8 @@ import dataclasses
 import time
 from typing import Any, AsyncIterator
 
-from jaxpage.engine.async_llm_engine import (AsyncLLMEngine, QueueFullError, RequestStream,
-                                             supports_delta_outputs)
+from jaxpage.engine.async_llm_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError,
+                                             RequestStream, supports_delta_outputs)
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.server.errors import APIError, bad_request_from
@@ -194,11 +194,19 @@ class GenerationJob:
             pass
 
     def close(self) -> None:
-        """Abort whatever has not finished (a client that left) and record its metrics."""
+        """Abort whatever has not finished (a client that left) and record its metrics.
+
+        Safe to call more than once. A request whose final output was not applied is
+        recorded with ``finished_reason="abort"`` (as vLLM counts requests aborted by a
+        client that left), so every engine request of the job is counted exactly once.
+        """
         for which, tracked in enumerate(self.tracked):
             if not tracked.stream.finished:
                 tracked.stream.finished = True
-                self.engine.abort(tracked.stream.request_id)
+                try:
+                    self.engine.abort(tracked.stream.request_id)
+                except EngineDeadError:
+                    pass  # the engine has stopped: nothing is left to free
             self._record(which, "abort")
 
 
