@@ -6,9 +6,9 @@ set, so probing a GPU does not reserve its memory here. For each backend found, 
 workload runs through ``bench_throughput.py --systems jaxpage`` in a fresh child process
 per attention path:
 
-* ``pallas``: the platform's compiled Pallas kernel (``attention_backend`` ``gpu`` /
-  ``tpu``). The CPU has no compiled Pallas kernel (there it only runs in interpret mode,
-  a correctness tool, not a speed path), so that cell is reported as not applicable.
+* ``kernel`` (alias ``pallas``): the platform's own attention kernel: the compiled Pallas
+  kernel on a GPU or TPU (``attention_backend`` ``gpu`` / ``tpu``), the C++ FFI kernel on
+  the CPU (``cpu``; Pallas runs there only in interpret mode, a correctness tool).
 * ``reference``: the plain-jnp ragged paged attention.
 
 One table (``<out>/backends.md``, ``.json``, ``.png``) holds every cell.
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import ROOT, environment, markdown_table, write_report  # noqa: E402
 
 PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}  # our name -> JAX_PLATFORMS value
-PALLAS_BACKEND = {"gpu": "gpu", "tpu": "tpu"}           # compiled Pallas kernel per platform
+KERNEL_BACKEND = {"cpu": "cpu", "gpu": "gpu", "tpu": "tpu"}  # the platform's own kernel
 
 
 def child_env(platform: str) -> dict[str, str]:
@@ -77,15 +77,15 @@ def parse_args(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--platforms", default="cpu,gpu,tpu",
                         help="which to try (absent ones are skipped)")
-    parser.add_argument("--attention", default="pallas,reference")
+    parser.add_argument("--attention", default="kernel,reference")
     parser.add_argument("--out-dir", default="bench_results")
     parser.add_argument("--name", default="backends")
     parser.add_argument("--no-progress", action="store_true")
     args, extra = parser.parse_known_args(argv)
     args.platforms = [p for p in args.platforms.split(",") if p]
-    args.attention = [a for a in args.attention.split(",") if a]
+    args.attention = [{"pallas": "kernel"}.get(a, a) for a in args.attention.split(",") if a]
     bad = [p for p in args.platforms if p not in PLATFORMS] + \
-          [a for a in args.attention if a not in ("pallas", "reference")]
+          [a for a in args.attention if a not in ("kernel", "reference")]
     if bad:
         parser.error(f"unknown platform or attention path: {bad}")
     return args, extra
@@ -102,10 +102,10 @@ def main(argv=None) -> dict:
             continue
         for attention in args.attention:
             row = {"platform": platform, "attention": attention, "device": kind}
-            if attention == "pallas" and platform not in PALLAS_BACKEND:
-                row["status"] = "n/a (no compiled Pallas kernel on this platform)"
+            if attention == "kernel" and platform not in KERNEL_BACKEND:
+                row["status"] = "n/a (no attention kernel for this platform)"
             else:
-                backend = PALLAS_BACKEND[platform] if attention == "pallas" else "reference"
+                backend = KERNEL_BACKEND[platform] if attention == "kernel" else "reference"
                 print(f"{platform} / {attention}: running", file=sys.stderr, flush=True)
                 row.update(run_cell(args, platform, backend, extra))
             rows.append(row)

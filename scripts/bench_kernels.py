@@ -156,14 +156,16 @@ def main(argv=None) -> int:
         wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
     else:
         wanted = ["reference"]
+        if platform == "cpu" and args.dtype == "float32":
+            wanted += ["cpu"]  # the C++ FFI kernel
         if platform == "gpu" or args.interpret:
             wanted += ["gpu", "jax_paged_attention"]
         if platform == "tpu" or args.interpret:
             wanted += ["tpu"]
     if platform == "cpu" and not args.interpret:
-        print("note: the compiled Pallas kernels need a GPU or a TPU; on this CPU only the "
-              "reference is timed (--interpret runs the kernels in interpret mode, as a "
-              "correctness smoke test whose times mean nothing)")
+        print("note: the compiled Pallas kernels need a GPU or a TPU; on this CPU the "
+              "reference and the C++ kernel (float32) are timed (--interpret runs the Pallas "
+              "kernels in interpret mode, as a correctness smoke test whose times mean nothing)")
     if args.interpret:
         print("note: --interpret: Pallas kernels run in interpret mode; their times are "
               "not kernel performance")
@@ -194,8 +196,8 @@ def main(argv=None) -> int:
                 rows.append(dict(backend=name, note=why))
                 continue
             call = fn
-        elif name in ("reference", "gpu", "tpu"):
-            interpret = args.interpret and name != "reference"
+        elif name in ("reference", "cpu", "gpu", "tpu"):
+            interpret = args.interpret and name in ("gpu", "tpu")
             if name != "reference" and not interpret and platform != name:
                 rows.append(dict(backend=name, note=f"needs a {name.upper()}"))
                 continue
