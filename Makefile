@@ -24,7 +24,7 @@ generate: install                             # one chat answer, streamed to the
 	$(PYTHON) -m jaxpage.cli generate --chat "$(PROMPT)"
 
 test: install-test                            # the default suite (CI): cases marked slow are skipped
-	$(PYTHON) -m pytest -m "not slow"
+	$(PYTHON) -m pytest -m "not slow" --durations=30
 
 test-all: install-test                        # everything, slow cases included
 	$(PYTHON) -m pytest

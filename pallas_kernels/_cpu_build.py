@@ -25,7 +25,9 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp-simd", "-shared", "-fPIC",
+# Never -ffast-math: it links crtfastmath, which flushes subnormals to zero for the whole
+# process (numpy, torch and XLA included).
+_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-shared", "-fPIC",
           "-std=c++17", "-w")
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}

@@ -104,3 +104,11 @@ def test_auto_falls_back_to_the_reference_without_the_kernel(monkeypatch):
     assert resolve_backend("auto") == "reference"
     with pytest.raises(ValueError, match="C\\+\\+ compiler"):
         resolve_backend("cpu")
+
+
+def test_loading_the_kernel_keeps_subnormal_floats():
+    """The library must not change the process's float state (as -ffast-math's crtfastmath
+    would, flushing subnormals to zero for numpy, torch and XLA alike)."""
+    assert cpu.register()
+    tiny = np.finfo(np.float32).smallest_subnormal
+    assert np.float32(tiny) * np.float32(2) > 0
