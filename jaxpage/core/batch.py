@@ -9,10 +9,10 @@ rounded up to a rung of their ladder. Padding is explicit:
   rows are 0 (the null block), ``logits_indices = 0``, greedy sampling;
 * ``num_seqs[0]`` is the number of real sequences.
 
-Penalties travel as the distinct tokens each sequence has seen (``penalty_ids``, prompt
-and output) with their counts in the output (``penalty_counts``); the device scatters
-them into dense ``[S, V]`` tables. Their width ``P`` is a rung of its own ladder, and
-``P == 0`` when no sequence of the batch has penalties: that program has no penalty code.
+Penalties read the device's own table of seen tokens and output counts: a row names its
+row of that table (``penalty_slot``, see ``jaxpage.core.penalty_slots``), or -1 when it
+has no penalties or its sampled token is thrown away (a prefill chunk before the last).
+A penalized batch therefore has the same shapes as any other.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from jaxpage.core.kv_cache_manager import KVCacheManager
+from jaxpage.core.penalty_slots import PenaltyFill, PenaltySlots
 from jaxpage.core.scheduler import SchedulerOutput
 
 # Width of the per-sequence list of stop token ids the device knows (EOS and stop_token_ids):
@@ -80,16 +81,12 @@ class BatchMetadata:
     presence_penalty: np.ndarray   # float32 [S]  0 = off
     frequency_penalty: np.ndarray  # float32 [S]  0 = off
     repetition_penalty: np.ndarray  # float32 [S]  1 = off
-    penalty_ids: np.ndarray      # int32 [S, P]  distinct prompt + output tokens, -1 = none
-    penalty_counts: np.ndarray   # int32 [S, P]  occurrences of penalty_ids[i, j] in the output
+    penalty_slot: np.ndarray     # int32 [S]  row of the device's penalty table, -1 = none
 
     @property
-    def shape_key(self) -> tuple[int, ...]:
-        """Which compiled program runs this batch: (T, S, M), plus the penalty width P
-        when some sequence has penalties (warm-up covers P == 0 only)."""
-        key = (self.input_ids.shape[0], self.block_tables.shape[0], self.block_tables.shape[1])
-        width = self.penalty_ids.shape[1]
-        return key + (width,) if width else key
+    def shape_key(self) -> tuple[int, int, int]:
+        """Which compiled program runs this batch: (T, S, M)."""
+        return (self.input_ids.shape[0], self.block_tables.shape[0], self.block_tables.shape[1])
 
     def as_dict(self) -> dict[str, np.ndarray]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -99,14 +96,14 @@ class BatchBuilder:
     """Turns a SchedulerOutput into a padded BatchMetadata."""
 
     def __init__(self, kv_cache_manager: KVCacheManager, *, max_num_batched_tokens: int,
-                 max_num_seqs: int, max_model_len: int) -> None:
+                 max_num_seqs: int, max_model_len: int, num_penalty_slots: int | None = None) -> None:
         self.kv = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
         self.token_ladder = BucketLadder(min(16, max_num_batched_tokens), max_num_batched_tokens)
         self.seq_ladder = BucketLadder(1, max_num_seqs)
         max_blocks = kv_cache_manager.num_blocks_for(max_model_len)
         self.block_ladder = BucketLadder(min(8, max_blocks), max_blocks)
-        self.penalty_ladder = BucketLadder(min(16, max_model_len), max_model_len)
+        self.penalty_slots = PenaltySlots(num_penalty_slots or max_num_seqs)
 
     def step_shapes(self) -> list[tuple[int, int, int]]:
         """Every (T, S, M) that ``build`` can produce: n sequences carry n..max tokens."""
@@ -212,42 +209,37 @@ class BatchBuilder:
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             sample_seeds=seeds, sample_index=sample_index, stop_token_ids=stop_ids,
             min_tokens=min_tokens, max_output=max_output,
-            want_logprobs=want_logprobs, **self._penalties([it.request for it in items], S))
+            want_logprobs=want_logprobs, **self._penalties(items, S, ahead))
 
-    def _penalties(self, requests, S: int) -> dict[str, np.ndarray]:
-        """The penalty fields of a batch (width 0 when no request has penalties)."""
+    def _penalties(self, items, S: int, ahead: int) -> dict[str, np.ndarray]:
+        """The penalty fields of a batch. A row gets a penalty slot when its request has
+        penalties and this step's sampled token is kept (the last prefill chunk, a decode)."""
         fields_ = _no_penalties(S)
-        seen = {i: penalty_table(r) for i, r in enumerate(requests)
-                if r.sampling_params.has_penalties}
-        if not seen:
-            return fields_
-        P = self.penalty_ladder.fit(max(len(ids) for ids, _ in seen.values()))
-        ids_arr = np.full((S, P), -1, np.int32)
-        counts_arr = np.zeros((S, P), np.int32)
-        for i, (ids, counts) in seen.items():
-            params = requests[i].sampling_params
+        penalized = []
+        for i, item in enumerate(items):
+            req = item.request
+            params = req.sampling_params
+            emits = ahead or (req.num_computed_tokens + item.num_new_tokens
+                              >= len(req.all_token_ids))
+            if not (params.has_penalties and emits and not req.external_sampling):
+                penalized.append(None)
+                continue
+            penalized.append(req)
             fields_["presence_penalty"][i] = params.presence_penalty
             fields_["frequency_penalty"][i] = params.frequency_penalty
             fields_["repetition_penalty"][i] = params.repetition_penalty
-            ids_arr[i, :len(ids)] = ids
-            counts_arr[i, :len(ids)] = counts
-        fields_["penalty_ids"], fields_["penalty_counts"] = ids_arr, counts_arr
+        if any(r is not None for r in penalized):
+            fields_["penalty_slot"][:len(items)] = self.penalty_slots.assign(
+                penalized, ahead=bool(ahead))
         return fields_
 
-
-def penalty_table(request) -> tuple[np.ndarray, np.ndarray]:
-    """(distinct tokens of prompt + output, int32 [D]; their counts in the output, int32 [D])."""
-    ids = np.unique(np.asarray(request.all_token_ids, np.int32))
-    out_ids, out_counts = np.unique(np.asarray(request.output_token_ids, np.int32),
-                                    return_counts=True)
-    counts = np.zeros(len(ids), np.int32)
-    counts[np.searchsorted(ids, out_ids)] = out_counts
-    return ids, counts
+    def take_penalty_fills(self) -> list[PenaltyFill]:
+        """Rows of the device's penalty table to fill before the batch just built runs."""
+        return self.penalty_slots.take_fills()
 
 
 def _no_penalties(S: int) -> dict[str, np.ndarray]:
     return {"presence_penalty": np.zeros(S, np.float32),
             "frequency_penalty": np.zeros(S, np.float32),
             "repetition_penalty": np.ones(S, np.float32),
-            "penalty_ids": np.zeros((S, 0), np.int32),
-            "penalty_counts": np.zeros((S, 0), np.int32)}
+            "penalty_slot": np.full(S, -1, np.int32)}

@@ -347,8 +347,6 @@ class Scheduler:
         if not any(r.max_tokens - r.num_output_tokens > num_steps for r in alive):
             return None
         for request in alive:
-            if request.sampling_params.has_penalties:
-                return None  # penalties count tokens the host has not seen yet
             remaining = max(1, request.max_tokens - request.num_output_tokens)
             if not self.kv.allocate_slots(request, min(2 * num_steps, remaining)):
                 return None

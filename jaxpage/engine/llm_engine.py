@@ -102,7 +102,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.cost_model)
         self.batch_builder = BatchBuilder(
             self.kv_cache_manager, max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-            max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len)
+            max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
+            num_penalty_slots=self.runner.penalty_table.shape[0])
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)", num_kv_blocks,
                     block_size, num_kv_blocks * block_size,
                     num_kv_blocks * bytes_per_block(self.arch, block_size, dtype) / 2**20)
@@ -213,7 +214,8 @@ class LLMEngine:
         """Compile every program the engine can run, so that no workload compiles later.
 
         Steps for every (tokens, sequences, blocks) bucket, the multi-step decode loop for
-        every all-decode bucket, and block copies / swaps for every padded size. Returns
+        every all-decode bucket, the penalty-table fill, and block copies / swaps for
+        every padded size. Returns
         the number of programs; with the persistent compilation cache warm, a second start
         loads them instead of compiling. ``prompt_logits`` (a diagnostic path) is not covered.
         """
@@ -230,7 +232,7 @@ class LLMEngine:
                 self.runner.execute_multi_step(batch, steps)
             else:
                 self.runner.execute(batch)
-        count = len(jobs) + self.runner.compile_block_ops(
+        count = len(jobs) + self.runner.compile_penalty_fill() + self.runner.compile_block_ops(
             max_copies=self.config.scheduler.max_num_seqs, max_swaps=self.num_kv_blocks)
         logger.info("warm-up compiled %d programs", count)
         return count
@@ -310,6 +312,7 @@ class LLMEngine:
             out, self.config.scheduler.num_scheduler_steps)
         self.runner.apply_block_ops(*self.kv_cache_manager.take_pending_block_ops())
         batch = self.batch_builder.build(out)
+        self.runner.fill_penalty_rows(self.batch_builder.take_penalty_fills())
         dispatched_at = self._mark_dispatch()
         if num_steps > 1:
             pending = self.runner.dispatch_multi_step(batch, num_steps)
@@ -325,7 +328,7 @@ class LLMEngine:
         self.runner.apply_block_ops(*self.kv_cache_manager.take_pending_block_ops())
         row_of = {id(item.request): row for row, item in enumerate(call.out.scheduled)}
         row_map = np.array([row_of[id(item.request)] for item in out.scheduled], np.int32)
-        batch = self.batch_builder.build(out, ahead=call.num_steps)
+        batch = self.batch_builder.build(out, ahead=call.num_steps)  # never fills penalty rows
         dispatched_at = self._mark_dispatch()
         self.step_profile["chained"] += 1
         pending = self.runner.dispatch_multi_step(batch, call.num_steps, after=call.pending,
@@ -471,6 +474,8 @@ class LLMEngine:
                     continue
                 self.runner.apply_block_ops(*self.kv_cache_manager.take_pending_block_ops())
                 batch = self.batch_builder.build(out)
+                # This path does not count sampled tokens in the penalty table.
+                self.batch_builder.penalty_slots.forget([s.request for s in out.scheduled])
                 logits = self.runner.logits(batch)                         # [T, V]
                 for i, item in enumerate(out.scheduled):
                     start = int(batch.cu_q_lens[i])

@@ -76,6 +76,12 @@ class Placement:
     def replicated(self) -> NamedSharding:
         return self.sharding(P())
 
+    def zeros_replicated(self, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+        """A zero array with a full copy on every device of the mesh (or the default one)."""
+        if self.mesh is None:
+            return jax.numpy.zeros(shape, dtype)
+        return jax.jit(lambda: jax.numpy.zeros(shape, dtype), out_shardings=self.replicated)()
+
     @property
     def kv_sharding(self) -> NamedSharding | None:
         return None if self.mesh is None else self.sharding(KV_CACHE_SPEC)
@@ -114,17 +120,20 @@ class Placement:
             return value
         return jax.tree.map(lambda x: x.addressable_data(0), value)
 
-    def jit(self, fn: Callable, *, donate_argnums: tuple[int, ...] = ()) -> Callable:
+    def jit(self, fn: Callable, *, donate_argnums: tuple[int, ...] = (),
+            carry_sharding: Any = None) -> Callable:
         """``jax.jit`` for ``fn(state, kv_cache, *inputs) -> (kv_cache, *outputs)``.
 
         On a mesh the KV cache keeps its KV-head sharding through the program (so the
         donated buffers are reused) and every other output is replicated; inputs made
         on the host are placed replicated first, and outputs are read back locally
-        (``global_input`` / ``local_output``).
+        (``global_input`` / ``local_output``). ``carry_sharding``: the sharding (pytree
+        prefix) of the second argument when it is not just the KV cache.
         """
         if self.mesh is None:
             return jax.jit(fn, donate_argnums=donate_argnums)
-        kv_sharding, replicated = self.kv_sharding, self.replicated
+        replicated = self.replicated
+        kv_sharding = self.kv_sharding if carry_sharding is None else carry_sharding
 
         def constrained(state, kv_cache, *inputs):
             kv_cache = jax.lax.with_sharding_constraint(kv_cache, kv_sharding)

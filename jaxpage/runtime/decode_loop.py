@@ -5,9 +5,10 @@ its K/V through the block table (the host reserved blocks for all K tokens), and
 stops on device: a stop token (EOS unless ignored, ``stop_token_ids``) once ``min_tokens``
 are out, or ``max_tokens``. A finished row stops writing (slot -1) and reports -1 for
 the rest of the window; the loop ends early once every row has finished. Stop strings are
-the host's job: it drops tokens past a stop. Penalty tables (when the batch has
-penalties) gain each iteration's token, and the log-probabilities of every sampled token
-come back when some row asked for them.
+the host's job: it drops tokens past a stop. The penalty table (``caches[1]``) counts
+each iteration's token for rows with a penalty slot, so chained calls see every token
+even before the host does, and the log-probabilities of every sampled token come back
+when some row asked for them.
 
 The batch must hold only decodes: token ``t`` belongs to sequence ``t`` for ``t < num_seqs``.
 
@@ -27,26 +28,24 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpage.core.batch import MAX_TOP_LOGPROBS
-from jaxpage.runtime.sampler import (penalty_tables, record_tokens, sample,
-                                      sampled_logprobs)
-
-KVCache = tuple[jax.Array, jax.Array]
+from jaxpage.runtime.sampler import record_tokens, sample, sampled_logprobs
+from jaxpage.runtime.step import Caches
 
 
 def make_decode_loop(graphdef: Any, num_steps: int, block_size: int,
                      jit: Callable = jax.jit) -> Callable:
-    """Jitted ``loop(state, kv_cache, batch, prev_tokens, prev_done, row_map)``.
+    """Jitted ``loop(state, caches, batch, prev_tokens, prev_done, row_map)``.
 
     prev_tokens int32 [R], prev_done bool [R] (R = carry rows), row_map int32 [S].
-    Returns ``(kv_cache, tokens int32 [num_steps, S], (last_tokens int32 [R], done bool [R]),
+    ``caches``: ``(kv_cache, penalty_table)`` as in ``step.make_step``.
+    Returns ``(caches, tokens int32 [num_steps, S], (last_tokens int32 [R], done bool [R]),
     (top_ids, top_logprobs, token_logprobs, token_ranks))``: top_* [num_steps, S,
     MAX_TOP_LOGPROBS], token_* [num_steps, S], all zeros unless some row wants logprobs.
-    A chained call's penalty tables come from the batch alone, so the host must not chain
-    batches with penalties (``SamplingParams.has_penalties``).
     """
 
-    def loop(state: Any, kv_cache: KVCache, batch: dict[str, jax.Array],
+    def loop(state: Any, caches: Caches, batch: dict[str, jax.Array],
              prev_tokens: jax.Array, prev_done: jax.Array, row_map: jax.Array):
+        kv_cache, penalty_table = caches
         model = nnx.merge(graphdef, state)
         num_tokens = batch["input_ids"].shape[0]
         num_rows = batch["kv_lens"].shape[0]
@@ -65,7 +64,7 @@ def make_decode_loop(graphdef: Any, num_steps: int, block_size: int,
             return (i < num_steps) & ~jnp.all(done)
 
         def body(carry):
-            i, kv, ids, positions, kv_lens, done, tables, out = carry
+            i, kv, ids, positions, kv_lens, done, penalties, out = carry
             live = real & ~done[token_row]
             table = batch["block_tables"][token_row, positions // block_size]
             slots = jnp.where(live, table * block_size + positions % block_size, -1)
@@ -74,9 +73,8 @@ def make_decode_loop(graphdef: Any, num_steps: int, block_size: int,
             hidden, kv = model(ids, positions, kv, step_batch)
             logits = model.compute_logits(hidden[batch["logits_indices"]])  # [S, V]
             index = batch["sample_index"] + i
-            new = sample(logits, dict(step_batch, sample_index=index), tables)  # [S]
-            if tables is not None:
-                tables = record_tokens(tables, new, ~done)
+            new = sample(logits, dict(step_batch, sample_index=index), penalties)  # [S]
+            penalties = record_tokens(penalties, jnp.where(done, -1, batch["penalty_slot"]), new)
             logprobs = sampled_logprobs(logits, new, batch["want_logprobs"], MAX_TOP_LOGPROBS)
             num_out = index + 1
             is_stop = jnp.any((new[:, None] == stop_ids) & (stop_ids >= 0), axis=-1)
@@ -84,20 +82,21 @@ def make_decode_loop(graphdef: Any, num_steps: int, block_size: int,
             out = tuple(o.at[i].set(v) for o, v in zip(out, (jnp.where(done, -1, new),) + logprobs))
             ids = jnp.where(real & ~done[token_row], new[token_row], ids)
             done = done | finishes
-            return i + 1, kv, ids, positions + 1, kv_lens + 1, done, tables, out
+            return i + 1, kv, ids, positions + 1, kv_lens + 1, done, penalties, out
 
         K, S, N = num_steps, num_rows, MAX_TOP_LOGPROBS
         out = (jnp.full((K, S), -1, jnp.int32), jnp.zeros((K, S), jnp.float32),
                jnp.zeros((K, S), jnp.int32), jnp.zeros((K, S, N), jnp.int32),
                jnp.zeros((K, S, N), jnp.float32))
-        tables = penalty_tables(batch, model.embed[...].shape[0])  # None without penalties
-        carry = (0, kv_cache, ids, batch["positions"], batch["kv_lens"], done, tables, out)
-        _, kv_cache, ids, _, _, done, _, out = jax.lax.while_loop(cond, body, carry)
+        carry = (0, kv_cache, ids, batch["positions"], batch["kv_lens"], done, penalty_table,
+                 out)
+        _, kv_cache, ids, _, _, done, penalty_table, out = jax.lax.while_loop(cond, body, carry)
         tokens, chosen, rank, top_ids, top_values = out
         rows = min(num_rows, carry_rows)
         row_token = jnp.minimum(jnp.arange(num_rows), num_tokens - 1)       # [S]
         last = jnp.zeros(carry_rows, jnp.int32).at[:rows].set(ids[row_token][:rows])
         done_out = jnp.ones(carry_rows, bool).at[:rows].set(done[:rows])
-        return kv_cache, tokens, (last, done_out), (top_ids, top_values, chosen, rank)
+        return ((kv_cache, penalty_table), tokens, (last, done_out),
+                (top_ids, top_values, chosen, rank))
 
     return jit(loop, donate_argnums=(1,))  # jit: a Placement.jit under tensor parallelism

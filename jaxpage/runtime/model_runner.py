@@ -1,7 +1,9 @@
-"""ModelRunner: owns the params, the KV cache and the compiled step on the device."""
+"""ModelRunner: owns the params, the KV cache, the penalty table and the compiled step on
+the device."""
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -16,7 +18,11 @@ from jaxpage.runtime.decode_loop import make_decode_loop
 from jaxpage.parallel.placement import JitDispatch, Placement
 from jaxpage.runtime.executable_cache import ExecutableCache, fingerprint
 from jaxpage.runtime.kv_cache import allocate_kv_cache
-from jaxpage.runtime.step import make_forward_logits, make_step
+from jaxpage.core.penalty_slots import PenaltyFill
+from jaxpage.runtime.step import make_forward_logits, make_penalty_fill, make_step
+
+# Tokens per call of the penalty-fill program (one compiled shape; long rows take several).
+PENALTY_FILL_WIDTH = 512
 
 
 @dataclass
@@ -74,6 +80,9 @@ class StepResult:
 class ModelRunner:
     """Executes BatchMetadata on the device. ``num_blocks`` includes the null block.
 
+    The penalty table (int32 [max_num_seqs, vocab], see ``jaxpage.core.penalty_slots``)
+    travels with the KV cache through every step and decode loop, donated both ways.
+
     With ``loaded.mesh`` (tensor parallelism) the params are already sharded, the KV cache
     is allocated split by KV head, and every program is jitted by the replica's
     ``Placement`` (the cache keeps its sharding; small outputs come back replicated).
@@ -91,7 +100,17 @@ class ModelRunner:
                                           self.placement.kv_sharding)
         block_shape = (self.arch.num_layers,) + self.kv_cache[0].shape[2:]
         self.host_pool = block_ops.HostKVPool(num_host_blocks, block_shape, np.dtype(dtype))
-        self._step = make_step(graphdef, jit=self.placement.jit)
+        self.penalty_table = self.placement.zeros_replicated(
+            (max_num_seqs, self.arch.vocab_size), jax.numpy.int32)
+        caches_jit = functools.partial(
+            self.placement.jit, carry_sharding=(self.placement.kv_sharding,
+                                                self.placement.replicated)
+            if self.placement.mesh is not None else None)
+        self._jit_with_caches = caches_jit
+        self._step = make_step(graphdef, jit=caches_jit)
+        self._fill_penalties = make_penalty_fill(jit=functools.partial(
+            self.placement.jit, carry_sharding=self.placement.replicated
+            if self.placement.mesh is not None else None))
         self._graphdef = graphdef
         self._block_size = block_size
         self._decode_loops: dict[int, object] = {}
@@ -104,7 +123,7 @@ class ModelRunner:
             self.executables = JitDispatch()
         else:
             self.executables = ExecutableCache(executable_dir, fingerprint(
-                self.state, self.kv_cache, self._no_carry,
+                self.state, self.kv_cache, self.penalty_table, self._no_carry,
                 extra=f"{graphdef}|{self.arch}|block_size={block_size}"),
                 devices=sorted(self.kv_cache[0].devices(), key=lambda d: d.id))
 
@@ -127,6 +146,31 @@ class ModelRunner:
         block_ops.swap_out(self.kv_cache, self.host_pool, swap_out, programs)
         self.kv_cache = block_ops.swap_in(self.kv_cache, self.host_pool, swap_in, programs)
         self.kv_cache = block_ops.copy(self.kv_cache, copies, programs)
+
+    def fill_penalty_rows(self, fills: list[PenaltyFill]) -> None:
+        """Write rows of the penalty table (queued before the step that reads them)."""
+        width = PENALTY_FILL_WIDTH
+        for fill in fills:
+            for start in range(0, max(len(fill.token_ids), 1), width):
+                ids = np.full(width, -1, np.int32)
+                values = np.zeros(width, np.int32)
+                chunk = fill.token_ids[start:start + width]
+                ids[:len(chunk)] = chunk
+                values[:len(chunk)] = fill.values[start:start + width]
+                self._run_penalty_fill(fill.slot, ids, values, start == 0)
+
+    def _run_penalty_fill(self, slot: int, ids: np.ndarray, values: np.ndarray,
+                          reset: bool) -> None:
+        args = ((), self.penalty_table, np.int32(slot), ids, values, np.bool_(reset))
+        program = self.executables.get("penalty_fill", (PENALTY_FILL_WIDTH,),
+                                       self._fill_penalties, args)
+        self.penalty_table, = program(*args)
+
+    def compile_penalty_fill(self) -> int:
+        """Compile the penalty-fill program (it writes nothing: every token id is padding)."""
+        self._run_penalty_fill(0, np.full(PENALTY_FILL_WIDTH, -1, np.int32),
+                               np.zeros(PENALTY_FILL_WIDTH, np.int32), False)
+        return 1
 
     def compile_block_ops(self, max_copies: int, max_swaps: int) -> int:
         """Compile the block copy / swap programs for every padded size they can take."""
@@ -160,9 +204,9 @@ class ModelRunner:
     def dispatch(self, batch: BatchMetadata) -> "PendingStep":
         """Launch one step without waiting; its outputs start moving to the host at once."""
         self.compiled_shapes.add(batch.shape_key)
-        args = (self.state, self.kv_cache, jax.device_put(batch.as_dict()))
+        args = (self.state, (self.kv_cache, self.penalty_table), jax.device_put(batch.as_dict()))
         program = self.executables.get("step", batch.shape_key, self._step, args)
-        self.kv_cache, (tokens, *logprobs) = program(*args)
+        (self.kv_cache, self.penalty_table), (tokens, *logprobs) = program(*args)
         outputs = (tokens, *logprobs) if batch.want_logprobs.any() else (tokens,)
         for array in outputs:
             array.copy_to_host_async()
@@ -184,7 +228,7 @@ class ModelRunner:
         loop = self._decode_loops.get(num_steps)
         if loop is None:
             loop = self._decode_loops[num_steps] = make_decode_loop(
-                self._graphdef, num_steps, self._block_size, jit=self.placement.jit)
+                self._graphdef, num_steps, self._block_size, jit=self._jit_with_caches)
         num_rows = batch.block_tables.shape[0]
         if after is None:
             prev_tokens, prev_done = self._no_carry
@@ -194,10 +238,10 @@ class ModelRunner:
             row_map = np.pad(np.asarray(row_map, np.int32), (0, num_rows - len(row_map)),
                              constant_values=-1)
         self.compiled_shapes.add(batch.shape_key + (num_steps,))
-        args = (self.state, self.kv_cache, jax.device_put(batch.as_dict()), prev_tokens,
-                prev_done, jax.device_put(row_map))
+        args = (self.state, (self.kv_cache, self.penalty_table), jax.device_put(batch.as_dict()),
+                prev_tokens, prev_done, jax.device_put(row_map))
         program = self.executables.get(f"decode{num_steps}", batch.shape_key, loop, args)
-        self.kv_cache, tokens, carry, logprobs = program(*args)
+        (self.kv_cache, self.penalty_table), tokens, carry, logprobs = program(*args)
         tokens.copy_to_host_async()
         if not batch.want_logprobs.any():
             return PendingMultiStep(tokens, carry)

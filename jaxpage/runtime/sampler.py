@@ -15,6 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxpage.core.penalty_slots import SEEN
+
 
 def suppress_tokens(logits: jax.Array, suppressed_ids: jax.Array) -> jax.Array:
     """Set logits of ``suppressed_ids`` (int32 [S, K], -1 = none) to -inf. logits: [S, V]."""
@@ -43,52 +45,59 @@ def _filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
-PenaltyTables = tuple[jax.Array, jax.Array]  # seen bool [S, V], output counts int32 [S, V]
+def penalize(logits: jax.Array, penalty_table: jax.Array,
+             batch: dict[str, jax.Array]) -> jax.Array:
+    """vLLM's repetition, frequency and presence penalties for rows with a penalty slot.
 
-
-def penalty_tables(batch: dict[str, jax.Array], vocab: int) -> PenaltyTables | None:
-    """Dense tables from the batch's ``penalty_ids`` / ``penalty_counts`` (None when P == 0).
-
-    seen[i, t]: token t is in sequence i's prompt or output; counts[i, t]: times in its output.
+    logits float32 [S, V]; penalty_table int32 [R, V] (``jaxpage.core.penalty_slots``: a
+    value is count_in_output | SEEN). Rows with ``penalty_slot == -1`` are unchanged, and
+    when no row has a slot the table is not read at all.
     """
-    ids = batch["penalty_ids"]                                               # [S, P]
-    if ids.shape[1] == 0:
-        return None
-    rows = jnp.arange(ids.shape[0])[:, None]
-    safe = jnp.where(ids < 0, vocab, ids)                                    # -1: dropped
-    seen = jnp.zeros((ids.shape[0], vocab), bool).at[rows, safe].set(True, mode="drop")
-    counts = jnp.zeros((ids.shape[0], vocab), jnp.int32).at[rows, safe].add(
-        batch["penalty_counts"], mode="drop")
-    return seen, counts
+    slots = batch["penalty_slot"]                                            # [S]
+
+    def apply(logits: jax.Array) -> jax.Array:
+        values = penalty_table[jnp.maximum(slots, 0)]                        # [S, V]
+        values = jnp.where((slots >= 0)[:, None], values, 0)
+        seen = values != 0
+        counts = (values & (SEEN - 1)).astype(logits.dtype)
+        rep = batch["repetition_penalty"][:, None]                           # [S, 1]
+        penalized = jnp.where(logits > 0, logits / rep, logits * rep)
+        logits = jnp.where(seen, penalized, logits)
+        logits = logits - batch["frequency_penalty"][:, None] * counts
+        return logits - batch["presence_penalty"][:, None] * (counts > 0).astype(logits.dtype)
+
+    return jax.lax.cond(jnp.any(slots >= 0), apply, lambda x: x, logits)
 
 
-def record_tokens(tables: PenaltyTables, tokens: jax.Array, live: jax.Array) -> PenaltyTables:
-    """Add one new output token per row (int32 [S]) where ``live`` (bool [S]) to the tables."""
-    seen, counts = tables
-    rows = jnp.arange(tokens.shape[0])
-    safe = jnp.where(live & (tokens >= 0), tokens, seen.shape[1])
-    return (seen.at[rows, safe].set(True, mode="drop"),
-            counts.at[rows, safe].add(1, mode="drop"))
+def record_tokens(penalty_table: jax.Array, slots: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Count one new output token per row (int32 [S]) in the row's slot (int32 [S], -1:
+    none). Slots of one call are distinct, so no two rows write the same entry."""
+    rows, vocab = penalty_table.shape
+    keep = (slots >= 0) & (tokens >= 0) & (tokens < vocab)
+    slot = jnp.where(keep, slots, rows)                                      # rows: dropped
+    token = jnp.clip(tokens, 0, vocab - 1)
+    old = penalty_table[jnp.minimum(slot, rows - 1), token]
+    return penalty_table.at[slot, token].set((old | SEEN) + 1, mode="drop")
 
 
-def apply_penalties(logits: jax.Array, tables: PenaltyTables,
-                    batch: dict[str, jax.Array]) -> jax.Array:
-    """vLLM's repetition, frequency and presence penalties. logits float32 [S, V]."""
-    seen, counts = tables
-    rep = batch["repetition_penalty"][:, None]                               # [S, 1]
-    penalized = jnp.where(logits > 0, logits / rep, logits * rep)
-    logits = jnp.where(seen, penalized, logits)
-    logits = logits - batch["frequency_penalty"][:, None] * counts.astype(logits.dtype)
-    return logits - batch["presence_penalty"][:, None] * (counts > 0).astype(logits.dtype)
+def fill_penalty_row(penalty_table: jax.Array, slot: jax.Array, token_ids: jax.Array,
+                     values: jax.Array, reset: jax.Array) -> jax.Array:
+    """Write ``values`` at ``token_ids`` (int32 [W], -1 = padding) into row ``slot``,
+    zeroing the row first when ``reset``. One chunk of a ``PenaltyFill``."""
+    vocab = penalty_table.shape[1]
+    row = jnp.where(reset, 0, penalty_table[slot])                           # [V]
+    row = row.at[jnp.where(token_ids < 0, vocab, token_ids)].set(values, mode="drop")
+    return penalty_table.at[slot].set(row)
 
 
 def sample(logits: jax.Array, batch: dict[str, jax.Array],
-           tables: PenaltyTables | None = None) -> jax.Array:
-    """logits float32 [S, V] -> token ids int32 [S]. ``tables``: see ``penalty_tables``."""
+           penalty_table: jax.Array | None = None) -> jax.Array:
+    """logits float32 [S, V] -> token ids int32 [S]. ``penalty_table``: see ``penalize``
+    (None: no penalties)."""
     too_early = (batch["sample_index"] < batch["min_tokens"])[:, None]
     logits = suppress_tokens(logits, jnp.where(too_early, batch["stop_token_ids"], -1))
-    if tables is not None:
-        logits = apply_penalties(logits, tables, batch)
+    if penalty_table is not None:
+        logits = penalize(logits, penalty_table, batch)
     temperature = batch["temperature"]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 

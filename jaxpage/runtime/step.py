@@ -1,6 +1,8 @@
-"""The pure jitted model step: (params, kv_cache, batch) -> (kv_cache, sampled tokens).
+"""The pure jitted model step: (params, caches, batch) -> (caches, sampled tokens).
 
-The KV cache is donated: it goes in and comes back updated, with no hidden device state.
+``caches`` is ``(kv_cache, penalty_table)``: the paged KV cache and the penalty table of
+seen tokens and output counts (``jaxpage.core.penalty_slots``). Both are donated: they go
+in and come back updated, with no hidden device state.
 The model is rebuilt from its graph definition and state with ``nnx.merge`` inside the
 traced function, so the step stays a pure function of arrays.
 """
@@ -13,29 +15,42 @@ import jax
 from flax import nnx
 
 from jaxpage.core.batch import MAX_TOP_LOGPROBS
-from jaxpage.runtime.sampler import penalty_tables, sample, sampled_logprobs
+from jaxpage.runtime.sampler import fill_penalty_row, record_tokens, sample, sampled_logprobs
 
 KVCache = tuple[jax.Array, jax.Array]
+Caches = tuple[KVCache, jax.Array]  # (kv_cache, penalty_table int32 [R, V])
 
 
 def make_step(graphdef: Any, jit: Callable = jax.jit) -> Callable:
-    """Jitted ``step(state, kv_cache, batch) -> (kv_cache, (tokens, top_ids, top_logprobs,
+    """Jitted ``step(state, caches, batch) -> (caches, (tokens, top_ids, top_logprobs,
     token_logprobs, token_ranks))``.
 
     tokens: int32 [S]; top_ids, top_logprobs: [S, MAX_TOP_LOGPROBS]; token_logprobs float32
     [S] and token_ranks int32 [S] of the sampled tokens (all zeros unless some row has
     ``want_logprobs``).
     """
-    def step(state: Any, kv_cache: KVCache, batch: dict[str, jax.Array]):
+    def step(state: Any, caches: Caches, batch: dict[str, jax.Array]):
+        kv_cache, penalty_table = caches
         model = nnx.merge(graphdef, state)
         hidden, kv_cache = model(batch["input_ids"], batch["positions"], kv_cache, batch)
         logits = model.compute_logits(hidden[batch["logits_indices"]])  # [S, V]
-        tokens = sample(logits, batch, penalty_tables(batch, logits.shape[-1]))
+        tokens = sample(logits, batch, penalty_table)
+        penalty_table = record_tokens(penalty_table, batch["penalty_slot"], tokens)
         chosen, rank, top_ids, top_values = sampled_logprobs(
             logits, tokens, batch["want_logprobs"], MAX_TOP_LOGPROBS)
-        return kv_cache, (tokens, top_ids, top_values, chosen, rank)
+        return (kv_cache, penalty_table), (tokens, top_ids, top_values, chosen, rank)
 
     return jit(step, donate_argnums=(1,))  # jit: a Placement.jit under tensor parallelism
+
+
+def make_penalty_fill(jit: Callable = jax.jit) -> Callable:
+    """Jitted ``fill(_, penalty_table, slot, token_ids, values, reset) -> (penalty_table,)``
+    (the unused first argument keeps ``Placement.jit``'s (state, carry, *inputs) form):
+    one chunk of a ``PenaltyFill``, see ``sampler.fill_penalty_row``."""
+    def fill(_: Any, penalty_table: jax.Array, slot, token_ids, values, reset):
+        return (fill_penalty_row(penalty_table, slot, token_ids, values, reset),)
+
+    return jit(fill, donate_argnums=(1,))
 
 
 def make_forward_logits(graphdef: Any, jit: Callable = jax.jit) -> Callable:

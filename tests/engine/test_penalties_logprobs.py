@@ -73,8 +73,11 @@ def test_penalties_match_reference_and_multi_step(engines):
         assert o.outputs[0].token_ids == ids, p
         assert ids != base.outputs[0].token_ids, f"{p} changed nothing: a weak case"
         check_logprobs(o.outputs[0], raws, 3)
+    chained_before = multi.llm_engine.step_profile["chained"]
     again = multi.generate(prompts, params, use_tqdm=False)
     assert multi.llm_engine.runner._decode_loops
+    # Penalized decodes chain (the device counts tokens the host has not seen yet).
+    assert multi.llm_engine.step_profile["chained"] > chained_before
     for a, b in zip(got, again):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
@@ -82,6 +85,25 @@ def test_penalties_match_reference_and_multi_step(engines):
             for k in x:
                 assert x[k].rank == y[k].rank
                 assert abs(x[k].logprob - y[k].logprob) < 1e-5
+
+
+def test_penalties_survive_slot_reuse_preemption_and_chaining(engines, tiny_checkpoints):
+    """Two penalty slots for eight requests, a cache too small for two of them at once
+    (preemption by recompute), K=4 chained calls: the same tokens as the roomy K=1 engine."""
+    single = engines[0]
+    prompts = [prompt for prompt, _ in CASES] + [BASE[2], BASE[3]]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, **p)
+              for _, p in CASES] + [SamplingParams(temperature=0, max_tokens=40,
+                                                   ignore_eos=True)] * 2
+    expected = single.generate(prompts, params, use_tqdm=False)
+    tight = LLM(tiny_checkpoints["llama"], num_scheduler_steps=4, max_model_len=256,
+                max_num_seqs=2, max_num_batched_tokens=64, block_size=8, num_kv_blocks=9)
+    got = tight.generate(prompts, params, use_tqdm=False)
+    stats = tight.get_stats()
+    assert stats["num_preemptions"] > 0
+    assert tight.llm_engine.step_profile["chained"] > 0
+    for p, a, b in zip(params, got, expected):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, p
 
 
 def rank_ok(raw, token, rank, tol=1e-4) -> bool:

@@ -31,9 +31,11 @@ def test_nothing_compiles_after_warmup(tiny_checkpoints, compile_events):
     params = [SamplingParams(temperature=0, max_tokens=12),
               SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1, max_tokens=20),
               SamplingParams(n=2, temperature=1.0, max_tokens=9, stop=[" the"]),
-              SamplingParams(temperature=0, max_tokens=30, min_tokens=5, ignore_eos=True)]
+              SamplingParams(temperature=0, max_tokens=30, min_tokens=5, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=3, max_tokens=16, repetition_penalty=1.3,
+                             presence_penalty=0.5, frequency_penalty=-0.2)]
     prompts = [{"prompt_token_ids": [100 + 7 * i + j for j in range(3 + 5 * i)]} for i in range(8)]
-    llm.generate(prompts, [params[i % 4] for i in range(8)], use_tqdm=False)
+    llm.generate(prompts, [params[i % 5] for i in range(8)], use_tqdm=False)
     llm.generate([BASE[0]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     llm.beam_search([BASE[0]], BeamSearchParams(beam_width=2, max_tokens=4))
     stats = llm.get_stats()
