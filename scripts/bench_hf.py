@@ -108,51 +108,75 @@ def synchronize() -> None:
 
 
 def predict_seconds(requests: Sequence[BenchRequest], batch_size: int,
-                    step_s: float, prefill_s_per_token: float) -> float:
+                    step_s: float, prefill_s_per_token: float,
+                    step_s_per_context_token: float = 0.0) -> float:
     """Modelled wall time of the static-batch schedule: per batch, a prefill of
-    ``rows x longest prompt`` tokens plus ``longest output`` decode steps."""
+    ``rows x longest prompt`` tokens plus ``longest output`` decode steps, a step at
+    context ``c`` costing ``step_s + step_s_per_context_token * c`` (the cache a step
+    reads, and copies when it grows, is the whole padded batch's)."""
     total = 0.0
     for start in range(0, len(requests), batch_size):
         batch = requests[start:start + batch_size]
-        total += prefill_s_per_token * len(batch) * max(r.prompt_len for r in batch)
-        total += step_s * max(r.output_len for r in batch)
+        prompt = max(r.prompt_len for r in batch)
+        steps = max(r.output_len for r in batch)
+        total += prefill_s_per_token * len(batch) * prompt
+        contexts = steps * prompt + steps * (steps - 1) / 2  # sum of contexts over the steps
+        total += step_s * steps + step_s_per_context_token * contexts
     return total
+
+
+def _time_generate(hf, prompts: Sequence[Sequence[int]], new_tokens: int) -> float:
+    synchronize()
+    began = time.perf_counter()
+    generate_batch(hf, prompts, new_tokens)
+    synchronize()
+    return time.perf_counter() - began
 
 
 def search_batch_size(hf, requests: Sequence[BenchRequest], candidates: Sequence[int],
                       log: Callable[[str], None] = print) -> tuple[int, list[dict[str, Any]]]:
     """Pick the batch size with the least modelled time for this workload.
 
-    For each candidate (ascending), two short probes on a full batch of the workload's
-    mean-length prompts (2 and 10 new tokens) give the decode time per step and the
-    prefill time per token; ``predict_seconds`` turns them into the whole schedule's time.
-    A candidate that runs out of memory ends the search (larger ones would too).
+    For each candidate (ascending), short probes on a full batch give the decode step's
+    time at two context lengths, the workload's mean prompt and that plus its mean output
+    (2 and 10 new tokens each: the difference over 8 steps), and the prefill time per
+    token; ``predict_seconds`` turns them into the whole schedule's time, with the step
+    growing linearly with the context. A candidate that runs out of memory ends the search
+    (larger ones would too).
     """
     import torch
 
     mean_len = max(1, round(sum(r.prompt_len for r in requests) / len(requests)))
+    mean_out = max(1, round(sum(r.output_len for r in requests) / len(requests)))
+    long_len = mean_len + mean_out
     probes = []
     for size in sorted(set(candidates)):
-        prompts = [requests[i % len(requests)].prompt_token_ids[:mean_len]
-                   or [10] for i in range(size)]
+        def prompts_of(length: int) -> list[list[int]]:
+            rows = []
+            for i in range(size):
+                ids = list(requests[i % len(requests)].prompt_token_ids) or [10]
+                rows.append((ids * (length // len(ids) + 1))[:length])
+            return rows
+
         try:
-            timings = []
-            for n in (2, 10):
-                synchronize()
-                began = time.perf_counter()
-                generate_batch(hf, prompts, n)
-                synchronize()
-                timings.append(time.perf_counter() - began)
+            short = [_time_generate(hf, prompts_of(mean_len), n) for n in (2, 10)]
+            long = [_time_generate(hf, prompts_of(long_len), n) for n in (2, 10)]
         except torch.OutOfMemoryError:
             log(f"HF batch size {size}: out of memory; search stops")
             break
-        step_s = max((timings[1] - timings[0]) / 8, 1e-9)
-        prefill = max(timings[0] - 2 * step_s, 0.0) / (size * max(len(p) for p in prompts))
-        predicted = predict_seconds(requests, size, step_s, prefill)
-        probes.append({"batch_size": size, "decode_step_s": step_s,
+        step_short = max((short[1] - short[0]) / 8, 1e-9)
+        step_long = max((long[1] - long[0]) / 8, step_short)
+        slope = (step_long - step_short) / (long_len - mean_len)
+        intercept = max(step_short - slope * mean_len, 0.0)
+        prefill = max(short[0] - 2 * step_short, 0.0) / (size * mean_len)
+        predicted = predict_seconds(requests, size, intercept, prefill, slope)
+        probes.append({"batch_size": size, "decode_step_s": step_short,
+                       "decode_step_long_context_s": step_long,
+                       "probe_contexts": [mean_len, long_len],
                        "prefill_s_per_token": prefill, "predicted_s": predicted})
-        log(f"HF batch size {size}: decode step {1e3 * step_s:.1f} ms, "
-            f"predicted workload time {predicted:.1f} s")
+        log(f"HF batch size {size}: decode step {1e3 * step_short:.1f} ms at context "
+            f"{mean_len}, {1e3 * step_long:.1f} ms at {long_len}; predicted workload time "
+            f"{predicted:.1f} s")
     if not probes:
         raise RuntimeError("the Hugging Face model cannot hold even the smallest batch")
     best = min(probes, key=lambda p: p["predicted_s"])

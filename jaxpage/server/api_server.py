@@ -46,6 +46,30 @@ class _APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class _CountResponsesMiddleware:
+    """Pure ASGI middleware: counts every HTTP response in ``jaxpage:http_requests`` by
+    route and status (401s from the key check included; unknown paths count as ``other``
+    so that a scanner cannot grow the label set)."""
+
+    def __init__(self, app, counter, routes: set[str]) -> None:
+        self.app = app
+        self.counter = counter
+        self.routes = routes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in self.routes else "other"
+
+        async def counted_send(message):
+            if message["type"] == "http.response.start":
+                self.counter.labels(route=route, status=str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted_send)
+
+
 class EventStreamResponse(StreamingResponse):
     """Server-sent events that stop as soon as the client disconnects.
 
@@ -213,10 +237,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
             return completion_logprobs(entries, token_ids, offset)
 
         if not body.stream:
-            try:
-                await job.run_to_end()
-            finally:
-                job.close()
+            await job.run_to_end()
             return {"id": rid, "object": "text_completion", "created": now, "model": name,
                     "choices": [{"index": c.index, "text": c.text,
                                  "logprobs": logprobs_of(c, c.token_ids, c.logprobs),
@@ -276,10 +297,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
             return None if num_top is None else chat_logprobs(entries, token_ids, num_top)
 
         if not body.stream:
-            try:
-                await job.run_to_end()
-            finally:
-                job.close()
+            await job.run_to_end()
             return {"id": rid, "object": "chat.completion", "created": now, "model": name,
                     "choices": [{"index": c.index,
                                  "message": {"role": "assistant", "content": c.text},
@@ -312,6 +330,9 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
 
         return _event_stream(job, chunks())
 
+    # Outermost (added last): counts responses of the key check and of every route.
+    app.add_middleware(_CountResponsesMiddleware, counter=metrics.http_requests,
+                       routes={route.path for route in app.routes})
     return app
 
 

@@ -190,8 +190,13 @@ class GenerationJob:
                 task.cancel()
 
     async def run_to_end(self) -> None:
-        async for _ in self.events():
-            pass
+        """Consume every event (a non-streamed response); ``close`` runs whatever happens,
+        so a client that leaves or an engine error aborts what is left and records it."""
+        try:
+            async for _ in self.events():
+                pass
+        finally:
+            self.close()
 
     def close(self) -> None:
         """Abort whatever has not finished (a client that left) and record its metrics.

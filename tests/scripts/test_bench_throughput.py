@@ -70,6 +70,10 @@ def test_predicted_schedule_time_counts_each_batch_to_its_longest():
     # batches of 2: [r0, r1], [r2]: two prefills of 2x2 and 1x2 tokens, 3 + 3 decode steps
     assert bench_hf.predict_seconds(w.requests, 2, step_s=1.0, prefill_s_per_token=0.5) == \
         pytest.approx(0.5 * (4 + 2) + 6)
+    # steps at contexts 2, 3, 4 in each batch cost 0.1 more per context token
+    assert bench_hf.predict_seconds(w.requests, 2, step_s=1.0, prefill_s_per_token=0.5,
+                                    step_s_per_context_token=0.1) == \
+        pytest.approx(0.5 * (4 + 2) + 6 + 0.1 * 2 * (2 + 3 + 4))
 
 
 def test_bad_flags_are_clear_errors():

@@ -179,6 +179,34 @@ def test_metrics_parse_and_counters_match_requests(served):
         assert f"jaxpage:{gauge}" in after
 
 
+def http_responses(url: str) -> dict[tuple[str, str], float]:
+    """``http_requests_total`` by (route, status)."""
+    counts: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == "jaxpage:http_requests_total":
+                key = (sample.labels["route"], sample.labels["status"])
+                counts[key] = counts.get(key, 0.0) + sample.value
+    return counts
+
+
+def test_http_responses_are_counted_by_route_and_status(served):
+    before = http_responses(served.url)
+    body = {"model": MODEL_NAME, "prompt": [3, 4, 5], "max_tokens": 2, "temperature": 0}
+    assert httpx.post(served.url + "/v1/completions", headers=AUTH, json=body,
+                      timeout=120).status_code == 200
+    assert httpx.post(served.url + "/v1/completions", headers=AUTH,
+                      json=dict(body, max_tokens=-1), timeout=60).status_code == 400
+    assert httpx.post(served.url + "/v1/completions", json=body, timeout=60).status_code == 401
+    assert httpx.get(served.url + "/no/such/route/42", timeout=60).status_code == 404
+    after = http_responses(served.url)
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+    # The scrape before ``after`` is counted too: one /metrics 200.
+    assert delta == {("/v1/completions", "200"): 1, ("/v1/completions", "400"): 1,
+                     ("/v1/completions", "401"): 1, ("other", "404"): 1,
+                     ("/metrics", "200"): 1}
+
+
 def test_disconnect_mid_stream_frees_blocks_at_once(served):
     """A long stream is cut after its first event; the request is aborted, not finished."""
     # 60 prompt tokens + 190 fit the 256-token context, so this is a real stream (not a 400)
