@@ -137,7 +137,9 @@ def search_batch_size(hf, requests: Sequence[BenchRequest], candidates: Sequence
                       log: Callable[[str], None] = print) -> tuple[int, list[dict[str, Any]]]:
     """Pick the batch size with the least modelled time for this workload.
 
-    For each candidate (ascending), short probes on a full batch give the decode step's
+    For each candidate (ascending), after one untimed call (a first call at a new batch
+    size pays one-time costs that made the old single probe pick batch 64 with a decode
+    step three times too fast), short probes on a full batch give the decode step's
     time at two context lengths, the workload's mean prompt and that plus its mean output
     (2 and 10 new tokens each: the difference over 8 steps), and the prefill time per
     token; ``predict_seconds`` turns them into the whole schedule's time, with the step
@@ -159,6 +161,7 @@ def search_batch_size(hf, requests: Sequence[BenchRequest], candidates: Sequence
             return rows
 
         try:
+            _time_generate(hf, prompts_of(mean_len), 2)  # untimed: first use of this size
             short = [_time_generate(hf, prompts_of(mean_len), n) for n in (2, 10)]
             long = [_time_generate(hf, prompts_of(long_len), n) for n in (2, 10)]
         except torch.OutOfMemoryError:
