@@ -2,7 +2,11 @@
 
 Every array has a fixed, bucketed shape so the jitted step compiles a small set of
 programs: ``T`` (tokens), ``S`` (sequences) and ``M`` (blocks per sequence) are each
-rounded up to a rung of their ladder. Padding is explicit:
+rounded up to a rung of their ladder. A batch of decodes only (one token per sequence)
+pads its tokens like its sequences (``T = S``, capped by the token ladder's rung): the
+token ladder starts at 16, and on the CPU a decode of one sequence padded to 16 tokens
+costs much more than at 1 (16x the matmul work for the same weights read), while the
+long tail of a workload decodes a few sequences at a time. Padding is explicit:
 
 * padded tokens: ``input_ids = 0``, ``positions = 0``, ``slot_mapping = -1`` (not written);
 * padded sequences: ``kv_lens = 0``, ``cu_q_lens`` repeats its last value, block table
@@ -105,9 +109,15 @@ class BatchBuilder:
         self.block_ladder = BucketLadder(min(8, max_blocks), max_blocks)
         self.penalty_slots = PenaltySlots(num_penalty_slots or max_num_seqs)
 
+    def decode_tokens(self, num_seqs: int) -> int:
+        """T of a batch of ``num_seqs`` decodes: the sequence rung, capped by the token rung."""
+        return min(self.seq_ladder.fit(num_seqs), self.token_ladder.fit(num_seqs))
+
     def step_shapes(self) -> list[tuple[int, int, int]]:
-        """Every (T, S, M) that ``build`` can produce: n sequences carry n..max tokens."""
-        pairs = set()
+        """Every (T, S, M) that ``build`` can produce: n sequences carry n..max tokens
+        (decodes only: ``decode_tokens(n)``)."""
+        pairs = {(self.decode_tokens(n), self.seq_ladder.fit(n))
+                 for n in range(1, self.seq_ladder.rungs[-1] + 1)}
         max_tokens = self.token_ladder.rungs[-1]
         for n in range(1, self.seq_ladder.rungs[-1] + 1):
             seats = self.seq_ladder.fit(n)
@@ -120,7 +130,7 @@ class BatchBuilder:
 
     def decode_shapes(self) -> list[tuple[int, int, int]]:
         """Every (T, S, M) of an all-decode batch (n sequences, one token each)."""
-        pairs = {(self.token_ladder.fit(n), self.seq_ladder.fit(n))
+        pairs = {(self.decode_tokens(n), self.seq_ladder.fit(n))
                  for n in range(1, self.seq_ladder.rungs[-1] + 1)}
         return sorted((t, s, m) for t, s in pairs for m in self.block_ladder.rungs)
 
@@ -147,7 +157,10 @@ class BatchBuilder:
         if ahead and any(item.num_new_tokens != 1 for item in items):
             raise ValueError("only decodes can be built ahead of the host")
         num_tokens = out.num_batched_tokens
-        T = self.token_ladder.fit(num_tokens)
+        if all(item.num_new_tokens == 1 for item in items):
+            T = self.decode_tokens(len(items))
+        else:
+            T = self.token_ladder.fit(num_tokens)
         S = self.seq_ladder.fit(len(items))
         tables = [self.kv.block_ids(it.request.request_id) for it in items]
         M = self.block_ladder.fit(max(len(t) for t in tables))

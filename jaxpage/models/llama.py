@@ -1,13 +1,18 @@
 """The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2 via bias flags) as a flax nnx module.
 
-Per-layer weights are stacked along a leading ``num_layers`` axis and the layers run as
-one ``lax.scan``, so compile time does not grow with depth. Projections are stored as
-``[in_features, out_features]``. The KV cache ``(k, v)``, each
-``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``, travels in the scan
-carry and is returned updated. Inside the scan it is viewed as one flat page pool
-``[num_layers * num_blocks, ...]`` (a free reshape), and layer ``l`` addresses its pages
-by offsetting block ids by ``l * num_blocks``: no layer's cache is ever sliced out and
-written back, which on the CPU copied the whole cache several times per step.
+Each layer owns its weights (``layers[l]``, projections stored ``[in_features,
+out_features]``) and the forward pass is a Python loop over the layers, unrolled in the
+traced program. The layers are deliberately not stacked into ``[num_layers, ...]`` arrays
+run by ``lax.scan``: XLA copies each layer's slice out of a stacked array before the
+matmuls read it, which on the CPU cost more than the matmuls themselves at decode batch
+sizes (``docs/benchmarks/layer_loop.md``). The price is a program that grows with depth,
+so compiling takes longer.
+
+The KV cache ``(k, v)``, each ``[num_layers, num_blocks, block_size, num_kv_heads,
+head_dim]``, goes whole into every layer's ``write_and_attend`` (``pallas_kernels``), which
+writes and reads only that layer's pages and returns the whole cache updated: no layer's
+cache is ever sliced out and written back, which on the CPU copied the whole cache
+several times per step.
 
 With a ``mesh`` (tensor parallelism, ``jaxpage.parallel``) the weights arrive sharded and
 XLA partitions the projections; the KV cache update and the paged attention run under
@@ -17,6 +22,7 @@ attention function (the shapes it sees are the per-device ones).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -27,8 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpage.models.arch_config import ArchConfig
 from jaxpage.parallel.sharding_rules import TP
-from pallas_kernels.kv_cache_update import kv_cache_update
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.write_and_attend import write_and_attend
 
 KVCache = tuple[jax.Array, jax.Array]
 
@@ -49,36 +54,58 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
-class DecoderLayers(nnx.Module):
-    """All decoder layers' weights, each stacked as [num_layers, ...]."""
+class DecoderLayer(nnx.Module):
+    """One decoder layer's weights (projections ``[in_features, out_features]``) and its
+    forward pass."""
 
     def __init__(self, cfg: ArchConfig, *, dtype: Any, rngs: nnx.Rngs) -> None:
-        L, H, I = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+        H, I = cfg.hidden_size, cfg.intermediate_size
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         init = nnx.initializers.normal(0.02)
 
         def weight(*shape: int) -> nnx.Param:
-            return nnx.Param(init(rngs.params(), (L, *shape), dtype))
+            return nnx.Param(init(rngs.params(), shape, dtype))
 
-        self.input_norm = nnx.Param(jnp.ones((L, H), dtype))
-        self.post_attention_norm = nnx.Param(jnp.ones((L, H), dtype))
+        self.input_norm = nnx.Param(jnp.ones((H,), dtype))
+        self.post_attention_norm = nnx.Param(jnp.ones((H,), dtype))
         self.q_proj, self.k_proj, self.v_proj = weight(H, q_dim), weight(H, kv_dim), weight(H, kv_dim)
         self.o_proj = weight(q_dim, H)
         if cfg.qkv_bias:
-            self.q_bias = nnx.Param(jnp.zeros((L, q_dim), dtype))
-            self.k_bias = nnx.Param(jnp.zeros((L, kv_dim), dtype))
-            self.v_bias = nnx.Param(jnp.zeros((L, kv_dim), dtype))
+            self.q_bias = nnx.Param(jnp.zeros((q_dim,), dtype))
+            self.k_bias = nnx.Param(jnp.zeros((kv_dim,), dtype))
+            self.v_bias = nnx.Param(jnp.zeros((kv_dim,), dtype))
         if cfg.o_bias:
-            self.o_bias = nnx.Param(jnp.zeros((L, H), dtype))
+            self.o_bias = nnx.Param(jnp.zeros((H,), dtype))
         self.gate_proj, self.up_proj, self.down_proj = weight(H, I), weight(H, I), weight(I, H)
 
-    def stacked(self) -> dict[str, jax.Array]:
-        return {name: value[...] for name, value in vars(self).items()
-                if isinstance(value, nnx.Param)}
+    def qkv(self, cfg: ArchConfig, h: jax.Array, positions: jax.Array,
+            inv_freq: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """h [T, hidden] -> rotated q [T, Hq, D], rotated k and v [T, Hkv, D]."""
+        num_tokens = h.shape[0]
+        x = rms_norm(h, self.input_norm[...], cfg.rms_norm_eps)
+        q = jnp.einsum("th,hd->td", x, self.q_proj[...])
+        k = jnp.einsum("th,hd->td", x, self.k_proj[...])
+        v = jnp.einsum("th,hd->td", x, self.v_proj[...])
+        if cfg.qkv_bias:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        q = apply_rope(q.reshape(num_tokens, cfg.num_heads, cfg.head_dim), positions, inv_freq)
+        k = apply_rope(k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
+        return q, k, v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+
+    def finish(self, cfg: ArchConfig, h: jax.Array, attn: jax.Array) -> jax.Array:
+        """The residual stream after attention (attn [T, Hq, D]) and the MLP: [T, hidden]."""
+        out = jnp.einsum("td,dh->th", attn.reshape(h.shape[0], -1), self.o_proj[...])
+        if cfg.o_bias:
+            out = out + self.o_bias[...]
+        h = h + out
+        x = rms_norm(h, self.post_attention_norm[...], cfg.rms_norm_eps)
+        gate = jnp.einsum("th,hi->ti", x, self.gate_proj[...])
+        up = jnp.einsum("th,hi->ti", x, self.up_proj[...])
+        return h + jnp.einsum("ti,ih->th", jax.nn.silu(gate) * up, self.down_proj[...])
 
 
 class CausalLM(nnx.Module):
-    """Embeddings -> scanned decoder layers -> final norm; ``compute_logits`` for the head."""
+    """Embeddings -> decoder layers -> final norm; ``compute_logits`` for the head."""
 
     def __init__(self, cfg: ArchConfig, *, dtype: Any = jnp.float32,
                  attention_backend: str = "auto", rngs: nnx.Rngs,
@@ -88,7 +115,8 @@ class CausalLM(nnx.Module):
         self.mesh = mesh  # static: a one-axis ("tp") mesh, or None on one device
         self.embed = nnx.Param(nnx.initializers.normal(0.02)(
             rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
-        self.layers = DecoderLayers(cfg, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs)
+                                for _ in range(cfg.num_layers)])
         self.final_norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype))
         if not cfg.tie_word_embeddings:
             self.lm_head = nnx.Param(nnx.initializers.normal(0.02)(
@@ -99,73 +127,45 @@ class CausalLM(nnx.Module):
         """input_ids, positions: int32 [T] -> hidden [T, hidden_size], updated kv_cache."""
         cfg = self.cfg
         inv_freq = jnp.asarray(cfg.rope_inv_freq())
-        num_tokens = input_ids.shape[0]
         attention = self._sharded(self._attention)
 
-        k_all, v_all = kv_cache                       # [L, N, B, Hkv, D] each
-        num_layers, num_blocks, block_size = k_all.shape[:3]
-        k_pool = k_all.reshape(num_layers * num_blocks, *k_all.shape[2:])  # [L*N, B, Hkv, D]
-        v_pool = v_all.reshape(num_layers * num_blocks, *v_all.shape[2:])
-        slot_mapping = batch["slot_mapping"]           # int32 [T], -1 = skip
-
-        def layer(carry, xs):
-            h, k_pool, v_pool = carry
-            w, index = xs
-            first_block = index * num_blocks           # this layer's block 0 in the pool
-            x = rms_norm(h, w["input_norm"], cfg.rms_norm_eps)
-            q = jnp.einsum("th,hd->td", x, w["q_proj"])
-            k = jnp.einsum("th,hd->td", x, w["k_proj"])
-            v = jnp.einsum("th,hd->td", x, w["v_proj"])
-            if cfg.qkv_bias:
-                q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
-            q = apply_rope(q.reshape(num_tokens, cfg.num_heads, cfg.head_dim), positions, inv_freq)
-            k = apply_rope(k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
-            v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            slots = jnp.where(slot_mapping < 0, -1, slot_mapping + first_block * block_size)
-            attn, k_pool, v_pool = attention(
-                q, k, v, k_pool, v_pool, slots, batch["kv_lens"],
-                batch["block_tables"] + first_block, batch["cu_q_lens"], batch["num_seqs"])
-            out = jnp.einsum("td,dh->th", attn.reshape(num_tokens, -1), w["o_proj"])
-            if cfg.o_bias:
-                out = out + w["o_bias"]
-            h = h + out
-            x = rms_norm(h, w["post_attention_norm"], cfg.rms_norm_eps)
-            gate = jnp.einsum("th,hi->ti", x, w["gate_proj"])
-            up = jnp.einsum("th,hi->ti", x, w["up_proj"])
-            h = h + jnp.einsum("ti,ih->th", jax.nn.silu(gate) * up, w["down_proj"])
-            return (h, k_pool, v_pool), None
-
+        k_cache, v_cache = kv_cache                   # [L, N, B, Hkv, D] each
         h = self.embed[...][input_ids]                                     # [T, hidden]
-        xs = (self.layers.stacked(), jnp.arange(cfg.num_layers, dtype=jnp.int32))
-        (h, k_pool, v_pool), _ = jax.lax.scan(layer, (h, k_pool, v_pool), xs)
-        return (rms_norm(h, self.final_norm[...], cfg.rms_norm_eps),
-                (k_pool.reshape(k_all.shape), v_pool.reshape(v_all.shape)))
+        for index, layer in enumerate(self.layers):
+            q, k, v = layer.qkv(cfg, h, positions, inv_freq)
+            attn, k_cache, v_cache = attention(
+                q, k, v, k_cache, v_cache, batch["slot_mapping"], batch["kv_lens"],
+                batch["block_tables"], batch["cu_q_lens"], batch["num_seqs"], layer=index)
+            h = layer.finish(cfg, h, attn)
+        return rms_norm(h, self.final_norm[...], cfg.rms_norm_eps), (k_cache, v_cache)
 
-    def _attention(self, q, k, v, k_layer, v_layer, slot_mapping, kv_lens, block_tables,
-                   cu_q_lens, num_seqs):
-        """Write the new K/V into the pages, then attend: -> (attn, k_layer, v_layer).
+    def _attention(self, q, k, v, k_cache, v_cache, slot_mapping, kv_lens, block_tables,
+                   cu_q_lens, num_seqs, *, layer: int):
+        """Write layer ``layer``'s new K/V into its pages, then attend:
+        -> (attn [T, Hq, D], k_cache, v_cache).
 
-        q: [T, Hq, D]; k, v: [T, Hkv, D]; k_layer, v_layer: the flat page pool
-        [num_layers * num_blocks, block_size, Hkv, D] (per-device head counts under
-        ``shard_map``), addressed through ``slot_mapping`` and ``block_tables`` already
-        offset to the layer's pages.
+        q: [T, Hq, D]; k, v: [T, Hkv, D]; k_cache, v_cache: every layer's pages
+        [L, N, B, Hkv, D] (per-device head counts under ``shard_map``); ``slot_mapping``
+        and ``block_tables`` address the layer's own pages.
         """
-        k_layer, v_layer = kv_cache_update(k_layer, v_layer, k, v, slot_mapping)
-        attn = ragged_paged_attention(
-            q, k_layer, v_layer, kv_lens, block_tables, cu_q_lens, num_seqs,
-            sm_scale=self.cfg.head_dim ** -0.5, sliding_window=self.cfg.sliding_window,
-            backend=self.attention_backend)
-        return attn, k_layer, v_layer
+        return write_and_attend(
+            q, k, v, slot_mapping, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
+            num_seqs, layer=layer, sm_scale=self.cfg.head_dim ** -0.5,
+            sliding_window=self.cfg.sliding_window, backend=self.attention_backend)
 
     def _sharded(self, attention):
         """``attention`` under ``shard_map`` over the KV-head axis when there is a mesh."""
         if self.mesh is None:
             return attention
-        heads, pages, whole = P(None, TP, None), P(None, None, TP, None), P()
-        return jax.shard_map(
-            attention, mesh=self.mesh,
-            in_specs=(heads, heads, heads, pages, pages, whole, whole, whole, whole, whole),
-            out_specs=(heads, pages, pages), check_vma=False)
+        heads, pages, whole = P(None, TP, None), P(None, None, None, TP, None), P()
+
+        def sharded(*args, layer: int):
+            return jax.shard_map(
+                functools.partial(attention, layer=layer), mesh=self.mesh,
+                in_specs=(heads, heads, heads, pages, pages, whole, whole, whole, whole, whole),
+                out_specs=(heads, pages, pages), check_vma=False)(*args)
+
+        return sharded
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""

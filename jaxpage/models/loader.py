@@ -127,14 +127,10 @@ def _param_arrays(arch: ArchConfig, run_arch: ArchConfig,
                   source: SafetensorsSource | GGUFSource):
     """Yield (path keys, host array) for every parameter, in our layout, one at a time.
 
-    Layers are stacked on a leading axis, linears are [in, out], and K/V projections are
-    repeated from ``arch.num_kv_heads`` to ``run_arch.num_kv_heads`` heads.
+    Layer ``i``'s tensors are at ``("layers", i, name)``, linears are [in, out], and K/V
+    projections are repeated from ``arch.num_kv_heads`` to ``run_arch.num_kv_heads`` heads.
     """
     repeats = run_arch.num_kv_heads // arch.num_kv_heads
-
-    def stack(suffix: str, transpose: bool = False) -> np.ndarray:
-        arrays = [source.get(f"model.layers.{i}.{suffix}") for i in range(arch.num_layers)]
-        return np.stack([a.T if transpose else a for a in arrays])
 
     def kv(array: np.ndarray) -> np.ndarray:
         return repeat_kv_heads(array, arch.num_kv_heads, arch.head_dim, repeats)
@@ -159,8 +155,10 @@ def _param_arrays(arch: ArchConfig, run_arch: ArchConfig,
             layer_tensors[f"{name}_bias"] = (f"self_attn.{name}_proj.bias", False)
     if arch.o_bias:
         layer_tensors["o_bias"] = ("self_attn.o_proj.bias", False)
-    for name, (suffix, transpose) in layer_tensors.items():
-        array = stack(suffix, transpose)
-        if name in ("k_proj", "v_proj", "k_bias", "v_bias"):
-            array = kv(array)
-        yield ("layers", name), array
+    for i in range(arch.num_layers):
+        for name, (suffix, transpose) in layer_tensors.items():
+            array = source.get(f"model.layers.{i}.{suffix}")
+            array = array.T if transpose else array
+            if name in ("k_proj", "v_proj", "k_bias", "v_bias"):
+                array = kv(array)
+            yield ("layers", i, name), array

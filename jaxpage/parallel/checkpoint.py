@@ -1,9 +1,8 @@
 """Orbax checkpoints of converted params, for a fast restart.
 
-Loading a Hugging Face or GGUF checkpoint converts every tensor on the host (stacking
-layers, transposing, dequantizing, repeating KV heads). ``save`` writes the result, as it
-sits in its shards, with ``orbax-checkpoint``; ``restore`` reads each shard straight onto
-its device. A checkpoint directory holds:
+Loading a Hugging Face or GGUF checkpoint converts every tensor on the host (transposing,
+dequantizing, repeating KV heads). ``save`` writes the result, as it sits in its shards,
+with ``orbax-checkpoint``; ``restore`` reads each shard straight onto its device. A checkpoint directory holds:
 
 * ``jaxpage_checkpoint.json``: format, the HF config, the architecture as run (KV heads
   after repetition), the dtype and the tensor-parallel size it was saved from;
@@ -25,7 +24,7 @@ import jax
 from flax import nnx
 
 MARKER = "jaxpage_checkpoint.json"
-FORMAT = 1
+FORMAT = 2  # 2: one array per layer (1 stacked the layers)
 
 
 def is_sharded_checkpoint(path: str) -> bool:
@@ -40,11 +39,26 @@ def _checkpointer():
     return ocp.PyTreeCheckpointer(use_compression=False)
 
 
+def _text_keys(tree: Any) -> Any:
+    """The pure dict with every key a string (orbax writes the layer indices as text)."""
+    if isinstance(tree, dict):
+        return {str(key): _text_keys(value) for key, value in tree.items()}
+    return tree
+
+
+def _int_keys(tree: Any, like: Any) -> Any:
+    """``tree`` (text keys) with the keys of ``like`` (the model's pure dict) put back."""
+    if isinstance(like, dict):
+        return {key: _int_keys(tree[str(key)], value) for key, value in like.items()}
+    return tree
+
+
 def save_state(runner: Any, path: str, metadata: dict[str, Any]) -> None:
     """Write ``runner.state`` to ``path`` (every process calls this with the same args)."""
     path = os.path.abspath(path)
     checkpointer = _checkpointer()
-    checkpointer.save(os.path.join(path, "params"), nnx.to_pure_dict(runner.state))  # blocking
+    checkpointer.save(os.path.join(path, "params"),
+                      _text_keys(nnx.to_pure_dict(runner.state)))  # blocking
     if jax.process_index() == 0:
         with open(os.path.join(path, MARKER), "w") as f:
             json.dump(metadata, f, indent=1)
@@ -111,8 +125,9 @@ def restore(path: str, *, dtype: str, attention_backend: str, mesh: Any = None):
         leaf.shape, leaf.dtype, sharding=sharding), pure, shardings)
     import orbax.checkpoint as ocp
 
+    target = _text_keys(target)
     restored = _checkpointer().restore(
         os.path.join(path, "params"),
         restore_args=ocp.checkpoint_utils.construct_restore_args(target))
-    nnx.replace_by_pure_dict(state, restored)
+    nnx.replace_by_pure_dict(state, _int_keys(restored, pure))
     return LoadedModel(nnx.merge(graphdef, state), arch, metadata["hf_config"], path, mesh)

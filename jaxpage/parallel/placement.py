@@ -165,6 +165,7 @@ class JitDispatch:
     def get(self, name: str, bucket: tuple, jitted: Callable, args: tuple) -> Callable:
         return jitted
 
+
 def default_mesh(parallel: Any) -> Mesh | None:
     """Replica 0's mesh for a ``ParallelConfig``; None for one device in one process."""
     if parallel.tensor_parallel_size == 1 and parallel.num_processes == 1:

@@ -1,7 +1,7 @@
 """Megatron-style tensor-parallel layout: one PartitionSpec per parameter name.
 
-Projections are stored ``[in_features, out_features]`` with a leading ``num_layers`` axis
-(see ``models/llama.py``). Over the mesh axis ``tp`` of N devices:
+Projections are stored ``[in_features, out_features]``, one array per layer (see
+``models/llama.py``). Over the mesh axis ``tp`` of N devices:
 
 * ``q_proj`` / ``k_proj`` / ``v_proj`` (and their biases), ``gate_proj`` / ``up_proj``:
   split by output features, so each device computes its own heads / MLP columns;
@@ -28,18 +28,18 @@ from jaxpage.models.arch_config import ArchConfig
 
 TP = "tp"  # the mesh axis of tensor parallelism
 
-# parameter name (last key of its path) -> spec; layer weights carry a leading L axis
+# parameter name (last key of its path) -> spec of one layer's (or the model's) array
 PARAM_SPECS: dict[str, P] = {
     "embed": P(TP, None),
     "lm_head": P(None, TP),
     "final_norm": P(),
     "input_norm": P(),
     "post_attention_norm": P(),
-    "q_proj": P(None, None, TP), "k_proj": P(None, None, TP), "v_proj": P(None, None, TP),
-    "q_bias": P(None, TP), "k_bias": P(None, TP), "v_bias": P(None, TP),
-    "o_proj": P(None, TP, None), "o_bias": P(),
-    "gate_proj": P(None, None, TP), "up_proj": P(None, None, TP),
-    "down_proj": P(None, TP, None),
+    "q_proj": P(None, TP), "k_proj": P(None, TP), "v_proj": P(None, TP),
+    "q_bias": P(TP), "k_bias": P(TP), "v_bias": P(TP),
+    "o_proj": P(TP, None), "o_bias": P(),
+    "gate_proj": P(None, TP), "up_proj": P(None, TP),
+    "down_proj": P(TP, None),
 }
 KV_CACHE_SPEC = P(None, None, None, TP, None)  # [L, num_blocks, block_size, kv_heads, head_dim]
 VOCAB_PARAMS = ("embed", "lm_head")

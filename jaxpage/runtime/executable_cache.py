@@ -91,6 +91,10 @@ class ExecutableCache:
             program = self._programs[key] = self._load(key) or self._compile(key, jitted, args)
         return program
 
+    def programs(self) -> dict[tuple[str, tuple], Callable]:
+        """The programs held in memory, by (name, bucket): for inspection."""
+        return dict(self._programs)
+
     def _path(self, key: tuple[str, tuple]) -> Path | None:
         if self.directory is None:
             return None

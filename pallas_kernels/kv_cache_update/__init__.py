@@ -21,9 +21,8 @@ def resolve_backend(backend: str, *, interpret: bool = False) -> str:
     return _backend.resolve(backend, interpret=interpret, auto="reference")
 
 
-def kv_cache_update(k_cache, v_cache, k_new, v_new, slot_mapping, *, backend: str = "auto",
-                    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """Write ``k_new[t]`` / ``v_new[t]`` into flat slot ``slot_mapping[t]`` (-1: skip)."""
+def check_shapes(k_cache, v_cache, k_new, v_new, slot_mapping) -> None:
+    """Raise ``ValueError`` naming the offending shape."""
     if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, "
                          f"num_kv_heads, head_dim], got {k_cache.shape} and {v_cache.shape}")
@@ -33,6 +32,12 @@ def kv_cache_update(k_cache, v_cache, k_new, v_new, slot_mapping, *, backend: st
     if k_new.shape != expected or v_new.shape != expected:
         raise ValueError(f"k_new/v_new must be {expected} (num_tokens, num_kv_heads, head_dim), "
                          f"got {k_new.shape} and {v_new.shape}")
+
+
+def kv_cache_update(k_cache, v_cache, k_new, v_new, slot_mapping, *, backend: str = "auto",
+                    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Write ``k_new[t]`` / ``v_new[t]`` into flat slot ``slot_mapping[t]`` (-1: skip)."""
+    check_shapes(k_cache, v_cache, k_new, v_new, slot_mapping)
     resolved = resolve_backend(backend, interpret=interpret)
     if resolved in ("reference", "cpu") or slot_mapping.shape[0] == 0:  # no C++ version: XLA's
         # scatter is already one in-place pass
@@ -46,4 +51,4 @@ def kv_cache_update(k_cache, v_cache, k_new, v_new, slot_mapping, *, backend: st
                                interpret=interpret)
 
 
-__all__ = ["kv_cache_update", "kv_cache_update_reference", "resolve_backend"]
+__all__ = ["check_shapes", "kv_cache_update", "kv_cache_update_reference", "resolve_backend"]

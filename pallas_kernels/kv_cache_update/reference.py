@@ -16,6 +16,14 @@ def kv_cache_update_reference(
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     num_slots = num_blocks * block_size
     slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # out of range: dropped
+    if slots.shape[0] == 1:
+        # XLA rewrites a one-row scatter into select(in range, dynamic-update-slice, cache),
+        # which reads the whole cache twice and so cannot run in place: inside a decode
+        # loop of one sequence it copied the cache every step. A second, dropped row keeps
+        # it a scatter, which updates the donated cache in place.
+        slots = jnp.concatenate([slots, jnp.full((1,), num_slots, slots.dtype)])
+        k_new = jnp.concatenate([k_new, k_new])
+        v_new = jnp.concatenate([v_new, v_new])
 
     def scatter(cache: jax.Array, new: jax.Array) -> jax.Array:
         flat = cache.reshape(num_slots, num_kv_heads, head_dim)

@@ -56,11 +56,9 @@ def _check(cond: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-                           sm_scale: float, sliding_window: int | None = None,
-                           soft_cap: float | None = None, backend: str = "auto",
-                           interpret: bool = False) -> jax.Array:
-    """Attention of concatenated ragged queries over a paged KV cache -> [T, Hq, D]."""
+def check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *,
+                 sliding_window: int | None = None, soft_cap: float | None = None) -> None:
+    """Raise ``ValueError`` naming the offending shape or value; see the module docstring."""
     _check(q.ndim == 3, f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
     _check(k_cache.ndim == 4 and k_cache.shape == v_cache.shape,
            f"k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
@@ -79,6 +77,16 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     _check(sliding_window is None or sliding_window >= 1,
            f"sliding_window={sliding_window!r} must be None or >= 1")
     _check(soft_cap is None or soft_cap > 0, f"soft_cap={soft_cap!r} must be None or > 0")
+
+
+def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *,
+                           sm_scale: float, sliding_window: int | None = None,
+                           soft_cap: float | None = None, backend: str = "auto",
+                           interpret: bool = False) -> jax.Array:
+    """Attention of concatenated ragged queries over a paged KV cache -> [T, Hq, D]."""
+    check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
+                 sliding_window=sliding_window, soft_cap=soft_cap)
+    head_dim = k_cache.shape[3]
     same_dtype = q.dtype == k_cache.dtype == v_cache.dtype
     resolved = resolve_backend(backend, interpret=interpret,
                                dtype=k_cache.dtype if same_dtype else jnp.float64)  # mixed: not the kernel's
@@ -99,4 +107,5 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     return ragged_paged_attention_tpu(*args, interpret=interpret, **kwargs)
 
 
-__all__ = ["ragged_paged_attention", "ragged_paged_attention_reference", "resolve_backend"]
+__all__ = ["check_shapes", "ragged_paged_attention", "ragged_paged_attention_reference",
+           "resolve_backend"]

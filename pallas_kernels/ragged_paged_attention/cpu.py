@@ -1,5 +1,9 @@
 """Ragged paged attention on the CPU: the C++ kernel ``cpu_kernel.cc`` as an XLA FFI call.
 
+Two calls: ``ragged_paged_attention_cpu`` reads one layer's caches; ``write_and_attend_cpu`` takes
+every layer's caches, first writes one layer's new keys and values into them, in place
+(the caches are aliased from operands to results), and returns them with the attention.
+
 Float32 only; ``available(dtype)`` says whether it can run here (a compiler was found and
 the build worked, see ``pallas_kernels._cpu_build``). Same contract and results as the
 reference (up to float rounding), with each sequence reading only its own pages up to
@@ -18,6 +22,7 @@ from pallas_kernels import _cpu_build
 
 _SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 _TARGET = "jaxpage_ragged_paged_attention_f32"
+_WRITE_TARGET = "jaxpage_write_and_attend_f32"
 _registered = False
 
 
@@ -34,6 +39,8 @@ def register() -> bool:
         return False
     jax.ffi.register_ffi_target(
         _TARGET, jax.ffi.pycapsule(library.JaxpageRaggedPagedAttentionF32), platform="cpu")
+    jax.ffi.register_ffi_target(
+        _WRITE_TARGET, jax.ffi.pycapsule(library.JaxpageWriteAndAttendF32), platform="cpu")
     _registered = True
     return True
 
@@ -47,9 +54,7 @@ def ragged_paged_attention_cpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_
                                num_seqs, *, sm_scale: float, sliding_window: int | None = None,
                                soft_cap: float | None = None) -> jax.Array:
     """-> [T, Hq, D] float32; the caller has validated shapes (see ``__init__``)."""
-    if not available(q.dtype) or k_cache.dtype != jnp.float32:
-        raise ValueError(f"the CPU attention kernel needs float32 q and caches, got "
-                         f"{q.dtype} and {k_cache.dtype} (or no C++ compiler was found)")
+    _require_float32(q, k_cache)
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
                             vmap_method="sequential")
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
@@ -57,3 +62,34 @@ def ragged_paged_attention_cpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_
                 i32(num_seqs), sm_scale=np.float32(sm_scale),
                 sliding_window=np.int32(sliding_window or 0),
                 soft_cap=np.float32(soft_cap or 0.0))
+
+
+def write_and_attend_cpu(q, k_new, v_new, slot_mapping, k_cache, v_cache, kv_lens,
+                         block_tables, cu_q_lens, num_seqs, *, layer: int, sm_scale: float,
+                         sliding_window: int | None = None, soft_cap: float | None = None):
+    """Write ``k_new`` / ``v_new`` [T, Hkv, D] into slots ``slot_mapping`` [T] (-1: skip)
+    of layer ``layer`` of the caches [L, N, B, Hkv, D], then attend over that layer as
+    ``ragged_paged_attention_cpu`` (slots and block tables address the layer's pages).
+
+    -> (out [T, Hq, D], k_cache, v_cache): the caches come back in the buffers they came
+    in (``input_output_aliases``), so under ``jit`` with a donated cache nothing is copied.
+    """
+    _require_float32(q, k_cache)
+    call = jax.ffi.ffi_call(
+        _WRITE_TARGET,
+        (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+         jax.ShapeDtypeStruct(k_cache.shape, jnp.float32),
+         jax.ShapeDtypeStruct(v_cache.shape, jnp.float32)),
+        input_output_aliases={4: 1, 5: 2}, vmap_method="sequential")
+    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    return call(q, f32(k_new), f32(v_new), i32(slot_mapping), k_cache, v_cache, i32(kv_lens),
+                i32(block_tables), i32(cu_q_lens), i32(num_seqs), layer=np.int32(layer),
+                sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
+                soft_cap=np.float32(soft_cap or 0.0))
+
+
+def _require_float32(q, k_cache) -> None:
+    if not available(q.dtype) or k_cache.dtype != jnp.float32:
+        raise ValueError(f"the CPU attention kernel needs float32 q and caches, got "
+                         f"{q.dtype} and {k_cache.dtype} (or no C++ compiler was found)")

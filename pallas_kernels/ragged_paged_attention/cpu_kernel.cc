@@ -14,6 +14,14 @@
 // CPU thread pool (no second pool competing with XLA's for the cores). Each item keeps an online softmax (running max m, sum l, accumulator acc) for
 // its query rows (tokens x heads of the GQA group) and walks the KV blocks it needs.
 // Block ids and lengths are clamped into range, as jnp indexing would clamp them.
+//
+// Two handlers share the attention: JaxpageRaggedPagedAttentionF32 only reads the caches
+// [N, B, Hkv, D]; JaxpageWriteAndAttendF32 takes every layer's caches [L, N, B, Hkv, D],
+// first writes one layer's new keys and values into their slots, then attends over that
+// layer. XLA passes the caches in and out as the same buffers (input_output_aliases), so
+// the model's layers form one chain of in-place updates of the whole cache: no reshape, no
+// scatter, nothing for XLA's copy insertion to copy (it copied the whole cache, twice per
+// layer, around a separate scatter in some decode loops, and around reshapes of it).
 
 #include <algorithm>
 #include <atomic>
@@ -137,31 +145,14 @@ void AttendItem(const Shape& s, const WorkItem& item, const float* q, const floa
   }
 }
 
-ffi::Error RaggedPagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
-                                    ffi::Buffer<ffi::F32> v_cache,
-                                    ffi::Buffer<ffi::S32> kv_lens,
-                                    ffi::Buffer<ffi::S32> block_tables,
-                                    ffi::Buffer<ffi::S32> cu_q_lens,
-                                    ffi::Buffer<ffi::S32> num_seqs,
-                                    ffi::ResultBuffer<ffi::F32> out, float sm_scale,
-                                    int32_t sliding_window, float soft_cap,
-                                    ffi::ThreadPool pool) {
-  const auto qd = q.dimensions();
-  const auto kd = k_cache.dimensions();
-  const auto td = block_tables.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
-    return ffi::Error::InvalidArgument("ragged paged attention: unexpected ranks");
-  Shape s{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[1], 0};
-  if (s.num_kv_heads <= 0 || s.num_q_heads % s.num_kv_heads != 0 || kd[3] != s.head_dim)
-    return ffi::Error::InvalidArgument("ragged paged attention: head shapes disagree");
-  s.group = s.num_q_heads / s.num_kv_heads;
-  float* o = out->typed_data();
+// Attention of every sequence's new tokens over the caches (the shared body of both
+// handlers). Shapes were checked by ShapeOf.
+void Attend(const Shape& s, const float* qp, const float* kp, const float* vp,
+            const int32_t* lens, const int32_t* tables, const int32_t* cu, int64_t max_seqs,
+            int32_t num_seqs, float sm_scale, int32_t sliding_window, float soft_cap,
+            float* o, ffi::ThreadPool& pool) {
   std::memset(o, 0, sizeof(float) * s.num_tokens * s.num_q_heads * s.head_dim);
-
-  const int32_t* lens = kv_lens.typed_data();
-  const int32_t* cu = cu_q_lens.typed_data();
-  const int64_t max_seqs = td[0];
-  const int64_t seqs = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, max_seqs);
+  const int64_t seqs = std::clamp<int64_t>(num_seqs, 0, max_seqs);
   const int64_t tile_tokens = std::max<int64_t>(1, kMaxTileRows / s.num_q_heads);
   std::vector<WorkItem> items;
   for (int64_t seq = 0; seq < seqs; ++seq) {
@@ -183,10 +174,6 @@ ffi::Error RaggedPagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F3
   auto shared = std::make_shared<Shared>();
   shared->items = std::move(items);
   const int64_t num_items = static_cast<int64_t>(shared->items.size());
-  const float* qp = q.typed_data();
-  const float* kp = k_cache.typed_data();
-  const float* vp = v_cache.typed_data();
-  const int32_t* tables = block_tables.typed_data();
   auto work = [shared, num_items, s, qp, kp, vp, tables, lens, cu, sm_scale, sliding_window,
                soft_cap, o]() {
     for (int64_t i = shared->next.fetch_add(1); i < num_items; i = shared->next.fetch_add(1)) {
@@ -204,6 +191,98 @@ ffi::Error RaggedPagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F3
   }
   work();
   while (shared->done.load(std::memory_order_acquire) < num_items) std::this_thread::yield();
+}
+
+// The shape of a call from q [T, Hq, D], a cache [N, B, Hkv, D] and block_tables [S, M];
+// an error message when they disagree.
+const char* ShapeOf(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
+                    ffi::Span<const int64_t> td, Shape* s) {
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
+    return "ragged paged attention: unexpected ranks";
+  *s = Shape{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[1], 0};
+  if (s->num_kv_heads <= 0 || s->num_q_heads % s->num_kv_heads != 0 || kd[3] != s->head_dim)
+    return "ragged paged attention: head shapes disagree";
+  s->group = s->num_q_heads / s->num_kv_heads;
+  return nullptr;
+}
+
+ffi::Error RaggedPagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                                    ffi::Buffer<ffi::F32> v_cache,
+                                    ffi::Buffer<ffi::S32> kv_lens,
+                                    ffi::Buffer<ffi::S32> block_tables,
+                                    ffi::Buffer<ffi::S32> cu_q_lens,
+                                    ffi::Buffer<ffi::S32> num_seqs,
+                                    ffi::ResultBuffer<ffi::F32> out, float sm_scale,
+                                    int32_t sliding_window, float soft_cap,
+                                    ffi::ThreadPool pool) {
+  Shape s;
+  if (const char* error = ShapeOf(q.dimensions(), k_cache.dimensions(),
+                                  block_tables.dimensions(), &s))
+    return ffi::Error::InvalidArgument(error);
+  Attend(s, q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), kv_lens.typed_data(),
+         block_tables.typed_data(), cu_q_lens.typed_data(), block_tables.dimensions()[0],
+         num_seqs.typed_data()[0], sm_scale, sliding_window, soft_cap,
+         out->typed_data(), pool);
+  return ffi::Error::Success();
+}
+
+// Copy row t of `rows` [T, width] into slot slot_mapping[t] of `cache` [num_slots, width];
+// slots out of [0, num_slots) (-1 marks padding) are skipped.
+void WriteSlots(const float* rows, const int32_t* slot_mapping, int64_t num_rows,
+                int64_t width, int64_t num_slots, float* cache) {
+  for (int64_t t = 0; t < num_rows; ++t) {
+    const int64_t slot = slot_mapping[t];
+    if (slot < 0 || slot >= num_slots) continue;
+    std::memcpy(cache + slot * width, rows + t * width, sizeof(float) * width);
+  }
+}
+
+ffi::Error WriteAndAttendImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
+                              ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::S32> slot_mapping,
+                              ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
+                              ffi::Buffer<ffi::S32> kv_lens,
+                              ffi::Buffer<ffi::S32> block_tables,
+                              ffi::Buffer<ffi::S32> cu_q_lens,
+                              ffi::Buffer<ffi::S32> num_seqs,
+                              ffi::ResultBuffer<ffi::F32> out,
+                              ffi::ResultBuffer<ffi::F32> k_out,
+                              ffi::ResultBuffer<ffi::F32> v_out, int32_t layer, float sm_scale,
+                              int32_t sliding_window, float soft_cap, ffi::ThreadPool pool) {
+  // The caches hold every layer, [L, N, B, Hkv, D]; this call reads and writes layer
+  // `layer`'s [N, B, Hkv, D] part, which slot_mapping and block_tables address.
+  const auto cd = k_cache.dimensions();
+  if (cd.size() != 5 || layer < 0 || layer >= cd[0])
+    return ffi::Error::InvalidArgument("write and attend: caches must be [L, N, B, Hkv, D] "
+                                       "with 0 <= layer < L");
+  const int64_t layer_dims[4] = {cd[1], cd[2], cd[3], cd[4]};
+  Shape s;
+  if (const char* error = ShapeOf(q.dimensions(), ffi::Span<const int64_t>(layer_dims, 4),
+                                  block_tables.dimensions(), &s))
+    return ffi::Error::InvalidArgument(error);
+  const auto nd = k_new.dimensions();
+  if (nd.size() != 3 || nd[0] != s.num_tokens || nd[1] != s.num_kv_heads ||
+      nd[2] != s.head_dim || v_new.dimensions().size() != 3 ||
+      slot_mapping.dimensions().size() != 1 || slot_mapping.dimensions()[0] != s.num_tokens)
+    return ffi::Error::InvalidArgument("write and attend: new keys, values or slots disagree");
+  const int64_t width = s.num_kv_heads * s.head_dim;
+  const int64_t num_slots = s.num_blocks * s.block_size;  // in one layer
+  const int64_t total = cd[0] * num_slots * width;
+  float* k_all = k_out->typed_data();
+  float* v_all = v_out->typed_data();
+  // The outputs alias the cache operands (input_output_aliases); should XLA ever hand
+  // over distinct buffers, start the outputs from the operands.
+  if (k_all != k_cache.typed_data())
+    std::memcpy(k_all, k_cache.typed_data(), sizeof(float) * total);
+  if (v_all != v_cache.typed_data())
+    std::memcpy(v_all, v_cache.typed_data(), sizeof(float) * total);
+  float* kc = k_all + layer * num_slots * width;
+  float* vc = v_all + layer * num_slots * width;
+  const int32_t* slots = slot_mapping.typed_data();
+  WriteSlots(k_new.typed_data(), slots, s.num_tokens, width, num_slots, kc);
+  WriteSlots(v_new.typed_data(), slots, s.num_tokens, width, num_slots, vc);
+  Attend(s, q.typed_data(), kc, vc, kv_lens.typed_data(), block_tables.typed_data(),
+         cu_q_lens.typed_data(), block_tables.dimensions()[0], num_seqs.typed_data()[0],
+         sm_scale, sliding_window, soft_cap, out->typed_data(), pool);
   return ffi::Error::Success();
 }
 
@@ -219,6 +298,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageRaggedPagedAttentionF32, RaggedPagedAttenti
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens [S + 1]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs [1]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [T, Hq, D]
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
+                                  .Ctx<ffi::ThreadPool>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageWriteAndAttendF32, WriteAndAttendImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [T, Hq, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_new [T, Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_new [T, Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping [T], -1 = skip
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_cache [L, N, B, Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_cache [L, N, B, Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [S, M]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens [S + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs [1]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, Hq, D]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // k_cache, aliased
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // v_cache, aliased
+                                  .Attr<int32_t>("layer")
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("sliding_window")
                                   .Attr<float>("soft_cap")

@@ -75,3 +75,23 @@ def test_enumerated_shapes_cover_every_batch_the_builder_makes():
         assert {k: (v.shape, v.dtype) for k, v in empty.as_dict().items()} == \
                {k: (v.shape, v.dtype) for k, v in batch.as_dict().items()}
     assert len(seen) > 4
+
+
+@pytest.mark.parametrize("n, tokens", [(1, 1), (2, 2), (3, 4), (5, 6), (6, 6)])
+def test_decode_only_batches_pad_tokens_like_sequences(n, tokens):
+    """Decodes pad T to the sequence rung (1, 2, 4, 6), not to the token ladder's 16; the
+    token rung caps it when the token ladder is the smaller one."""
+    s = make_scheduler(num_blocks=200, block_size=4, max_num_seqs=6, max_num_batched_tokens=40)
+    builder = BatchBuilder(s.kv, max_num_batched_tokens=40, max_num_seqs=6, max_model_len=64)
+    for i in range(n):
+        s.add_request(make_request(f"r{i}", 3, max_tokens=5))
+    prefill = s.schedule()
+    assert builder.build(prefill).shape_key[0] == builder.token_ladder.fit(3 * n) >= 16
+    s.update_from_output(prefill, np.full(n, 7, np.int32))
+    batch = builder.build(s.schedule())
+    assert batch.shape_key == (tokens, builder.seq_ladder.fit(n), 8)
+    assert batch.shape_key in set(builder.decode_shapes()) <= set(builder.step_shapes())
+    np.testing.assert_array_equal(batch.input_ids[:n], [7] * n)
+    np.testing.assert_array_equal(batch.slot_mapping[n:], [-1] * (tokens - n))
+    capped = BatchBuilder(s.kv, max_num_batched_tokens=4, max_num_seqs=6, max_model_len=64)
+    assert capped.decode_tokens(3) == 4 and capped.decode_tokens(1) == 1

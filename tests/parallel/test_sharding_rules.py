@@ -46,13 +46,14 @@ def test_repeated_heads_pair_each_query_head_with_its_own_kv_head():
 
 
 def test_param_specs():
-    assert param_spec("q_proj", (2, 64, 64), 8) == P(None, None, "tp")
-    assert param_spec("down_proj", (2, 128, 64), 8) == P(None, "tp", None)
+    assert param_spec("q_proj", (64, 64), 8) == P(None, "tp")      # one layer, [in, out]
+    assert param_spec("k_bias", (64,), 8) == P("tp")
+    assert param_spec("down_proj", (128, 64), 8) == P("tp", None)
     assert param_spec("embed", (1000, 64), 8) == P("tp", None)
     assert param_spec("embed", (1001, 64), 8) == P()  # an odd vocabulary stays whole
-    assert param_spec("input_norm", (2, 64), 8) == P()
-    with pytest.raises(ValueError, match="gate_proj dimension 2 of size 100"):
-        param_spec("gate_proj", (2, 64, 100), 8)
+    assert param_spec("input_norm", (64,), 8) == P()
+    with pytest.raises(ValueError, match="gate_proj dimension 1 of size 100"):
+        param_spec("gate_proj", (64, 100), 8)
     with pytest.raises(ValueError, match="no tensor-parallel sharding rule"):
         param_spec("mystery", (4,), 2)
 

@@ -9,8 +9,9 @@ from tests.parallel.helpers import ENGINE, run_worker
 from tests.reference import hf_greedy, load_hf_model
 
 MAX_TOKENS = 10
-SHARDED = {"embed": 0, "lm_head": 1, "q_proj": 2, "k_proj": 2, "v_proj": 2, "q_bias": 1,
-           "k_bias": 1, "v_bias": 1, "gate_proj": 2, "up_proj": 2, "o_proj": 1, "down_proj": 1}
+# the split axis of each sharded weight (layer weights are one array per layer)
+SHARDED = {"embed": 0, "lm_head": 1, "q_proj": 1, "k_proj": 1, "v_proj": 1, "q_bias": 0,
+           "k_bias": 0, "v_bias": 0, "gate_proj": 1, "up_proj": 1, "o_proj": 0, "down_proj": 0}
 
 
 def check_shards(report: dict, tp: int) -> None:

@@ -47,7 +47,7 @@ def _shard_report(llm) -> dict:
     def walk(prefix, node):
         if isinstance(node, dict):
             for key, value in node.items():
-                walk(prefix + (key,), value)
+                walk(prefix + (str(key),), value)
             return
         report["/".join(prefix)] = {
             "shape": list(node.shape),

@@ -1,0 +1,70 @@
+"""One layer's paged-cache step: write the new keys and values, then attend.
+
+This is the call the model makes once per layer, on the caches of all layers
+``[L, N, B, Hkv, D]``: ``slot_mapping`` and ``block_tables`` address layer ``layer``'s
+pages as if it were the only one.
+
+Where the attention backend resolves to the C++ CPU kernel, both halves run in one FFI
+call that updates the caches in place (``ragged_paged_attention.cpu.write_and_attend_cpu``).
+Everywhere else the caches are viewed as one page pool ``[L * N, B, Hkv, D]`` (a free
+reshape), the layer's slots and blocks are offset by ``layer * N``, and it is
+``kv_cache_update`` followed by ``ragged_paged_attention``, each with its own backend rule.
+
+Why one call on the CPU: with the layers unrolled, XLA's copy insertion copied the whole
+cache (twice per layer, per step) around a separate scatter feeding the attention in some
+decode loops (one token per step, where the scatter becomes a dynamic-update-slice), and
+around the reshapes to and from the page pool. A single custom call that reads and writes
+the caches as they are, with results aliased to operands, leaves nothing to copy.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.kv_cache_update import check_shapes as check_update
+from pallas_kernels.kv_cache_update import kv_cache_update
+from pallas_kernels.ragged_paged_attention import check_shapes as check_attention
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention, resolve_backend
+
+
+def write_and_attend(q, k_new, v_new, slot_mapping, k_cache, v_cache, kv_lens, block_tables,
+                     cu_q_lens, num_seqs, *, layer: int, sm_scale: float,
+                     sliding_window: int | None = None, soft_cap: float | None = None,
+                     backend: str = "auto",
+                     interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Write ``k_new`` / ``v_new`` [T, Hkv, D] into layer ``layer``'s slots
+    ``slot_mapping`` [T] (-1: skip) of ``k_cache`` / ``v_cache`` [L, N, B, Hkv, D], then
+    attend ``q`` [T, Hq, D] over that layer's updated pages.
+
+    -> (attention [T, Hq, D], k_cache, v_cache). ``backend`` picks the attention kernel
+    (``ragged_paged_attention``'s rule); the same checks and errors apply.
+    """
+    if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must both be [num_layers, num_blocks, "
+                         f"block_size, num_kv_heads, head_dim], got {k_cache.shape} and "
+                         f"{v_cache.shape}")
+    num_layers, num_blocks = k_cache.shape[:2]
+    if not 0 <= layer < num_layers:
+        raise ValueError(f"layer={layer} is out of range for {num_layers} layers")
+    page_shape = k_cache.shape[1:]
+    layer_view = jax.ShapeDtypeStruct(page_shape, k_cache.dtype)  # shapes only, for checks
+    check_update(layer_view, layer_view, k_new, v_new, slot_mapping)
+    check_attention(q, layer_view, layer_view, kv_lens, block_tables, cu_q_lens, num_seqs,
+                    sliding_window=sliding_window, soft_cap=soft_cap)
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    same_dtype = q.dtype == k_cache.dtype == v_cache.dtype
+    if (q.shape[0] > 0 and same_dtype
+            and resolve_backend(backend, interpret=interpret, dtype=k_cache.dtype) == "cpu"):
+        from pallas_kernels.ragged_paged_attention.cpu import write_and_attend_cpu
+        return write_and_attend_cpu(q, k_new, v_new, slot_mapping, k_cache, v_cache, kv_lens,
+                                    block_tables, cu_q_lens, num_seqs, layer=layer, **kwargs)
+    pages = (num_layers * num_blocks,) + page_shape[1:]
+    first_block = layer * num_blocks                      # the layer's block 0 in the pool
+    slots = jnp.where(slot_mapping < 0, -1, slot_mapping + first_block * page_shape[1])
+    k_pool, v_pool = kv_cache_update(k_cache.reshape(pages), v_cache.reshape(pages),
+                                     k_new, v_new, slots)
+    out = ragged_paged_attention(q, k_pool, v_pool, kv_lens, block_tables + first_block,
+                                 cu_q_lens, num_seqs, backend=backend, interpret=interpret,
+                                 **kwargs)
+    return out, k_pool.reshape(k_cache.shape), v_pool.reshape(v_cache.shape)

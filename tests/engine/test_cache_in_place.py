@@ -1,0 +1,36 @@
+"""The compiled step and decode-loop programs update the KV cache in place.
+
+With the layers unrolled, XLA once copied the whole cache twice per layer inside the
+decode loop of a single sequence (one token per step) and around reshapes of the cache.
+Each copy is as large as the cache, so this is checked on the optimized programs the
+engine actually ran, not on timings: with the fused C++ CPU call (``"auto"`` here) and
+with the XLA scatter + attention structure that GPUs and TPUs run (``"reference"``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxpage import LLM, SamplingParams
+from tests.kernels.test_write_and_attend import _cache_copies
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_step_and_decode_programs_copy_no_cache(backend, tiny_checkpoints):
+    tiny_llm = LLM(tiny_checkpoints["llama"], max_model_len=256, max_num_seqs=8,
+                   max_num_batched_tokens=64, block_size=8, num_kv_blocks=64,
+                   attention_backend=backend)
+    engine = tiny_llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": ids} for ids in ([5, 6, 7], [8, 9], [10])]
+    tiny_llm.generate(prompts[:1], params, use_tqdm=False)                 # one sequence
+    tiny_llm.generate(prompts, params, use_tqdm=False)                     # three
+    cache_shape = tuple(engine.runner.kv_cache[0].shape)
+    programs = {key: program for key, program in engine.runner.executables.programs().items()
+                if key[0] == "step" or key[0].startswith("decode")}
+    names = {name for name, _ in programs}
+    assert "step" in names and any(name.startswith("decode") for name in names), names
+    buckets = {bucket[:2] for name, bucket in programs if name.startswith("decode")}
+    assert (1, 1) in buckets and (4, 4) in buckets, buckets   # decodes at T = S
+    for key, program in programs.items():
+        assert not _cache_copies(program.as_text(), cache_shape), key
