@@ -44,5 +44,6 @@ def test_tiny_checkpoints_greedy_match_hf(kind, tiny_checkpoints, smollm2_tokeni
     check_against_hf(tiny_checkpoints[kind], smollm2_tokenizer, max_tokens=24, num_kv_blocks=24)
 
 
-def test_smollm2_greedy_matches_hf(smollm2_path, smollm2_tokenizer):
+@pytest.mark.slow  # ~150 s on 2 cores; the fast set checks SmolLM2's logits against HF
+def test_smollm2_greedy_matches_hf(smollm2_path, smollm2_tokenizer):  # (tests/models)
     check_against_hf(smollm2_path, smollm2_tokenizer, max_tokens=20, num_kv_blocks=24)
