@@ -1,6 +1,6 @@
 """Which implementation of a kernel runs: the rule shared by every public kernel function.
 
-``"auto"`` picks by platform (``jax.default_backend()``): the Pallas GPU kernel on a GPU,
+``"auto"`` picks by platform (``current_platform()``): the Pallas GPU kernel on a GPU,
 the Pallas TPU kernel on a TPU, the plain-jnp reference anywhere else (the CPU).
 ``"gpu"`` / ``"tpu"`` force a Pallas kernel; ``"cpu"`` forces a kernel family's hand-written
 C++ CPU kernel (an XLA FFI call, see ``_cpu_build``) where it has one. A Pallas kernel runs compiled only on its own
@@ -18,9 +18,23 @@ BACKENDS = ("auto", "reference", "cpu", "gpu", "tpu")
 _PLATFORM_BACKEND = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
 
 
+def current_platform() -> str:
+    """The platform programs are being built for.
+
+    That is the platform of JAX's default device when one is set (``with
+    jax.default_device(device)``; this is how a program is compiled for a TPU or GPU
+    target that is not there, see ``jaxpage.parallel.targets``), else
+    ``jax.default_backend()``.
+    """
+    device = jax.config.jax_default_device
+    if device is None:
+        return jax.default_backend()
+    return device if isinstance(device, str) else device.platform
+
+
 def platform_backend(platform: str | None = None) -> str:
-    """The kernel backend that ``"auto"`` picks on ``platform`` (default: this process's)."""
-    return _PLATFORM_BACKEND.get(platform or jax.default_backend(), "reference")
+    """The kernel backend that ``"auto"`` picks on ``platform`` (default: ``current_platform()``)."""
+    return _PLATFORM_BACKEND.get(platform or current_platform(), "reference")
 
 
 def resolve(backend: str, *, interpret: bool = False, platform: str | None = None,
@@ -32,16 +46,16 @@ def resolve(backend: str, *, interpret: bool = False, platform: str | None = Non
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-    platform = platform or jax.default_backend()
+    platform = platform or current_platform()
     if backend == "auto":
         return auto if auto is not None else platform_backend(platform)
     if backend == "cpu" and platform != "cpu":
-        raise ValueError(f"backend='cpu': the C++ CPU kernel runs only on the CPU, but JAX's "
-                         f"default platform is {platform!r}; use backend='auto'")
+        raise ValueError(f"backend='cpu': the C++ CPU kernel runs only on the CPU, but the "
+                         f"platform is {platform!r}; use backend='auto'")
     if backend in ("gpu", "tpu") and not interpret and platform_backend(platform) != backend:
         raise ValueError(
             f"backend={backend!r}: the compiled Pallas {backend.upper()} kernel needs a "
-            f"{backend.upper()}, but JAX's default platform is {platform!r}; pass "
+            f"{backend.upper()}, but the platform is {platform!r}; pass "
             f"interpret=True to run the kernel in Pallas interpret mode, or use "
             f"backend='reference' or 'auto'")
     return backend

@@ -5,7 +5,8 @@ its ``kv_lens[i]`` cached tokens and attend causally. Rows of padding tokens are
 
 Backends: ``"reference"`` (plain jnp, exact, any platform), ``"cpu"`` (a C++ kernel called
 through XLA's FFI, float32, ``cpu.py``), ``"gpu"`` (Pallas, Triton lowering, ``gpu.py``),
-``"tpu"`` (Pallas Mosaic TPU, ``tpu.py``). ``"auto"`` picks by ``jax.default_backend()``:
+``"tpu"`` (Pallas Mosaic TPU, ``tpu.py``). ``"auto"`` picks by the platform
+(``_backend.current_platform()``: the default device's, else ``jax.default_backend()``):
 gpu on a GPU, tpu on a TPU, and on the CPU the C++ kernel when it could be built (a C++
 compiler is needed; ``JAXPAGE_CPU_KERNELS=0`` turns it off) and the cache is float32, else
 the reference.
@@ -38,7 +39,7 @@ def resolve_backend(backend: str, *, interpret: bool = False, dtype=None) -> str
     loaded from disk afterwards.
     """
     resolved = _backend.resolve(backend, interpret=interpret)
-    if resolved == "reference" and backend == "auto" and jax.default_backend() == "cpu":
+    if resolved == "reference" and backend == "auto" and _backend.current_platform() == "cpu":
         from pallas_kernels.ragged_paged_attention import cpu
         return "cpu" if cpu.available(dtype or jnp.float32) else "reference"
     if resolved == "cpu":

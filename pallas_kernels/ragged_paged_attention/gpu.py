@@ -205,6 +205,8 @@ def ragged_paged_attention_gpu(
         out_shape=out_shape,
         # Triton's compiler params also select the Triton lowering (not Mosaic GPU).
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        cost_estimate=tiling.cost_estimate(q.shape, k_cache.shape, block_tables.shape,
+                                           jnp.dtype(k_cache.dtype).itemsize),
         interpret=interpret,
         name=f"ragged_paged_attention_gpu_q{rows}_kv{pages_per_block * block_size}_s{splits}",
     )(tiles.seq, tiles.pos0, tiles.count, tiles.kv_len, tables, q_tiles, k_cache, v_cache)

@@ -141,3 +141,23 @@ def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
     l_all = jnp.sum(weight * l, axis=0)
     out = jnp.sum(weight[..., None] * acc, axis=0)
     return out / jnp.where(l_all > 0, l_all, 1.0)[..., None]
+
+
+def cost_estimate(q_shape: tuple[int, ...], cache_shape: tuple[int, ...],
+                  tables_shape: tuple[int, ...], itemsize: int):
+    """What one attention call costs at most, for XLA's cost analysis (a Pallas call is
+    opaque to it): every sequence slot reads every page its block-table row can hold, and
+    every token attends over that whole context. Exact for full decode batches at the
+    bucket's context; an upper bound otherwise (causal prefill reads less).
+    """
+    from jax.experimental import pallas as pl
+
+    num_tokens, num_q_heads, head_dim = q_shape
+    _, block_size, num_kv_heads, _ = cache_shape
+    max_num_seqs, max_blocks = tables_shape
+    context = max_blocks * block_size
+    kv_bytes = 2 * max_num_seqs * context * num_kv_heads * head_dim * itemsize
+    q_out_bytes = 2 * num_tokens * num_q_heads * head_dim * itemsize
+    return pl.CostEstimate(flops=4 * num_tokens * num_q_heads * context * head_dim,
+                           transcendentals=num_tokens * num_q_heads * context,
+                           bytes_accessed=kv_bytes + q_out_bytes + 4 * max_num_seqs * max_blocks)

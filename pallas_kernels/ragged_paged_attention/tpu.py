@@ -34,18 +34,20 @@ from pallas_kernels.ragged_paged_attention import tiling
 
 def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # SMEM int32 [NT] each (prefetched)
             tables_ref,                                # SMEM int32 [S * M]   (prefetched)
-            q_ref,                                     # VMEM [R, D]  one tile, one kv head
+            q_ref,                                     # VMEM [Hkv, R, D]  one tile, all kv heads
             k_hbm, v_hbm,                              # HBM [N, B, Hkv, D]
-            o_ref,                                     # VMEM [R, D]
-            k_buf, v_buf,                              # VMEM [2, K, D]  double buffer
+            o_ref,                                     # VMEM [Hkv, R, D]
+            k_buf, v_buf,                              # VMEM [2, K, Hkv, D]  double buffer
             sems,                                      # DMA semaphores [2 (k, v), 2 (slot)]
+            m_ref, l_ref, acc_ref,                     # VMEM f32 [Hkv, R, 1] x2, [Hkv, R, D]
             *, sm_scale: float, soft_cap: float | None, sliding_window: int | None,
             group_padded: int, pages_per_block: int, max_blocks_per_seq: int):
-    head, tile = pl.program_id(0), pl.program_id(1)
-    rows, head_dim = q_ref.shape
+    tile = pl.program_id(0)
+    num_kv_heads, rows, head_dim = q_ref.shape
     block_size = k_hbm.shape[1]
     block_kv = pages_per_block * block_size
 
+    heads_per_group = 8 if num_kv_heads % 8 == 0 else num_kv_heads
     seq = seq_ref[tile]
     pos0 = pos0_ref[tile]
     count = count_ref[tile]
@@ -56,7 +58,7 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # SMEM int32 [NT] each (p
     last_page = jnp.clip(pl.cdiv(kv_len, block_size) - 1, 0, max_blocks_per_seq - 1)
 
     def page_copies(j, slot):
-        """The DMAs that bring KV block ``j`` into buffer slot ``slot``."""
+        """The DMAs that bring KV block ``j`` (whole pages, every kv head) into ``slot``."""
         copies = []
         for p in range(pages_per_block):
             # Past the sequence's last page, re-read that page (masked out below) so that
@@ -65,9 +67,9 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # SMEM int32 [NT] each (p
                               + jnp.minimum(j * pages_per_block + p, last_page)]
             dst = pl.ds(p * block_size, block_size)
             copies.append(pltpu.make_async_copy(
-                k_hbm.at[page, :, head, :], k_buf.at[slot, dst, :], sems.at[0, slot]))
+                k_hbm.at[page], k_buf.at[slot, dst], sems.at[0, slot]))
             copies.append(pltpu.make_async_copy(
-                v_hbm.at[page, :, head, :], v_buf.at[slot, dst, :], sems.at[1, slot]))
+                v_hbm.at[page], v_buf.at[slot, dst], sems.at[1, slot]))
         return copies
 
     @pl.when(hi > lo)
@@ -75,13 +77,14 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # SMEM int32 [NT] each (p
         for copy in page_copies(lo, 0):
             copy.start()
 
-    q = q_ref[...]
+    m_ref[...] = jnp.full(m_ref.shape, tiling.MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
     row_token = lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0) // group_padded
     row_pos = pos0 + row_token                                          # [R, K]
     row_real = row_token < count
 
     def body(j, carry):
-        m_prev, l_prev, acc_prev = carry
         slot = lax.rem(j - lo, 2)
 
         @pl.when(j + 1 < hi)
@@ -91,44 +94,112 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # SMEM int32 [NT] each (p
 
         for copy in page_copies(j, slot):
             copy.wait()
-        k = k_buf[slot]                                                 # [K, D]
-        v = v_buf[slot]
         col = j * block_kv + lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * sm_scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
         mask = (col <= row_pos) & (col < kv_len) & row_real
         if sliding_window is not None:
             mask &= col > row_pos - sliding_window
-        s = jnp.where(mask, s, tiling.MASK_VALUE)
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))   # [R, 1]
-        alpha = jnp.exp(m_prev - m_next)
-        p = jnp.where(mask, jnp.exp(s - m_next), 0.0)
-        l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
         kv_col = j * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0)
-        v = jnp.where(kv_col < kv_len, v.astype(jnp.float32), 0.0).astype(v.dtype)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)            # [R, D]
-        return m_next, l_next, acc_prev * alpha + pv
+        def one_head(h, k, v):
+            """Online-softmax update of kv head ``h`` with its K/V rows [K, D]."""
+            s = lax.dot_general(q_ref[h], k, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32) * sm_scale
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            s = jnp.where(mask, s, tiling.MASK_VALUE)
+            m_prev = m_ref[h]
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))   # [R, 1]
+            alpha = jnp.exp(m_prev - m_next)
+            p = jnp.where(mask, jnp.exp(s - m_next), 0.0)
+            l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
+            v = jnp.where(kv_col < kv_len, v.astype(jnp.float32), 0.0).astype(v.dtype)
+            pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32)            # [R, D]
+            acc_ref[h] = acc_ref[h] * alpha + pv
+            m_ref[h] = m_next
 
-    m0 = jnp.full((rows, 1), tiling.MASK_VALUE, jnp.float32)
-    l0 = jnp.zeros((rows, 1), jnp.float32)
-    acc0 = jnp.zeros((rows, head_dim), jnp.float32)
-    _, l, acc = lax.fori_loop(lo, hi, body, (m0, l0, acc0))
-    o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+        def head_group(g, carry):
+            first = pl.multiple_of(g * heads_per_group, heads_per_group)
+            k_group = k_buf[slot, :, pl.ds(first, heads_per_group), :]     # [K, G, D]
+            v_group = v_buf[slot, :, pl.ds(first, heads_per_group), :]
+            for i in range(heads_per_group):
+                one_head(first + i, k_group[:, i, :], v_group[:, i, :])
+            return carry
+
+        lax.fori_loop(0, num_kv_heads // heads_per_group, head_group, 0)
+        return carry
+
+        lax.fori_loop(0, num_kv_heads, head, 0)
+        return carry
+
+    lax.fori_loop(lo, hi, body, 0)
+    l = l_ref[...]
+    o_ref[...] = (acc_ref[...] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+
+
+# Scoped VMEM the kernel may plan for. Mosaic's default scoped limit is 16 MiB on v5e,
+# v6e and v5p; staying under 12 MiB leaves room for Mosaic's own temporaries.
+VMEM_BUDGET = 12 * 2**20
+LANES = 128
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def vmem_bytes(*, num_kv_heads: int, head_dim: int, rows: int, block_kv: int,
+               itemsize: int) -> int:
+    """VMEM the kernel needs for one grid step, counted with TPU tile padding.
+
+    A VMEM array's last two dimensions are stored in (sublane, 128-lane) tiles: the
+    second-minor dimension rounds up to 8 rows of 32 bits (16 for bfloat16) and the
+    minor one to 128 lanes. Counted: the two-slot K and V page buffers
+    ``[2, block_kv, Hkv, D]``, the q and output tiles ``[Hkv, rows, D]`` (each
+    double-buffered by the Pallas pipeline), the float32 accumulator ``[Hkv, rows, D]``,
+    the row max and sum ``[Hkv, rows, 1]`` and a few ``[rows, block_kv]`` float32
+    temporaries of the body (logits, probabilities, masks).
+    """
+    sublanes = 8 * (4 // itemsize)
+    lanes = _round_up(head_dim, LANES)
+    pages = 2 * 2 * block_kv * _round_up(num_kv_heads, sublanes) * lanes * itemsize
+    tiles = 2 * 2 * num_kv_heads * _round_up(rows, sublanes) * lanes * itemsize
+    rows32 = _round_up(rows, 8)
+    accumulators = num_kv_heads * rows32 * (lanes + 2 * LANES) * 4
+    temporaries = 4 * rows32 * _round_up(block_kv, LANES) * 4
+    return pages + tiles + accumulators + temporaries
 
 
 def choose_blocks(*, num_tokens: int, max_num_seqs: int, group: int, block_size: int,
-                  max_blocks_per_seq: int, block_q: int | None = None,
+                  max_blocks_per_seq: int, num_kv_heads: int = 1, head_dim: int = 128,
+                  itemsize: int = 4, block_q: int | None = None,
                   block_kv: int | None = None) -> tuple[int, int, int]:
-    """Static tiling: (block_q, group_padded, pages_per_block)."""
+    """Static tiling: (block_q, group_padded, pages_per_block).
+
+    Defaults: 8 query rows per kv head for decode-shaped batches, 128 for prefill-shaped
+    ones, and 256 KV tokens per step; then, unless given, the KV step and then the query
+    tile are halved until ``vmem_bytes`` fits ``VMEM_BUDGET`` (many kv heads, float32).
+    """
     group_padded = tiling.next_pow2(group)
+    fixed_q, fixed_kv = block_q is not None, block_kv is not None
     if block_q is None:
         block_q = max(1, (8 if num_tokens <= max_num_seqs else 128) // group_padded)
     if block_kv is None:
         block_kv = 256
     pages_per_block = max(1, min(block_kv // block_size, max_blocks_per_seq))
+
+    def fits() -> bool:
+        return vmem_bytes(num_kv_heads=num_kv_heads, head_dim=head_dim,
+                          rows=block_q * group_padded, block_kv=pages_per_block * block_size,
+                          itemsize=itemsize) <= VMEM_BUDGET
+
+    while not fits():
+        if not fixed_kv and pages_per_block > 1 and pages_per_block * block_size > 128:
+            pages_per_block //= 2
+        elif not fixed_q and block_q > 1:
+            block_q //= 2
+        elif not fixed_kv and pages_per_block > 1:
+            pages_per_block //= 2
+        else:
+            break  # the smallest tiling; the compiler has the last word
     return block_q, group_padded, pages_per_block
 
 
@@ -156,7 +227,8 @@ def ragged_paged_attention_tpu(
     group = num_q_heads // num_kv_heads
     block_q, group_padded, pages_per_block = choose_blocks(
         num_tokens=num_tokens, max_num_seqs=max_num_seqs, group=group,
-        block_size=block_size, max_blocks_per_seq=max_blocks, block_q=block_q,
+        block_size=block_size, max_blocks_per_seq=max_blocks, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, itemsize=jnp.dtype(k_cache.dtype).itemsize, block_q=block_q,
         block_kv=block_kv)
     num_tiles = tiling.num_tiles_for(num_tokens, max_num_seqs, block_q)
     rows = block_q * group_padded
@@ -166,7 +238,7 @@ def ragged_paged_attention_tpu(
                                     block_q=block_q, num_tiles=num_tiles)
     q_tiles = tiling.tile_queries(q.astype(k_cache.dtype), tiles, num_kv_heads=num_kv_heads,
                                   group_padded=group_padded, block_q=block_q)
-    tile_spec = pl.BlockSpec((None, None, rows, head_dim), lambda h, t, *_: (h, t, 0, 0))
+    tile_spec = pl.BlockSpec((num_kv_heads, None, rows, head_dim), lambda t, *_: (0, t, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(
         _kernel, sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window,
@@ -176,14 +248,19 @@ def ragged_paged_attention_tpu(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
-            grid=(num_kv_heads, num_tiles),
+            grid=(num_tiles,),
             in_specs=[tile_spec, hbm, hbm],
             out_specs=tile_spec,
-            scratch_shapes=[pltpu.VMEM((2, block_kv, head_dim), k_cache.dtype),
-                            pltpu.VMEM((2, block_kv, head_dim), v_cache.dtype),
-                            pltpu.SemaphoreType.DMA((2, 2))]),
+            scratch_shapes=[pltpu.VMEM((2, block_kv, num_kv_heads, head_dim), k_cache.dtype),
+                            pltpu.VMEM((2, block_kv, num_kv_heads, head_dim), v_cache.dtype),
+                            pltpu.SemaphoreType.DMA((2, 2)),
+                            pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
+                            pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
+                            pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct(q_tiles.shape, q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        cost_estimate=tiling.cost_estimate(q.shape, k_cache.shape, block_tables.shape,
+                                           jnp.dtype(k_cache.dtype).itemsize),
         interpret=pltpu.InterpretParams() if interpret else False,
         name=f"ragged_paged_attention_tpu_q{rows}_kv{block_kv}",
     )(tiles.seq, tiles.pos0, tiles.count, tiles.kv_len,

@@ -22,21 +22,22 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 from tests.kernels.cases import make_case, random_lens, tolerance
+from tests.kernels.mode import BACKENDS, INTERPRET, interpret_only, require_backend
 
-BACKENDS = ["gpu", "tpu"]
 BF16 = jnp.bfloat16
 
 
 def run_and_compare(case, backend, *, sm_scale=0.125, sliding_window=None, soft_cap=None,
                     kernel=None, **kernel_kwargs):
+    require_backend(backend)
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     want = np.asarray(ragged_paged_attention(*case.args(poisoned=False), backend="reference",
                                              **kw)).astype(np.float32)
     if kernel is None:
         got = ragged_paged_attention(*case.args(poisoned=True), backend=backend,
-                                     interpret=True, **kw)
+                                     interpret=INTERPRET, **kw)
     else:
-        got = kernel(*case.args(poisoned=True), interpret=True, **kw, **kernel_kwargs)
+        got = kernel(*case.args(poisoned=True), interpret=INTERPRET, **kw, **kernel_kwargs)
     got = np.asarray(got).astype(np.float32)
     assert got.shape == case.q.shape and got.dtype == np.float32
     assert np.isfinite(want).all()
@@ -89,7 +90,7 @@ def test_sliding_window_and_soft_cap(backend, sliding_window, soft_cap, dtype):
 def test_no_sequences_gives_zeros(backend):
     case = make_case(rng_for("empty"), [], [], pad_seqs=3, pad_tokens=4)
     got = ragged_paged_attention(*case.args(poisoned=True), sm_scale=1.0, backend=backend,
-                                 interpret=True)
+                                 interpret=INTERPRET)
     assert (np.asarray(got) == 0).all()
 
 
@@ -115,7 +116,7 @@ def test_kernel_runs_under_jit_inside_scan(backend):
     def two_layers(q, k2, v2, kv_lens, tables, cu, num_seqs):
         def layer(h, kv):
             out = ragged_paged_attention(h, kv[0], kv[1], kv_lens, tables, cu, num_seqs,
-                                         sm_scale=0.2, backend=backend, interpret=True)
+                                         sm_scale=0.2, backend=backend, interpret=INTERPRET)
             return jnp.where(jnp.isnan(h), h, out), None
         return jax.lax.scan(layer, q, (k2, v2))[0]
 
@@ -157,6 +158,7 @@ def test_random_matrix(backend, seed):
                     sliding_window=window, soft_cap=cap)
 
 
+@interpret_only
 def test_interpret_mode_poisons_outputs():
     """Both interpret modes hand a kernel NaN-filled outputs: a kernel that writes nothing
     returns NaN, which is what makes the finiteness checks above meaningful."""

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from pallas_kernels.kv_cache_update import kv_cache_update
 from pallas_kernels.kv_cache_update.tpu import kv_cache_update_tpu
 
-BACKENDS = ["gpu", "tpu"]
+from tests.kernels.mode import BACKENDS, INTERPRET, require_backend
 
 
 def make_update(seed, *, num_blocks=7, block_size=4, num_kv_heads=3, head_dim=64,
@@ -39,7 +39,7 @@ def make_update(seed, *, num_blocks=7, block_size=4, num_kv_heads=3, head_dim=64
 
 def check(args, backend, **kwargs):
     want_k, want_v = kv_cache_update(*args, backend="reference")
-    got_k, got_v = kv_cache_update(*args, backend=backend, interpret=True, **kwargs)
+    got_k, got_v = kv_cache_update(*args, backend=backend, interpret=INTERPRET, **kwargs)
     slots = np.asarray(args[4])
     for got, want in ((got_k, want_k), (got_v, want_v)):
         assert got.shape == want.shape and got.dtype == want.dtype
@@ -63,10 +63,11 @@ def test_kernel_matches_reference(backend, options):
 
 
 def test_tpu_token_steps_that_do_not_divide_the_batch():
+    require_backend("tpu")
     args = make_update(3, num_tokens=13)
     want = kv_cache_update(*args, backend="reference")
     for step in (1, 4, 13, 64):
-        got = kv_cache_update_tpu(*args, interpret=True, tokens_per_step=step)
+        got = kv_cache_update_tpu(*args, interpret=INTERPRET, tokens_per_step=step)
         for g, w in zip(got, want):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
