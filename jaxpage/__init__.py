@@ -26,6 +26,8 @@ _EXPORTS = {
     "BeamSearchParams": "jaxpage.beam_search",
     "BeamSearchOutput": "jaxpage.beam_search",
     "BeamSearchSequence": "jaxpage.beam_search",
+    "plan": "jaxpage.planning",
+    "PlanReport": "jaxpage.planning",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -1,4 +1,5 @@
-"""Command line: ``jaxpage serve`` (the OpenAI-compatible server) and ``jaxpage generate``.
+"""Command line: ``jaxpage serve`` (the OpenAI-compatible server), ``jaxpage generate`` and
+``jaxpage plan`` (compile for a TPU or GPU target without one, and size it).
 
 Engine options mirror ``LLM``'s keyword arguments (``--max-num-seqs`` is
 ``max_num_seqs``); ``--config FILE.toml`` reads them from a file like
@@ -64,7 +65,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxpage", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate}")
+    commands = parser.add_subparsers(dest="command", required=True,
+                                     metavar="{serve,generate,plan}")
     serve = commands.add_parser(
         "serve", help="serve the OpenAI-compatible HTTP API",
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, "
@@ -93,6 +95,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=-1, help="-1 disables top-k")
     gen.add_argument("--sample-seed", type=int, default=None, help="seed of this request")
     _add_engine_flags(gen)
+
+    plan = commands.add_parser(
+        "plan", help="compile for a TPU/GPU target without one; memory and KV capacity",
+        description="Compile every program of the engine for a target that is not there "
+                    "(libtpu for TPUs, the CUDA plugin for GPUs) and report, per device, "
+                    "the weights, the largest temporary, the KV blocks and tokens that fit, "
+                    "and a roofline estimate of decode speed (an estimate, not a "
+                    "measurement). Exit status 1 when something does not compile or fit.")
+    plan.add_argument("model", nargs="?", default=None,
+                      help="HF checkpoint directory, .gguf file or preset:<name> "
+                           "(default: embedded SmolLM2); only its config is read")
+    plan.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
+    plan.add_argument("--target", required=True,
+                      help="v5e:1x1, v5e:2x4, v6e:1x1, v5p:2x2x1, h100, a100, h100x8, ...")
+    plan.add_argument("--buckets", choices=("all", "largest"), default="largest",
+                      help="compile the largest bucket of each program (default; they bound "
+                           "the memory) or every bucket of the ladders, as warm-up does")
+    plan.add_argument("--context", type=int, default=None,
+                      help="tokens per sequence for the roofline (default: max_model_len)")
+    _add_engine_flags(plan)
     return parser
 
 
@@ -131,10 +153,26 @@ def _generate(args) -> int:
     return 0
 
 
+def _plan(args) -> int:
+    import os
+
+    # Compile for the target without touching this machine's own accelerators (or
+    # initializing their plugins): the target's compiler runs on the CPU host.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    from jaxpage.planning import plan
+
+    report = plan(args.model or args.model_flag, args.target, buckets=args.buckets,
+                  context=args.context, progress=True, **_engine_options(args))
+    print(report.text())
+    return 0 if report.ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    commands = {"serve": _serve, "generate": _generate, "plan": _plan}
     try:
-        return _serve(args) if args.command == "serve" else _generate(args)
+        return commands[args.command](args)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -6,6 +6,12 @@ import os
 
 import pytest
 
+# The suite runs on the CPU; TPU and GPU programs are compiled for targets described in
+# software (tests/compile), never for a local device. Set before JAX is imported, so the
+# installed libtpu and CUDA plugin are not initialized as local backends.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
 
 def pytest_configure(config):
     # One persistent XLA cache for the whole suite (and across runs on the same machine).

@@ -164,6 +164,9 @@ def open_target(name: str):
     target = parse_target(name)
     if target.platform == "tpu":
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+        # No chip is touched: let several processes compile for TPUs at once (libtpu
+        # otherwise takes a lockfile meant for processes sharing real chips).
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         topology_name, kwargs = _tpu_topology_name(target)
         try:
             return topologies.get_topology_desc(topology_name=topology_name, platform="tpu",

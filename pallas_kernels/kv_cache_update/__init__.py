@@ -35,20 +35,34 @@ def check_shapes(k_cache, v_cache, k_new, v_new, slot_mapping) -> None:
 
 
 def kv_cache_update(k_cache, v_cache, k_new, v_new, slot_mapping, *, backend: str = "auto",
-                    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """Write ``k_new[t]`` / ``v_new[t]`` into flat slot ``slot_mapping[t]`` (-1: skip)."""
-    check_shapes(k_cache, v_cache, k_new, v_new, slot_mapping)
+                    interpret: bool = False, layer: int | None = None
+                    ) -> tuple[jax.Array, jax.Array]:
+    """Write ``k_new[t]`` / ``v_new[t]`` into flat slot ``slot_mapping[t]`` (-1: skip).
+
+    With ``layer`` the caches are every layer's, ``[L, N, B, Hkv, D]``, and the slots
+    are layer ``layer``'s; the cache is updated where it is, never reshaped.
+    """
+    if layer is not None:
+        if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
+            raise ValueError(f"with layer={layer}, k_cache and v_cache must both be [num_layers, "
+                             f"num_blocks, block_size, num_kv_heads, head_dim], got "
+                             f"{k_cache.shape} and {v_cache.shape}")
+        if not 0 <= layer < k_cache.shape[0]:
+            raise ValueError(f"layer={layer} is out of range for {k_cache.shape[0]} layers")
+        view = jax.ShapeDtypeStruct(k_cache.shape[1:], k_cache.dtype)
+        check_shapes(view, view, k_new, v_new, slot_mapping)
+    else:
+        check_shapes(k_cache, v_cache, k_new, v_new, slot_mapping)
     resolved = resolve_backend(backend, interpret=interpret)
+    args = (k_cache, v_cache, k_new, v_new, slot_mapping)
     if resolved in ("reference", "cpu") or slot_mapping.shape[0] == 0:  # no C++ version: XLA's
         # scatter is already one in-place pass
-        return kv_cache_update_reference(k_cache, v_cache, k_new, v_new, slot_mapping)
+        return kv_cache_update_reference(*args, layer=layer)
     if resolved == "gpu":
         from pallas_kernels.kv_cache_update.gpu import kv_cache_update_gpu
-        return kv_cache_update_gpu(k_cache, v_cache, k_new, v_new, slot_mapping,
-                                   interpret=interpret)
+        return kv_cache_update_gpu(*args, interpret=interpret, layer=layer)
     from pallas_kernels.kv_cache_update.tpu import kv_cache_update_tpu
-    return kv_cache_update_tpu(k_cache, v_cache, k_new, v_new, slot_mapping,
-                               interpret=interpret)
+    return kv_cache_update_tpu(*args, interpret=interpret, layer=layer)
 
 
 __all__ = ["check_shapes", "kv_cache_update", "kv_cache_update_reference", "resolve_backend"]

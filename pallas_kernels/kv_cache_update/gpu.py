@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -34,18 +35,24 @@ def _kernel(slot_ref,                  # int32 [T]
             v_out_ref[slot, head, :] = v_new_ref[token, head, :].astype(v_out_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
+@functools.partial(jax.jit, static_argnames=("interpret", "layer"))
 def kv_cache_update_gpu(
-        k_cache: jax.Array,       # [N, B, Hkv, D]
-        v_cache: jax.Array,       # [N, B, Hkv, D]
+        k_cache: jax.Array,       # [N, B, Hkv, D], or [L, N, B, Hkv, D] with ``layer``
+        v_cache: jax.Array,       # likewise
         k_new: jax.Array,         # [T, Hkv, D]
         v_new: jax.Array,         # [T, Hkv, D]
         slot_mapping: jax.Array,  # int32 [T]  block_id * B + offset; -1 = skip
-        *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+        *, interpret: bool = False, layer: int | None = None) -> tuple[jax.Array, jax.Array]:
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape[-4:]
     if head_dim & (head_dim - 1):
         raise ValueError(f"the Pallas GPU kernel needs a power-of-two head_dim, got {head_dim}")
-    flat = (num_blocks * block_size, num_kv_heads, head_dim)
+    # GPU arrays are row-major, so viewing every layer's slots as one flat axis is free.
+    num_layers = 1 if layer is None else k_cache.shape[0]
+    flat = (num_layers * num_blocks * block_size, num_kv_heads, head_dim)
+    if layer is not None:
+        layer_slots = num_blocks * block_size  # out of the layer's range: skipped
+        slot_mapping = jnp.where((slot_mapping < 0) | (slot_mapping >= layer_slots), -1,
+                                 slot_mapping + layer * layer_slots)
     num_tokens = slot_mapping.shape[0]
     k_out, v_out = pl.pallas_call(
         _kernel,

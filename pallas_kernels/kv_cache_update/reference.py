@@ -1,4 +1,8 @@
-"""Plain-jnp KV cache update: scatter new keys/values into their flat slots."""
+"""Plain-jnp KV cache update: scatter new keys/values into their flat slots.
+
+The scatter indexes (block, offset), or (layer, block, offset), and never reshapes the
+cache: on a TPU a reshape that merges tiled dimensions is a copy of the whole cache.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +11,14 @@ import jax.numpy as jnp
 
 
 def kv_cache_update_reference(
-        k_cache: jax.Array,       # [N, B, Hkv, D]
-        v_cache: jax.Array,       # [N, B, Hkv, D]
+        k_cache: jax.Array,       # [N, B, Hkv, D], or [L, N, B, Hkv, D] with ``layer``
+        v_cache: jax.Array,       # likewise
         k_new: jax.Array,         # [T, Hkv, D]
         v_new: jax.Array,         # [T, Hkv, D]
         slot_mapping: jax.Array,  # int32 [T]  block_id * B + offset; -1 = skip
+        layer: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_blocks, block_size = k_cache.shape[-4:-2]
     num_slots = num_blocks * block_size
     slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # out of range: dropped
     if slots.shape[0] == 1:
@@ -25,9 +30,10 @@ def kv_cache_update_reference(
         k_new = jnp.concatenate([k_new, k_new])
         v_new = jnp.concatenate([v_new, v_new])
 
+    blocks, offsets = slots // block_size, slots % block_size  # slot num_slots: block N
+    index = (blocks, offsets) if layer is None else (layer, blocks, offsets)
+
     def scatter(cache: jax.Array, new: jax.Array) -> jax.Array:
-        flat = cache.reshape(num_slots, num_kv_heads, head_dim)
-        flat = flat.at[slots].set(new.astype(cache.dtype), mode="drop")
-        return flat.reshape(cache.shape)
+        return cache.at[index].set(new.astype(cache.dtype), mode="drop")
 
     return scatter(k_cache, k_new), scatter(v_cache, v_new)

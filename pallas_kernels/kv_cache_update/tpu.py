@@ -23,13 +23,15 @@ from jax.experimental.pallas import tpu as pltpu
 
 def _kernel(slot_ref,                  # SMEM int32 [T]   (prefetched)
             k_new_hbm, v_new_hbm,      # HBM [T, Hkv, D]
-            k_in_hbm, v_in_hbm,        # HBM [N, B, Hkv, D]  aliased to the outputs, unused
-            k_out_hbm, v_out_hbm,      # HBM [N, B, Hkv, D]
+            k_in_hbm, v_in_hbm,        # HBM [N, B, Hkv, D] ([L, ...] with layer), aliased
+            k_out_hbm, v_out_hbm,      # HBM, as the inputs
             sems,                      # DMA semaphores [2]
-            *, tokens_per_step: int):
+            *, tokens_per_step: int, layer: int | None):
     del k_in_hbm, v_in_hbm
     num_tokens = k_new_hbm.shape[0]
-    num_blocks, block_size = k_out_hbm.shape[:2]
+    num_blocks, block_size = k_out_hbm.shape[-4:-2]
+    if layer is not None:  # a leading, untiled index: the layer's pages
+        k_out_hbm, v_out_hbm = k_out_hbm.at[layer], v_out_hbm.at[layer]
     base = pl.program_id(0) * tokens_per_step
 
     def copies(i):
@@ -58,20 +60,20 @@ def _kernel(slot_ref,                  # SMEM int32 [T]   (prefetched)
     lax.fori_loop(0, tokens_per_step, each_valid_copy("wait"), 0)   # then wait for each
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "tokens_per_step"))
+@functools.partial(jax.jit, static_argnames=("interpret", "tokens_per_step", "layer"))
 def kv_cache_update_tpu(
-        k_cache: jax.Array,       # [N, B, Hkv, D]
-        v_cache: jax.Array,       # [N, B, Hkv, D]
+        k_cache: jax.Array,       # [N, B, Hkv, D], or [L, N, B, Hkv, D] with ``layer``
+        v_cache: jax.Array,       # likewise
         k_new: jax.Array,         # [T, Hkv, D]
         v_new: jax.Array,         # [T, Hkv, D]
         slot_mapping: jax.Array,  # int32 [T]  block_id * B + offset; -1 = skip
-        *, interpret: bool = False,
-        tokens_per_step: int = 32) -> tuple[jax.Array, jax.Array]:
+        *, interpret: bool = False, tokens_per_step: int = 32,
+        layer: int | None = None) -> tuple[jax.Array, jax.Array]:
     num_tokens = slot_mapping.shape[0]
     tokens_per_step = max(1, min(tokens_per_step, num_tokens))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
-        functools.partial(_kernel, tokens_per_step=tokens_per_step),
+        functools.partial(_kernel, tokens_per_step=tokens_per_step, layer=layer),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(pl.cdiv(num_tokens, tokens_per_step),),

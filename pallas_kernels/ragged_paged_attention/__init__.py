@@ -83,16 +83,34 @@ def check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs
 def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *,
                            sm_scale: float, sliding_window: int | None = None,
                            soft_cap: float | None = None, backend: str = "auto",
-                           interpret: bool = False) -> jax.Array:
-    """Attention of concatenated ragged queries over a paged KV cache -> [T, Hq, D]."""
-    check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
+                           interpret: bool = False, layer: int | None = None) -> jax.Array:
+    """Attention of concatenated ragged queries over a paged KV cache -> [T, Hq, D].
+
+    With ``layer`` the caches are every layer's, ``[L, N, B, Hkv, D]``, and layer
+    ``layer``'s pages are read in place (no slice or reshape of the cache, which on a TPU
+    would be a copy of it). The C++ CPU kernel takes 4-D caches only; its fused
+    per-layer call is ``write_and_attend``.
+    """
+    if layer is not None:
+        if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
+            raise ValueError(f"with layer={layer}, k_cache and v_cache must both be [num_layers, "
+                             f"num_blocks, block_size, num_kv_heads, head_dim], got "
+                             f"{k_cache.shape} and {v_cache.shape}")
+        if not 0 <= layer < k_cache.shape[0]:
+            raise ValueError(f"layer={layer} is out of range for {k_cache.shape[0]} layers")
+    page_view = k_cache if layer is None else jax.ShapeDtypeStruct(k_cache.shape[1:], k_cache.dtype)
+    check_shapes(q, page_view, page_view, kv_lens, block_tables, cu_q_lens, num_seqs,
                  sliding_window=sliding_window, soft_cap=soft_cap)
-    head_dim = k_cache.shape[3]
+    head_dim = k_cache.shape[-1]
     same_dtype = q.dtype == k_cache.dtype == v_cache.dtype
     resolved = resolve_backend(backend, interpret=interpret,
                                dtype=k_cache.dtype if same_dtype else jnp.float64)  # mixed: not the kernel's
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
+    if resolved == "cpu" and layer is not None:
+        resolved = "reference"  # the C++ kernel's per-layer form is write_and_attend's
+    if layer is not None:
+        kwargs["layer"] = layer
     if resolved == "reference" or q.shape[0] == 0:
         return ragged_paged_attention_reference(*args, **kwargs)
     if resolved == "cpu":
@@ -100,7 +118,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
         return ragged_paged_attention_cpu(*args, **kwargs)
     if resolved == "gpu":
         from pallas_kernels.ragged_paged_attention import gpu
-        reason = gpu.unsupported_reason(head_dim=head_dim, block_size=k_cache.shape[1])
+        reason = gpu.unsupported_reason(head_dim=head_dim, block_size=k_cache.shape[-3])
         if reason and backend == "auto":
             return ragged_paged_attention_reference(*args, **kwargs)  # shapes Triton can't tile
         return gpu.ragged_paged_attention_gpu(*args, interpret=interpret, **kwargs)

@@ -142,11 +142,11 @@ def choose_blocks(*, num_tokens: int, max_num_seqs: int, group: int, block_size:
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "interpret", "block_q", "block_kv",
-    "num_kv_splits", "num_warps", "num_stages"))
+    "num_kv_splits", "num_warps", "num_stages", "layer"))
 def ragged_paged_attention_gpu(
         q: jax.Array,             # [T, Hq, D]
-        k_cache: jax.Array,       # [N, B, Hkv, D]
-        v_cache: jax.Array,       # [N, B, Hkv, D]
+        k_cache: jax.Array,       # [N, B, Hkv, D], or [L, N, B, Hkv, D] with ``layer``
+        v_cache: jax.Array,       # likewise
         kv_lens: jax.Array,       # int32 [S]
         block_tables: jax.Array,  # int32 [S, M]
         cu_q_lens: jax.Array,     # int32 [S + 1]
@@ -155,10 +155,10 @@ def ragged_paged_attention_gpu(
         soft_cap: float | None = None, interpret: bool = False,
         block_q: int | None = None, block_kv: int | None = None,
         num_kv_splits: int | None = None, num_warps: int = 4,
-        num_stages: int = 2) -> jax.Array:  # [T, Hq, D]
+        num_stages: int = 2, layer: int | None = None) -> jax.Array:  # [T, Hq, D]
     """The Pallas GPU (Triton) kernel; shapes are checked by the public function."""
     num_tokens, num_q_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape[-4:]
     max_num_seqs, max_blocks = block_tables.shape
     group = num_q_heads // num_kv_heads
     reason = unsupported_reason(head_dim=head_dim, block_size=block_size)
@@ -180,8 +180,12 @@ def ragged_paged_attention_gpu(
 
     whole = pl.no_block_spec
     tile_spec = pl.BlockSpec((None, None, rows, head_dim), lambda t, h, s: (h, t, 0, 0))
-    cache_spec = pl.BlockSpec((num_blocks, block_size, None, head_dim),
-                              lambda t, h, s: (0, 0, h, 0))
+    if layer is None:
+        cache_spec = pl.BlockSpec((num_blocks, block_size, None, head_dim),
+                                  lambda t, h, s: (0, 0, h, 0))
+    else:  # the layer's pages of the whole cache, selected by the BlockSpec: no copy
+        cache_spec = pl.BlockSpec((None, num_blocks, block_size, None, head_dim),
+                                  lambda t, h, s: (layer, 0, 0, h, 0))
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct(q_tiles.shape, q.dtype)
         out_specs = tile_spec
@@ -205,7 +209,7 @@ def ragged_paged_attention_gpu(
         out_shape=out_shape,
         # Triton's compiler params also select the Triton lowering (not Mosaic GPU).
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        cost_estimate=tiling.cost_estimate(q.shape, k_cache.shape, block_tables.shape,
+        cost_estimate=tiling.cost_estimate(q.shape, k_cache.shape[-4:], block_tables.shape,
                                            jnp.dtype(k_cache.dtype).itemsize),
         interpret=interpret,
         name=f"ragged_paged_attention_gpu_q{rows}_kv{pages_per_block * block_size}_s{splits}",

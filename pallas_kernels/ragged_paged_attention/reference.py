@@ -29,24 +29,26 @@ def token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array,
 
 def ragged_paged_attention_reference(
         q: jax.Array,             # [T, Hq, D]
-        k_cache: jax.Array,       # [N, B, Hkv, D]
-        v_cache: jax.Array,       # [N, B, Hkv, D]
+        k_cache: jax.Array,       # [N, B, Hkv, D], or [L, N, B, Hkv, D] with ``layer``
+        v_cache: jax.Array,       # likewise
         kv_lens: jax.Array,       # int32 [S]
         block_tables: jax.Array,  # int32 [S, M]
         cu_q_lens: jax.Array,     # int32 [S + 1]
         num_seqs: jax.Array,      # int32 [1]
         *, sm_scale: float, sliding_window: int | None = None,
-        soft_cap: float | None = None) -> jax.Array:  # [T, Hq, D]
+        soft_cap: float | None = None, layer: int | None = None) -> jax.Array:  # [T, Hq, D]
+    """With ``layer``, the caches hold every layer and layer ``layer``'s pages are read."""
     num_tokens, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    block_size, num_kv_heads, _ = k_cache.shape[-3:]
     max_blocks = block_tables.shape[1]
     group = num_q_heads // num_kv_heads
     seq, q_pos, valid = token_layout(cu_q_lens, kv_lens, num_seqs, num_tokens)
 
     tables = block_tables[seq]                                          # [T, M]
     span = max_blocks * block_size
-    k = k_cache[tables].reshape(num_tokens, span, num_kv_heads, head_dim)  # [T, L, Hkv, D]
-    v = v_cache[tables].reshape(num_tokens, span, num_kv_heads, head_dim)
+    pages = tables if layer is None else (layer, tables)
+    k = k_cache[pages].reshape(num_tokens, span, num_kv_heads, head_dim)  # [T, L, Hkv, D]
+    v = v_cache[pages].reshape(num_tokens, span, num_kv_heads, head_dim)
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)           # [T, Hkv, G, D]
     scores = jnp.einsum("tkgd,tlkd->tkgl", qg, k,
                         preferred_element_type=jnp.float32) * sm_scale  # [T, Hkv, G, L]

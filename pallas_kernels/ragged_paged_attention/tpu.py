@@ -35,16 +35,19 @@ from pallas_kernels.ragged_paged_attention import tiling
 def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # SMEM int32 [NT] each (prefetched)
             tables_ref,                                # SMEM int32 [S * M]   (prefetched)
             q_ref,                                     # VMEM [Hkv, R, D]  one tile, all kv heads
-            k_hbm, v_hbm,                              # HBM [N, B, Hkv, D]
+            k_hbm, v_hbm,                              # HBM [N, B, Hkv, D] ([L, ...] w/ layer)
             o_ref,                                     # VMEM [Hkv, R, D]
             k_buf, v_buf,                              # VMEM [2, K, Hkv, D]  double buffer
             sems,                                      # DMA semaphores [2 (k, v), 2 (slot)]
             m_ref, l_ref, acc_ref,                     # VMEM f32 [Hkv, R, 1] x2, [Hkv, R, D]
             *, sm_scale: float, soft_cap: float | None, sliding_window: int | None,
-            group_padded: int, pages_per_block: int, max_blocks_per_seq: int):
+            group_padded: int, pages_per_block: int, max_blocks_per_seq: int,
+            layer: int | None):
     tile = pl.program_id(0)
     num_kv_heads, rows, head_dim = q_ref.shape
-    block_size = k_hbm.shape[1]
+    block_size = k_hbm.shape[-3]
+    k_pages = k_hbm if layer is None else k_hbm.at[layer]   # a leading, untiled index
+    v_pages = v_hbm if layer is None else v_hbm.at[layer]
     block_kv = pages_per_block * block_size
 
     heads_per_group = 8 if num_kv_heads % 8 == 0 else num_kv_heads
@@ -67,9 +70,9 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # SMEM int32 [NT] each (p
                               + jnp.minimum(j * pages_per_block + p, last_page)]
             dst = pl.ds(p * block_size, block_size)
             copies.append(pltpu.make_async_copy(
-                k_hbm.at[page], k_buf.at[slot, dst], sems.at[0, slot]))
+                k_pages.at[page], k_buf.at[slot, dst], sems.at[0, slot]))
             copies.append(pltpu.make_async_copy(
-                v_hbm.at[page], v_buf.at[slot, dst], sems.at[1, slot]))
+                v_pages.at[page], v_buf.at[slot, dst], sems.at[1, slot]))
         return copies
 
     @pl.when(hi > lo)
@@ -204,25 +207,30 @@ def choose_blocks(*, num_tokens: int, max_num_seqs: int, group: int, block_size:
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "sliding_window", "soft_cap", "interpret", "block_q", "block_kv"))
+    "sm_scale", "sliding_window", "soft_cap", "interpret", "block_q", "block_kv",
+    "vmem_limit_bytes", "layer"))
 def ragged_paged_attention_tpu(
         q: jax.Array,             # [T, Hq, D]
-        k_cache: jax.Array,       # [N, B, Hkv, D]
-        v_cache: jax.Array,       # [N, B, Hkv, D]
+        k_cache: jax.Array,       # [N, B, Hkv, D], or [L, N, B, Hkv, D] with ``layer``
+        v_cache: jax.Array,       # likewise
         kv_lens: jax.Array,       # int32 [S]
         block_tables: jax.Array,  # int32 [S, M]
         cu_q_lens: jax.Array,     # int32 [S + 1]
         num_seqs: jax.Array,      # int32 [1]
         *, sm_scale: float, sliding_window: int | None = None,
         soft_cap: float | None = None, interpret: bool = False,
-        block_q: int | None = None, block_kv: int | None = None) -> jax.Array:  # [T, Hq, D]
+        block_q: int | None = None, block_kv: int | None = None,
+        vmem_limit_bytes: int | None = None,
+        layer: int | None = None) -> jax.Array:  # [T, Hq, D]
     """The Pallas Mosaic TPU kernel; shapes are checked by the public function.
 
     ``interpret=True`` runs it in TPU interpret mode (``pltpu.InterpretParams()``), which
     also fills outputs and scratch buffers with NaN before the kernel runs.
+    ``vmem_limit_bytes``: Mosaic's scoped VMEM limit (None: its default, 16 MiB on
+    v5e/v6e/v5p); the tiling is sized for ``VMEM_BUDGET`` either way.
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    block_size, num_kv_heads, _ = k_cache.shape[-3:]
     max_num_seqs, max_blocks = block_tables.shape
     group = num_q_heads // num_kv_heads
     block_q, group_padded, pages_per_block = choose_blocks(
@@ -243,7 +251,7 @@ def ragged_paged_attention_tpu(
     kernel = functools.partial(
         _kernel, sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window,
         group_padded=group_padded, pages_per_block=pages_per_block,
-        max_blocks_per_seq=max_blocks)
+        max_blocks_per_seq=max_blocks, layer=layer)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -258,8 +266,9 @@ def ragged_paged_attention_tpu(
                             pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
                             pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct(q_tiles.shape, q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
-        cost_estimate=tiling.cost_estimate(q.shape, k_cache.shape, block_tables.shape,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
+                                             vmem_limit_bytes=vmem_limit_bytes),
+        cost_estimate=tiling.cost_estimate(q.shape, k_cache.shape[-4:], block_tables.shape,
                                            jnp.dtype(k_cache.dtype).itemsize),
         interpret=pltpu.InterpretParams() if interpret else False,
         name=f"ragged_paged_attention_tpu_q{rows}_kv{block_kv}",

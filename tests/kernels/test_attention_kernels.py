@@ -172,3 +172,24 @@ def test_interpret_mode_poisons_outputs():
                                interpret=pltpu.InterpretParams())(x)
     assert np.isnan(np.asarray(gpu_style)).all()
     assert np.isnan(np.asarray(tpu_style)).all()
+
+
+@pytest.mark.parametrize("backend", ["reference"] + BACKENDS)
+def test_layer_of_a_whole_cache(backend):
+    """With ``layer`` the kernels read that layer's pages of [L, N, B, Hkv, D] in place:
+    the same result as the layer's own 4-D cache (other layers hold NaN)."""
+    if backend != "reference":
+        require_backend(backend)
+    case = make_case(rng_for("layer"), [1, 4, 2], [9, 4, 17], num_q_heads=8, num_kv_heads=2,
+                     head_dim=128, block_size=16)
+    q, k, v, *meta = case.args(poisoned=False)
+    nan = jnp.full_like(k, jnp.nan)
+    k5, v5 = jnp.stack([nan, nan, k]), jnp.stack([nan, nan, v])
+    want = ragged_paged_attention(q, k, v, *meta, sm_scale=0.1, backend="reference")
+    got = ragged_paged_attention(q, k5, v5, *meta, sm_scale=0.1, backend=backend,
+                                 interpret=INTERPRET, layer=2)
+    n = case.num_real_tokens
+    np.testing.assert_allclose(np.asarray(got)[:n], np.asarray(want)[:n],
+                               **tolerance(case.q.dtype))
+    with pytest.raises(ValueError, match="layer=5 is out of range"):
+        ragged_paged_attention(q, k5, v5, *meta, sm_scale=0.1, layer=5)

@@ -84,3 +84,27 @@ def test_random_updates(backend, seed):
                       num_tokens=int(rng.integers(1, 24)), skip=float(rng.uniform(0, 0.6)),
                       cache_dtype=[np.float32, jnp.bfloat16][seed % 2],
                       poison=["nan", "random"][seed % 3 == 0]), backend)
+
+
+@pytest.mark.parametrize("backend", ["reference"] + BACKENDS)
+def test_layer_of_a_whole_cache_is_updated_in_place(backend):
+    """With ``layer``, the caches hold every layer [L, N, B, Hkv, D]: only that layer's
+    slots change (a slot past the layer's range is skipped, never spilled into the next
+    layer), and the result equals updating the layer's own 4-D cache."""
+    k4, v4, k_new, v_new, slots = make_update(11, poison="random")
+    slots = slots.at[0].set(k4.shape[0] * k4.shape[1])      # out of the layer's range
+    k5 = jnp.stack([k4 + 1, k4, k4 - 1])                     # [3, N, B, Hkv, D]
+    v5 = jnp.stack([v4 + 1, v4, v4 - 1])
+    if backend != "reference":
+        require_backend(backend)
+    got_k, got_v = kv_cache_update(k5, v5, k_new, v_new, slots, backend=backend,
+                                   interpret=INTERPRET, layer=1)
+    want_k, want_v = kv_cache_update(k4, v4, k_new, v_new, slots, backend="reference")
+    for got, whole, want in ((got_k, k5, want_k), (got_v, v5, want_v)):
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(whole[0]))
+        np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(whole[2]))
+    with pytest.raises(ValueError, match="layer=3 is out of range"):
+        kv_cache_update(k5, v5, k_new, v_new, slots, layer=3)
+    with pytest.raises(ValueError, match="num_layers"):
+        kv_cache_update(k4, v4, k_new, v_new, slots, layer=0)

@@ -1,0 +1,225 @@
+"""The engine's device programs for a target that is not there, as abstract arrays.
+
+``AbstractEngine`` builds what ``ModelRunner`` runs (the step for every (T, S, M)
+bucket, the multi-step decode loop for every all-decode bucket, block copies and swaps,
+the penalty-table fill) from the same runtime functions (``make_step``,
+``make_decode_loop``, ``block_ops``), but with the parameters, the KV cache and the
+batch as ``jax.ShapeDtypeStruct``s carrying their shardings on the target's mesh.
+Nothing is allocated: a Llama-3-8B on an 8-chip slice is planned on a laptop.
+
+Every program is jitted by the replica's ``Placement`` exactly as the engine does, and
+traced under ``jax.default_device(first target device)``, so the attention kernels'
+``"auto"`` backend picks the target's Pallas kernel and Mosaic knows the TPU generation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxpage.config import EngineConfig
+from jaxpage.core.batch import BatchBuilder
+from jaxpage.core.block_pool import BlockPool
+from jaxpage.core.kv_cache_manager import KVCacheManager
+from jaxpage.models.arch_config import ArchConfig
+from jaxpage.models.presets import PREFIX as PRESET_PREFIX
+from jaxpage.models.presets import preset_config
+from jaxpage.models.registry import resolve_architecture
+from jaxpage.parallel.placement import Placement
+from jaxpage.parallel.sharding_rules import TP, replicated_arch
+from jaxpage.runtime import block_ops
+from jaxpage.runtime.decode_loop import make_decode_loop
+from jaxpage.runtime.kv_cache import bytes_per_block
+from jaxpage.runtime.model_runner import PENALTY_FILL_WIDTH
+from jaxpage.runtime.step import make_penalty_fill, make_step
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def model_config(model: str | None) -> dict[str, Any]:
+    """The HF-style config of a preset, checkpoint directory or GGUF file (no weights read)."""
+    if model is not None and model.startswith(PRESET_PREFIX):
+        return preset_config(model)
+    from jaxpage.models.loader import default_model_path, open_source
+
+    return open_source(default_model_path() if model is None else model).hf_config
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One compiled-to-be program: its name, bucket, jitted function and abstract args."""
+
+    name: str           # "step", "decode8", "copy_blocks", ...
+    bucket: tuple       # (T, S, M) for steps and decode loops, (P,) for block ops
+    jitted: Callable    # a jax.jit-wrapped function
+    args: tuple         # ShapeDtypeStructs with shardings
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}{list(self.bucket)}"
+
+
+class AbstractEngine:
+    """The programs of one model replica on ``devices`` (``tensor_parallel_size`` of them)."""
+
+    def __init__(self, config: EngineConfig, devices: list, *, num_kv_blocks: int) -> None:
+        mc, cc, sc = config.model, config.cache, config.scheduler
+        tp = config.parallel.tensor_parallel_size
+        if tp > len(devices):
+            raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices; the target has "
+                             f"{len(devices)}")
+        self.config = config
+        self.device = devices[0]
+        self.mesh = Mesh(np.array(devices[:tp]), (TP,))
+        self.placement = Placement(self.mesh)
+        self.hf_config = model_config(mc.model)
+        model_cls, arch = resolve_architecture(self.hf_config)
+        self.arch: ArchConfig = replicated_arch(arch, tp)
+        self.dtype = DTYPES["bfloat16" if mc.dtype == "auto" else mc.dtype]
+        limit = self.arch.max_position_embeddings
+        if mc.max_model_len is not None and mc.max_model_len > limit:
+            raise ValueError(f"max_model_len={mc.max_model_len} exceeds the model's context "
+                             f"length {limit}")
+        self.max_model_len = mc.max_model_len or limit
+        self.block_size = cc.block_size
+        self.max_num_seqs = sc.max_num_seqs
+        self.num_kv_blocks = num_kv_blocks  # usable blocks; the cache has one more (null)
+        abstract = nnx.eval_shape(lambda: model_cls(
+            self.arch, dtype=self.dtype, attention_backend=mc.attention_backend,
+            rngs=nnx.Rngs(0), mesh=self.mesh))
+        self.graphdef, state = nnx.split(abstract)
+        self.state = jax.tree.map(
+            lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                                        sharding=sharding),
+            state, self.placement.state_shardings(state))
+        self.builder = BatchBuilder(
+            KVCacheManager(BlockPool(2), self.block_size),
+            max_num_batched_tokens=sc.max_num_batched_tokens, max_num_seqs=sc.max_num_seqs,
+            max_model_len=self.max_model_len)
+        self.num_steps = sc.num_scheduler_steps
+        self.swap_blocks = int(cc.swap_space * 2**30) // self.bytes_per_block(per_device=False)
+
+    # -- sizes ------------------------------------------------------------------------
+
+    @property
+    def tp_size(self) -> int:
+        return self.placement.tp_size
+
+    def weight_bytes_per_device(self) -> int:
+        """Bytes of parameters each device holds (its shards)."""
+        total = 0
+        for leaf in jax.tree.leaves(self.state):
+            shard = leaf.sharding.shard_shape(leaf.shape)
+            total += int(np.prod(shard)) * np.dtype(leaf.dtype).itemsize
+        return total
+
+    def kv_bytes_per_token(self) -> int:
+        """K and V bytes of one token, all layers, per device."""
+        return self.bytes_per_block() // self.block_size
+
+    def bytes_per_block(self, per_device: bool = True) -> int:
+        return bytes_per_block(self.arch, self.block_size, self.dtype,
+                               self.tp_size if per_device else 1)
+
+    # -- abstract arguments -----------------------------------------------------------
+
+    def _replicated(self, shape, dtype) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=self.placement.replicated)
+
+    def kv_cache(self, num_blocks: int | None = None) -> tuple:
+        blocks = (self.num_kv_blocks if num_blocks is None else num_blocks) + 1
+        a = self.arch
+        shape = (a.num_layers, blocks, self.block_size, a.num_kv_heads, a.head_dim)
+        spec = jax.ShapeDtypeStruct(shape, self.dtype, sharding=self.placement.kv_sharding)
+        return spec, spec
+
+    def caches(self, num_blocks: int | None = None) -> tuple:
+        penalty = self._replicated((self.max_num_seqs, self.arch.vocab_size), jnp.int32)
+        return self.kv_cache(num_blocks), penalty
+
+    def batch(self, shape: tuple[int, int, int]) -> dict:
+        arrays = self.builder.empty(*shape).as_dict()
+        return {k: self._replicated(v.shape, v.dtype) for k, v in arrays.items()}
+
+    # -- programs ---------------------------------------------------------------------
+
+    @functools.cached_property
+    def _jit_with_caches(self) -> Callable:
+        placement = self.placement
+        return functools.partial(placement.jit, carry_sharding=(placement.kv_sharding,
+                                                                placement.replicated))
+
+    def step_program(self, shape, num_blocks: int | None = None) -> Program:
+        run = make_step(self.graphdef, jit=self._jit_with_caches)
+        return Program("step", tuple(shape), run.jitted,
+                       (self.state, self.caches(num_blocks), self.batch(shape)))
+
+    def decode_program(self, shape, num_blocks: int | None = None) -> Program:
+        run = make_decode_loop(self.graphdef, self.num_steps, self.block_size,
+                               jit=self._jit_with_caches)
+        rows = self.max_num_seqs
+        args = (self.state, self.caches(num_blocks), self.batch(shape),
+                self._replicated((rows,), jnp.int32), self._replicated((rows,), jnp.bool_),
+                self._replicated((shape[1],), jnp.int32))
+        return Program(f"decode{self.num_steps}", tuple(shape), run.jitted, args)
+
+    def programs(self, buckets: str = "all") -> Iterator[Program]:
+        """Every program the engine can run (``buckets="largest"``: the largest of each
+        kind only, which bounds memory but proves less)."""
+        steps = self.builder.step_shapes()
+        decodes = self.builder.decode_shapes() if self.num_steps > 1 else []
+        if buckets == "largest":  # the largest step, the largest all-decode step (the
+            # roofline's), and the largest decode loop
+            steps = sorted({steps[-1], self.builder.decode_shapes()[-1]})
+            decodes = decodes[-1:]
+        for shape in steps:
+            yield self.step_program(shape)
+        for shape in decodes:
+            yield self.decode_program(shape)
+        kv = self.kv_cache()
+        index = lambda n: self._replicated((n,), jnp.int32)  # noqa: E731
+        copies = _powers_of_two_upto(self.max_num_seqs)
+        swaps = _powers_of_two_upto(min(self.swap_blocks, self.num_kv_blocks))
+        if buckets == "largest":
+            copies, swaps = copies[-1:], swaps[-1:]
+        for n in copies:
+            yield Program("copy_blocks", (n,), block_ops.copy_blocks, (kv, index(n), index(n)))
+        if self.swap_blocks:
+            for n in swaps:
+                blocks = self._kv_blocks_spec(n)
+                yield Program("gather_blocks", (n,), block_ops.gather_blocks, (kv, index(n)))
+                yield Program("scatter_blocks", (n,), block_ops.scatter_blocks,
+                              (kv, index(n), blocks, blocks))
+        fill = make_penalty_fill(jit=functools.partial(
+            self.placement.jit, carry_sharding=self.placement.replicated))
+        width = PENALTY_FILL_WIDTH
+        yield Program("penalty_fill", (width,), fill.jitted, (
+            (), self.caches()[1], self._replicated((), jnp.int32), index(width), index(width),
+            self._replicated((), jnp.bool_)))
+
+    def _kv_blocks_spec(self, n: int) -> jax.ShapeDtypeStruct:
+        a = self.arch
+        shape = (a.num_layers, n, self.block_size, a.num_kv_heads, a.head_dim)
+        return jax.ShapeDtypeStruct(shape, self.dtype, sharding=self.placement.kv_sharding)
+
+    def compile(self, program: Program):
+        """Lower and compile ``program`` for the target; compiler errors propagate."""
+        with jax.default_device(self.device):
+            return program.jitted.lower(*program.args).compile()
+
+
+def _powers_of_two_upto(limit: int) -> list[int]:
+    sizes, size = [], 1
+    while limit >= 1:
+        sizes.append(size)
+        if size >= limit:
+            break
+        size *= 2
+    return sizes

@@ -1,0 +1,168 @@
+"""What ``plan`` found: per program, per device memory, KV capacity, a roofline; as text."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+GiB = 2**30
+
+
+@dataclasses.dataclass
+class ProgramResult:
+    """One program compiled for the target (or the compiler's error)."""
+
+    label: str                    # "step[64, 64, 128]"
+    compiled: bool
+    seconds: float = 0.0
+    device_bytes: int = 0         # arguments + outputs - aliases + temporaries, per device
+    temp_bytes: int = 0           # the compiler's temporaries, per device
+    bytes_accessed: float = 0.0   # the compiler's cost analysis, per device
+    flops: float = 0.0
+    error: str | None = None
+
+    def line(self) -> str:
+        if not self.compiled:
+            return f"{self.label}: FAILED ({self.error})"
+        return (f"{self.label}: compiled in {self.seconds:.1f} s, "
+                f"{self.device_bytes / GiB:.2f} GiB per device, "
+                f"temporaries {self.temp_bytes / 2**20:.1f} MiB")
+
+
+@dataclasses.dataclass
+class RooflineRow:
+    """Estimated decode speed at one batch bucket (not a measurement)."""
+
+    batch: int
+    context: int                  # tokens per sequence the floor counts
+    compiled_context: int         # the block bucket's context the compiler's count is for
+    compiler_bytes: float | None  # the compiler's bytes accessed per step (None: not given)
+    floor_bytes: float            # weight shards + every sequence's K/V at ``context``
+    flops: float                  # the compiler's FLOPs per step (0: not given)
+    tokens_per_s: float           # from the compiler's bytes (the floor's without them)
+    floor_tokens_per_s: float     # from the floor: the most any engine could reach
+    bound: str                    # "memory" or "compute"
+
+
+@dataclasses.dataclass
+class PlanReport:
+    model: str
+    target: str
+    chip: str
+    num_devices: int
+    tensor_parallel_size: int
+    dtype: str
+    hbm_bytes: int                # per device: the compiler's budget (TPU) / memory (GPU)
+    memory_utilization: float
+    weight_bytes: int             # per device
+    penalty_bytes: int            # per device (replicated penalty table)
+    peak_temp_bytes: int          # largest temporary of the largest step, per device (the
+    # part that does not grow with the cache)
+    temp_bytes_per_block: float   # temporaries the step adds per KV block (> 0: it copies
+    # the cache; see planner step 2)
+    bytes_per_block: int          # one KV block, all layers, per device
+    block_size: int
+    num_kv_blocks: int            # planned (usable; the cache holds one more null block)
+    max_model_len: int
+    max_num_seqs: int
+    # set by the planner's sizing (planner._size):
+    fitting_kv_blocks: int = 0    # how many fit at memory_utilization (may be <= 0)
+    kv_free_bytes_at_full_memory: int = 0  # what is left for KV at memory_utilization = 1.0
+    fits: bool = False
+    shortfall_bytes: int = 0      # > 0: how much more memory the configuration needs
+    num_ladder_programs: int = 0  # programs in the full ladders (what warm-up compiles)
+    probe_errors: list[str] = dataclasses.field(default_factory=list)
+    programs: list[ProgramResult] = dataclasses.field(default_factory=list)
+    roofline: list[RooflineRow] = dataclasses.field(default_factory=list)
+    roofline_inputs: list[tuple[tuple, dict[str, Any]]] = dataclasses.field(
+        default_factory=list, repr=False)
+
+    @property
+    def kv_tokens(self) -> int:
+        return max(self.num_kv_blocks, 0) * self.block_size
+
+    @property
+    def all_compiled(self) -> bool:
+        return bool(self.programs) and all(p.compiled for p in self.programs)
+
+    @property
+    def ok(self) -> bool:
+        return self.fits and self.all_compiled and not self.probe_errors
+
+    def max_seqs_at(self, max_model_len: int) -> int:
+        """Sequences of ``max_model_len`` tokens that the planned KV cache holds at once."""
+        return self.kv_tokens // max_model_len
+
+    def text(self) -> str:
+        g = lambda n: f"{n / GiB:.2f} GiB"  # noqa: E731
+        lines = [
+            f"jaxpage plan: {self.model} on {self.target} ({self.num_devices} x {self.chip}), "
+            f"tensor_parallel_size={self.tensor_parallel_size}, {self.dtype}",
+            "Compiled for the target without its hardware; memory figures are the "
+            "compiler's, speeds below are estimates.",
+            "",
+            "Per device:",
+            f"  memory                {g(self.hbm_bytes)} (x memory_utilization "
+            f"{self.memory_utilization} = {g(self.memory_utilization * self.hbm_bytes)})",
+            f"  weights               {g(self.weight_bytes)}",
+            f"  penalty table         {g(self.penalty_bytes)}",
+            f"  largest temporary     {g(self.peak_temp_bytes)}"
+            + (f" + {self.temp_bytes_per_block / self.bytes_per_block:.2f} x the KV cache"
+               if self.temp_bytes_per_block else ""),
+            f"  KV block              {self.bytes_per_block / 2**20:.3f} MiB "
+            f"({self.block_size} tokens, all layers)",
+            f"  left for KV at 1.0    {g(max(self.kv_free_bytes_at_full_memory, 0))}"
+            + ("" if self.kv_free_bytes_at_full_memory > 0 else
+               f" (short by {g(-self.kv_free_bytes_at_full_memory)})"),
+            "",
+        ]
+        if self.fits:
+            lines += [
+                f"KV cache: {self.num_kv_blocks} blocks = {self.kv_tokens} tokens "
+                f"(room for {self.fitting_kv_blocks} at memory_utilization "
+                f"{self.memory_utilization})",
+                f"  max_model_len {self.max_model_len}: up to {self.max_seqs_at(self.max_model_len)}"
+                f" full-length sequences at once (max_num_seqs={self.max_num_seqs})",
+                f"  largest max_model_len x max_num_seqs that fits: {self.kv_tokens} tokens, "
+                f"e.g. max_num_seqs={self.max_num_seqs} at max_model_len "
+                f"{self.kv_tokens // max(self.max_num_seqs, 1)}",
+            ]
+        else:
+            lines += [
+                f"DOES NOT FIT: {self.num_kv_blocks} KV blocks asked for, room for "
+                f"{max(self.fitting_kv_blocks, 0)} at memory_utilization "
+                f"{self.memory_utilization}; short by {g(self.shortfall_bytes)} per device.",
+            ]
+        if self.temp_bytes_per_block:
+            lines.append(
+                f"WARNING: the compiled step's temporaries grow with the KV cache "
+                f"({self.temp_bytes_per_block / self.bytes_per_block:.2f} bytes per byte of "
+                f"cache): XLA copies the cache in each step instead of updating it in place. "
+                f"The sizing above counts the copies; they also cost bandwidth every step.")
+        for error in self.probe_errors:
+            lines.append(f"  probe failed: {error}")
+        refused = [p for p in self.programs if not p.compiled]
+        if refused:
+            lines.append(f"The compiler refused {len(refused)} program(s); see below.")
+        if self.programs:
+            done = sum(p.compiled for p in self.programs)
+            lines += ["", f"Programs: {done} of {len(self.programs)} compiled"
+                      + ("" if len(self.programs) == self.num_ladder_programs else
+                         f" (the largest bucket of each; the ladders hold "
+                         f"{self.num_ladder_programs}, which warm-up compiles and "
+                         f"--buckets all checks)")]
+            lines += [f"  {p.line()}" for p in self.programs]
+        if self.roofline:
+            lines += ["", "Roofline ESTIMATE of decode tokens/s (not measured; published "
+                      "bandwidth and peak): compiler = the compiled step's bytes accessed "
+                      "(every sequence at the compiled bucket's full context); floor = "
+                      "weight shards + every sequence's K/V at the context",
+                      "  batch  context  compiler GiB/step  floor GiB/step  "
+                      "tokens/s (compiler)  tokens/s (floor)  bound"]
+            for r in self.roofline:
+                compiler = ("    n/a" if r.compiler_bytes is None
+                            else f"{r.compiler_bytes / GiB:7.2f}")
+                lines.append(f"  {r.batch:5d}  {r.context:7d}  {compiler:>17}  "
+                             f"{r.floor_bytes / GiB:14.2f}  {r.tokens_per_s:19.0f}  "
+                             f"{r.floor_tokens_per_s:16.0f}  {r.bound}")
+        return "\n".join(lines)

@@ -1,0 +1,77 @@
+"""The engine's own programs compiled for real targets without the hardware (``plan``).
+
+``jaxpage.plan`` builds every program the model runner runs (steps per bucket, the
+multi-step decode loop, block copies and swaps, the penalty fill) with abstract
+parameters and KV cache sharded over the target's devices, and compiles them with
+libtpu / the CUDA plugin. A model step takes 20-80 s to compile on a 2-core CI machine
+(XLA's own compile of the unrolled layers; the Pallas kernels are ~2 s of it), so the
+ladders here are the smallest that still have every kind of bucket, Llama-3-8B compiles
+the largest bucket of each program with a given cache size (no memory probe), and its
+token budget equals its sequence count so that the largest step is also the all-decode
+step the roofline reads.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxpage import plan
+
+GiB = 2**30
+SMALL_LADDERS = dict(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=128,
+                     num_scheduler_steps=4, swap_space=0.0005)
+
+
+def _assert_compiled_and_fits(report):
+    failed = [p.line() for p in report.programs if not p.compiled]
+    assert not failed and not report.probe_errors, (failed, report.probe_errors)
+    assert report.fits and report.num_kv_blocks >= 1
+    assert report.roofline, "an all-decode step is compiled, so the roofline has a row"
+    names = {p.label.split("[")[0] for p in report.programs}
+    assert {"step", "decode4", "copy_blocks", "penalty_fill"} <= names
+    # every program's arguments + temporaries fit the device, as the compiler sized them
+    assert max(p.device_bytes for p in report.programs) <= report.hbm_bytes
+
+
+def test_smollm2_on_one_v5e_chip_sized_by_the_compiler():
+    """The path a user takes: probe the largest step, size the cache, compile the rest."""
+    report = plan(None, "v5e:1x1", **SMALL_LADDERS)
+    _assert_compiled_and_fits(report)
+    assert [p.label for p in report.programs] == [
+        "step[2, 2, 8]", "step[16, 2, 8]", "decode4[2, 2, 8]", "copy_blocks[2]",
+        "gather_blocks[1]", "scatter_blocks[1]", "penalty_fill[512]"]
+    assert report.num_ladder_programs == 11
+    assert 0 < report.peak_temp_bytes < report.weight_bytes
+    assert report.num_kv_blocks == 2 * 8            # capped at what 2 full sequences use
+    assert report.fitting_kv_blocks > 10_000        # a 135M model leaves most of 16 GiB
+    assert report.roofline[0].batch == 2 and report.roofline[0].compiler_bytes > 0
+
+
+@pytest.mark.slow
+def test_smollm2_every_bucket_on_one_v5e_chip():
+    report = plan(None, "v5e:1x1", buckets="all", **SMALL_LADDERS)
+    _assert_compiled_and_fits(report)
+    # 2 sequences, 16 tokens, 128 context (8 blocks, one rung): steps (T, S) = (1, 1),
+    # (2, 2), (16, 1), (16, 2); decode loops (1, 1), (2, 2); copies 1, 2; swaps of 1 block
+    # (0.5 MiB of swap space holds one); the penalty fill
+    labels = [p.label for p in report.programs]
+    assert labels == ["step[1, 1, 8]", "step[2, 2, 8]", "step[16, 1, 8]", "step[16, 2, 8]",
+                      "decode4[1, 1, 8]", "decode4[2, 2, 8]", "copy_blocks[1]",
+                      "copy_blocks[2]", "gather_blocks[1]", "scatter_blocks[1]",
+                      "penalty_fill[512]"]
+    assert report.num_ladder_programs == len(labels)
+    assert report.weight_bytes < 0.5 * GiB          # 135M parameters in bfloat16
+    assert report.num_kv_blocks == 2 * 8            # capped at what 2 full sequences use
+
+
+@pytest.mark.parametrize("target,tp", [("v5e:2x4", 8), ("v6e:1x1", 1), ("h100", 1)])
+def test_llama3_8b_largest_buckets(target, tp):
+    options = dict(SMALL_LADDERS, max_num_batched_tokens=SMALL_LADDERS["max_num_seqs"])
+    report = plan("preset:llama3-8b", target, buckets="largest", tensor_parallel_size=tp,
+                  num_kv_blocks=1024, **options)
+    _assert_compiled_and_fits(report)
+    assert report.tensor_parallel_size == tp
+    assert [p.label for p in report.programs] == [
+        "step[2, 2, 8]", "decode4[2, 2, 8]", "copy_blocks[2]", "penalty_fill[512]"]
+    # 8.03 B parameters in bfloat16, split over tp devices (the vocab tables included)
+    assert abs(report.weight_bytes * tp / GiB - 14.96) < 0.1
