@@ -59,3 +59,18 @@ def resolve(backend: str, *, interpret: bool = False, platform: str | None = Non
             f"interpret=True to run the kernel in Pallas interpret mode, or use "
             f"backend='reference' or 'auto'")
     return backend
+
+
+def layer_view(k_cache, v_cache, layer: int | None):
+    """The shape of one layer's pages, for the shape checks: ``k_cache`` itself without
+    ``layer``; with it, the caches must be every layer's ``[L, N, B, Hkv, D]`` and the
+    result is a ``[N, B, Hkv, D]`` shape struct. Raises ``ValueError`` otherwise."""
+    if layer is None:
+        return k_cache
+    if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"with layer={layer}, k_cache and v_cache must both be [num_layers, "
+                         f"num_blocks, block_size, num_kv_heads, head_dim], got "
+                         f"{k_cache.shape} and {v_cache.shape}")
+    if not 0 <= layer < k_cache.shape[0]:
+        raise ValueError(f"layer={layer} is out of range for {k_cache.shape[0]} layers")
+    return jax.ShapeDtypeStruct(k_cache.shape[1:], k_cache.dtype)

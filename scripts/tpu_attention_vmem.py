@@ -1,10 +1,13 @@
 """VMEM the TPU attention kernel needs, as Mosaic allocates it, per shape and chip.
 
 Compiles ``ragged_paged_attention_tpu`` for TPU targets without a TPU (libtpu) with a
-deliberately tiny scoped-VMEM limit: Mosaic then refuses, naming the size of the scoped
-allocation it needed ("Scoped allocation with size 4.12M"), which is the compiler's own
-figure. Printed beside the kernel's own estimate (``tpu.vmem_bytes``, what
-``choose_blocks`` sizes the tiling by), so the estimate can be checked against Mosaic.
+deliberately tiny scoped-VMEM limit: the compiler then refuses, naming the size of the
+scoped allocation it wanted ("Scoped allocation with size 4.12M"). That figure is an
+upper bound on the kernel's need: besides the kernel's buffers it counts operands that
+XLA:TPU places in VMEM when there is room (at the default 16 MiB limit it places fewer;
+MHA float32 prefill on v5e asked for 17.5 MiB here and still compiled at the default
+limit). Printed beside the kernel's own estimate (``tpu.vmem_bytes``, what
+``choose_blocks`` sizes the tiling by).
 
     python scripts/tpu_attention_vmem.py                   # the default shape matrix
     python scripts/tpu_attention_vmem.py --targets v5e:1x1 --markdown

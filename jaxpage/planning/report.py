@@ -106,7 +106,9 @@ class PlanReport:
             f"{self.memory_utilization} = {g(self.memory_utilization * self.hbm_bytes)})",
             f"  weights               {g(self.weight_bytes)}",
             f"  penalty table         {g(self.penalty_bytes)}",
-            f"  largest temporary     {g(self.peak_temp_bytes)}"
+            f"  largest temporary     "
+            + (g(self.peak_temp_bytes) if self.peak_temp_bytes or self.programs
+               else "not probed (nothing fits)")
             + (f" + {self.temp_bytes_per_block / self.bytes_per_block:.2f} x the KV cache"
                if self.temp_bytes_per_block else ""),
             f"  KV block              {self.bytes_per_block / 2**20:.3f} MiB "
@@ -127,6 +129,18 @@ class PlanReport:
                 f"e.g. max_num_seqs={self.max_num_seqs} at max_model_len "
                 f"{self.kv_tokens // max(self.max_num_seqs, 1)}",
             ]
+        elif self.num_kv_blocks < 1:
+            budget = self.memory_utilization * self.hbm_bytes
+            lines += [
+                f"DOES NOT FIT: the weights and the penalty table alone take "
+                f"{g(self.weight_bytes + self.penalty_bytes)} of the {g(budget)} that "
+                f"memory_utilization {self.memory_utilization} allows; with one KV block "
+                f"it is short by {g(self.shortfall_bytes)} per device.",
+                f"  At memory_utilization 1.0, {g(max(self.kv_free_bytes_at_full_memory, 0))} "
+                f"would be left for the KV cache and the temporaries (at most "
+                f"{max(self.kv_free_bytes_at_full_memory, 0) // self.bytes_per_block} blocks); "
+                f"more devices (--tensor-parallel-size) or a larger chip leave room.",
+            ]
         else:
             lines += [
                 f"DOES NOT FIT: {self.num_kv_blocks} KV blocks asked for, room for "
@@ -145,6 +159,10 @@ class PlanReport:
         if refused:
             lines.append(f"The compiler refused {len(refused)} program(s); see below.")
         if self.programs:
+            largest = max(self.programs, key=lambda p: p.device_bytes)
+            lines.append(f"Largest compiled program: {largest.label}, "
+                         f"{g(largest.device_bytes)} per device (arguments, outputs and "
+                         f"temporaries; the chip has {g(self.hbm_bytes)})")
             done = sum(p.compiled for p in self.programs)
             lines += ["", f"Programs: {done} of {len(self.programs)} compiled"
                       + ("" if len(self.programs) == self.num_ladder_programs else
@@ -156,13 +174,18 @@ class PlanReport:
             lines += ["", "Roofline ESTIMATE of decode tokens/s (not measured; published "
                       "bandwidth and peak): compiler = the compiled step's bytes accessed "
                       "(every sequence at the compiled bucket's full context); floor = "
-                      "weight shards + every sequence's K/V at the context",
+                      "weight shards + every sequence's K/V at the context. The compiler's "
+                      "count includes each layer's KV scatter as a pass over the whole "
+                      "cache (in-place updates are not modeled) and any cache copies, so "
+                      "it overstates; the floor is the bound to compare a measurement with",
                       "  batch  context  compiler GiB/step  floor GiB/step  "
                       "tokens/s (compiler)  tokens/s (floor)  bound"]
             for r in self.roofline:
                 compiler = ("    n/a" if r.compiler_bytes is None
                             else f"{r.compiler_bytes / GiB:7.2f}")
+                over = (" (more tokens than the KV cache holds: lower --context)"
+                        if r.batch * r.context > self.kv_tokens else "")
                 lines.append(f"  {r.batch:5d}  {r.context:7d}  {compiler:>17}  "
                              f"{r.floor_bytes / GiB:14.2f}  {r.tokens_per_s:19.0f}  "
-                             f"{r.floor_tokens_per_s:16.0f}  {r.bound}")
+                             f"{r.floor_tokens_per_s:16.0f}  {r.bound}{over}")
         return "\n".join(lines)

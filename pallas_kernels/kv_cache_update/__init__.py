@@ -42,17 +42,8 @@ def kv_cache_update(k_cache, v_cache, k_new, v_new, slot_mapping, *, backend: st
     With ``layer`` the caches are every layer's, ``[L, N, B, Hkv, D]``, and the slots
     are layer ``layer``'s; the cache is updated where it is, never reshaped.
     """
-    if layer is not None:
-        if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
-            raise ValueError(f"with layer={layer}, k_cache and v_cache must both be [num_layers, "
-                             f"num_blocks, block_size, num_kv_heads, head_dim], got "
-                             f"{k_cache.shape} and {v_cache.shape}")
-        if not 0 <= layer < k_cache.shape[0]:
-            raise ValueError(f"layer={layer} is out of range for {k_cache.shape[0]} layers")
-        view = jax.ShapeDtypeStruct(k_cache.shape[1:], k_cache.dtype)
-        check_shapes(view, view, k_new, v_new, slot_mapping)
-    else:
-        check_shapes(k_cache, v_cache, k_new, v_new, slot_mapping)
+    view = _backend.layer_view(k_cache, v_cache, layer)
+    check_shapes(view, view, k_new, v_new, slot_mapping)
     resolved = resolve_backend(backend, interpret=interpret)
     args = (k_cache, v_cache, k_new, v_new, slot_mapping)
     if resolved in ("reference", "cpu") or slot_mapping.shape[0] == 0:  # no C++ version: XLA's

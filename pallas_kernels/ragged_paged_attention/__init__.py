@@ -91,14 +91,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     would be a copy of it). The C++ CPU kernel takes 4-D caches only; its fused
     per-layer call is ``write_and_attend``.
     """
-    if layer is not None:
-        if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
-            raise ValueError(f"with layer={layer}, k_cache and v_cache must both be [num_layers, "
-                             f"num_blocks, block_size, num_kv_heads, head_dim], got "
-                             f"{k_cache.shape} and {v_cache.shape}")
-        if not 0 <= layer < k_cache.shape[0]:
-            raise ValueError(f"layer={layer} is out of range for {k_cache.shape[0]} layers")
-    page_view = k_cache if layer is None else jax.ShapeDtypeStruct(k_cache.shape[1:], k_cache.dtype)
+    page_view = _backend.layer_view(k_cache, v_cache, layer)
     check_shapes(q, page_view, page_view, kv_lens, block_tables, cu_q_lens, num_seqs,
                  sliding_window=sliding_window, soft_cap=soft_cap)
     head_dim = k_cache.shape[-1]

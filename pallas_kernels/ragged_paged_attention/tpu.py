@@ -178,8 +178,11 @@ def choose_blocks(*, num_tokens: int, max_num_seqs: int, group: int, block_size:
     """Static tiling: (block_q, group_padded, pages_per_block).
 
     Defaults: 8 query rows per kv head for decode-shaped batches, 128 for prefill-shaped
-    ones, and 256 KV tokens per step; then, unless given, the KV step and then the query
-    tile are halved until ``vmem_bytes`` fits ``VMEM_BUDGET`` (many kv heads, float32).
+    ones, and 256 KV tokens per step; then, unless given, they are halved until
+    ``vmem_bytes`` fits ``VMEM_BUDGET`` (many kv heads, float32): the KV step down to 128
+    tokens, the query tile down to 8 rows, the KV step down to one page, and only then
+    the query tile below 8 rows (fewer rows than one sublane tile waste the vector unit
+    and the MXU).
     """
     group_padded = tiling.next_pow2(group)
     fixed_q, fixed_kv = block_q is not None, block_kv is not None
@@ -195,12 +198,15 @@ def choose_blocks(*, num_tokens: int, max_num_seqs: int, group: int, block_size:
                           itemsize=itemsize) <= VMEM_BUDGET
 
     while not fits():
+        rows = block_q * group_padded
         if not fixed_kv and pages_per_block > 1 and pages_per_block * block_size > 128:
             pages_per_block //= 2
-        elif not fixed_q and block_q > 1:
+        elif not fixed_q and block_q > 1 and rows > 8:
             block_q //= 2
         elif not fixed_kv and pages_per_block > 1:
             pages_per_block //= 2
+        elif not fixed_q and block_q > 1:
+            block_q //= 2  # under 8 rows: less than one sublane tile
         else:
             break  # the smallest tiling; the compiler has the last word
     return block_q, group_padded, pages_per_block

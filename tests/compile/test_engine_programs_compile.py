@@ -75,3 +75,36 @@ def test_llama3_8b_largest_buckets(target, tp):
         "step[2, 2, 8]", "decode4[2, 2, 8]", "copy_blocks[2]", "penalty_fill[512]"]
     # 8.03 B parameters in bfloat16, split over tp devices (the vocab tables included)
     assert abs(report.weight_bytes * tp / GiB - 14.96) < 0.1
+
+
+def test_llama3_8b_does_not_fit_one_v5e_chip(capsys):
+    """15 GiB of bfloat16 weights in a chip whose compiler budget is 15.75 GiB: at the
+    default memory_utilization 0.9 nothing is left, and plan says so (no compile needed),
+    through the Python API and through the CLI's exit status."""
+    report = plan("preset:llama3-8b", "v5e:1x1")
+    assert not report.fits and not report.ok and report.num_kv_blocks == 0
+    assert not report.programs
+    # weights + penalty table + one block + the null block, past 0.9 x 15.75 GiB
+    budget = 0.9 * 15.75 * GiB
+    expected = report.weight_bytes + report.penalty_bytes + 2 * report.bytes_per_block - budget
+    assert abs(report.shortfall_bytes - expected) < 2**20
+    assert 0.7 * GiB < report.kv_free_bytes_at_full_memory < 0.8 * GiB
+    assert "DOES NOT FIT" in report.text()
+
+    from jaxpage.cli import main
+
+    assert main(["plan", "--model", "preset:llama3-8b", "--target", "v5e:1x1"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_plan_rejects_unknown_targets_and_options():
+    with pytest.raises(ValueError, match="target='v9z:2x2'"):
+        plan(None, "v9z:2x2")
+    with pytest.raises(ValueError, match="target='h100x9'"):
+        plan(None, "h100x9")
+    with pytest.raises(ValueError, match="tensor_parallel_size=8 needs 8 devices"):
+        plan("preset:llama3-8b", "v5e:1x1", tensor_parallel_size=8)
+    with pytest.raises(ValueError, match="unknown engine option"):
+        plan(None, "v5e:1x1", max_num_sequences=4)
+    with pytest.raises(ValueError, match="buckets='some'"):
+        plan(None, "v5e:1x1", buckets="some")
