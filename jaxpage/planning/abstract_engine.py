@@ -29,6 +29,7 @@ from jaxpage.core.batch import BatchBuilder
 from jaxpage.core.block_pool import BlockPool
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.models.arch_config import ArchConfig
+from jaxpage.models.loader import DTYPES
 from jaxpage.models.presets import PREFIX as PRESET_PREFIX
 from jaxpage.models.presets import preset_config
 from jaxpage.models.registry import resolve_architecture
@@ -37,10 +38,9 @@ from jaxpage.parallel.sharding_rules import TP, replicated_arch
 from jaxpage.runtime import block_ops
 from jaxpage.runtime.decode_loop import make_decode_loop
 from jaxpage.runtime.kv_cache import bytes_per_block
-from jaxpage.runtime.model_runner import PENALTY_FILL_WIDTH
+from jaxpage.runtime.model_runner import PENALTY_FILL_WIDTH, _powers_of_two_upto
 from jaxpage.runtime.step import make_penalty_fill, make_step
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 def model_config(model: str | None) -> dict[str, Any]:
@@ -214,12 +214,3 @@ class AbstractEngine:
         with jax.default_device(self.device):
             return program.jitted.lower(*program.args).compile()
 
-
-def _powers_of_two_upto(limit: int) -> list[int]:
-    sizes, size = [], 1
-    while limit >= 1:
-        sizes.append(size)
-        if size >= limit:
-            break
-        size *= 2
-    return sizes
