@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jaxpage.core.batch import MAX_TOP_LOGPROBS
+from jaxpage.sampling_params import MAX_LOGPROBS
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class BeamSearchParams:
     length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        limit = MAX_TOP_LOGPROBS // 2
+        limit = MAX_LOGPROBS // 2
         if not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= limit:
             raise ValueError(f"BeamSearchParams.beam_width={self.beam_width!r} must be an "
                              f"integer in [1, {limit}]")

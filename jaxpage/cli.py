@@ -11,6 +11,7 @@ embedded default (SmolLM2-135M-Instruct) is used. ``jaxpage serve --help`` and
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 
@@ -21,6 +22,16 @@ def _bool(text: str) -> bool:
     if lowered in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"{text!r} is not a boolean (true/false)")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return value
 
 
 ENGINE_FLAGS = {
@@ -39,6 +50,8 @@ ENGINE_FLAGS = {
     "preemption_mode": (str, "recompute, swap or auto"),
     "long_prefill_token_threshold": (int, "most prompt tokens one request takes a step (0: off)"),
     "num_scheduler_steps": (int, "decode iterations per device call when all decode"),
+    "bucket_growth": (int, "factor between bucket rungs (2: powers of two; larger: fewer programs)"),
+    "hf_overrides": (_json_object, "JSON object of Hugging Face config keys to replace"),
     "max_waiting_requests": (int, "server: answer 503 when this many requests wait (default: no cap)"),
     "seed": (int, "engine seed for requests without their own"),
     "attention_backend": (str, "auto, reference, cpu (C++ kernel), gpu or tpu"),

@@ -33,8 +33,15 @@ class ModelConfig:
     attention_backend: str = "auto"
     compilation_cache: bool = True  # save compiled programs under the jaxpage cache dir
     warmup: bool | None = None  # compile every bucket at start-up; None: on accelerators only
+    # Keys replaced in the model's Hugging Face config before it is built (vLLM's name), e.g.
+    # {"num_hidden_layers": 2} for a shallow copy of a model; not for orbax checkpoints.
+    hf_overrides: dict | None = None
 
     def __post_init__(self) -> None:
+        _require(self.hf_overrides is None or (isinstance(self.hf_overrides, dict)
+                                               and all(isinstance(k, str)
+                                                       for k in self.hf_overrides)),
+                 f"hf_overrides={self.hf_overrides!r} must be None or a dict with string keys")
         _require(self.dtype in SUPPORTED_DTYPES,
                  f"dtype={self.dtype!r} is not supported; choose one of {SUPPORTED_DTYPES}")
         _require(self.max_model_len is None
@@ -92,6 +99,10 @@ class SchedulerConfig:
     num_scheduler_steps: int = 8  # decode iterations run on device per call when all decode
     async_scheduling: bool = True  # queue the next multi-step call before processing the last
     max_waiting_requests: int | None = None  # server: more waiting than this is a 503; None: no cap
+    # Factor between neighbouring rungs of the bucket ladders (tokens, sequences, blocks per
+    # sequence): 2 pads a batch by less than 2x; a larger factor compiles fewer programs
+    # (each ladder keeps its smallest and largest rung) at the cost of more padding.
+    bucket_growth: int = 2
 
     def __post_init__(self) -> None:
         _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
@@ -118,6 +129,9 @@ class SchedulerConfig:
                      and self.max_waiting_requests >= 1),
                  f"max_waiting_requests={self.max_waiting_requests!r} must be None or an "
                  "integer >= 1")
+        _require(isinstance(self.bucket_growth, int) and not isinstance(self.bucket_growth, bool)
+                 and self.bucket_growth >= 2,
+                 f"bucket_growth={self.bucket_growth!r} must be an integer >= 2")
         _require(isinstance(self.long_prefill_token_threshold, int)
                  and self.long_prefill_token_threshold >= 0,
                  f"long_prefill_token_threshold={self.long_prefill_token_threshold!r} must be "

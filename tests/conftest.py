@@ -20,7 +20,7 @@ def pytest_configure(config):
     cache = os.environ.get("JAXPAGE_TEST_XLA_CACHE",
                            os.path.join(os.path.expanduser("~"), ".cache", "jaxpage", "xla-tests"))
     jax.config.update("jax_compilation_cache_dir", cache)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 @pytest.fixture(scope="session")

@@ -35,6 +35,8 @@ def test_flat_keywords_are_routed_to_their_section():
     (dict(max_model_len=1), "max_model_len=1"),
     (dict(attention_backend="cuda"), "attention_backend='cuda'"),
     (dict(bogus=1), "unknown engine option"),
+    (dict(bucket_growth=1), "bucket_growth=1"),
+    (dict(hf_overrides="num_hidden_layers=2"), "hf_overrides='num_hidden_layers=2'"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size=0"),
     (dict(data_parallel_size=1.5), "data_parallel_size=1.5"),
     (dict(num_processes=2), "needs a coordinator_address"),

@@ -29,26 +29,36 @@ import numpy as np
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.penalty_slots import PenaltyFill, PenaltySlots
 from jaxpage.core.scheduler import SchedulerOutput
+from jaxpage.sampling_params import MAX_LOGPROBS
 
 # Width of the per-sequence list of stop token ids the device knows (EOS and stop_token_ids):
 # masked until min_tokens are out, and checked on device by the multi-step decode loop.
 MAX_STOP_TOKENS = 16
-# Top log-probabilities the step returns per sequence when any sequence asks for them.
-MAX_TOP_LOGPROBS = 20
+# Top log-probabilities the step returns per sequence when any sequence asks for them: as
+# many as a request may ask for.
+MAX_TOP_LOGPROBS = MAX_LOGPROBS
 
 
 class BucketLadder:
-    """Powers of two from ``minimum`` up to ``maximum`` (always included as the top rung)."""
+    """Powers of ``growth`` from ``minimum`` up to ``maximum`` (always the top rung).
 
-    def __init__(self, minimum: int, maximum: int) -> None:
+    The first rung is ``minimum`` itself when it is not a power of ``growth``.
+    """
+
+    def __init__(self, minimum: int, maximum: int, growth: int = 2) -> None:
         if minimum < 1 or maximum < 1:
             raise ValueError(f"bucket bounds must be >= 1, got {minimum}..{maximum}")
+        if growth < 2:
+            raise ValueError(f"bucket growth must be >= 2, got {growth}")
         rungs = []
         size = 1
+        while size < minimum:
+            size *= growth
+        if size > minimum and minimum < maximum:
+            rungs.append(minimum)
         while size < maximum:
-            if size >= minimum:
-                rungs.append(size)
-            size *= 2
+            rungs.append(size)
+            size *= growth
         rungs.append(maximum)
         self.rungs = tuple(rungs)
 
@@ -100,13 +110,15 @@ class BatchBuilder:
     """Turns a SchedulerOutput into a padded BatchMetadata."""
 
     def __init__(self, kv_cache_manager: KVCacheManager, *, max_num_batched_tokens: int,
-                 max_num_seqs: int, max_model_len: int, num_penalty_slots: int | None = None) -> None:
+                 max_num_seqs: int, max_model_len: int, num_penalty_slots: int | None = None,
+                 bucket_growth: int = 2) -> None:
         self.kv = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
-        self.token_ladder = BucketLadder(min(16, max_num_batched_tokens), max_num_batched_tokens)
-        self.seq_ladder = BucketLadder(1, max_num_seqs)
+        self.token_ladder = BucketLadder(min(16, max_num_batched_tokens), max_num_batched_tokens,
+                                         bucket_growth)
+        self.seq_ladder = BucketLadder(1, max_num_seqs, bucket_growth)
         max_blocks = kv_cache_manager.num_blocks_for(max_model_len)
-        self.block_ladder = BucketLadder(min(8, max_blocks), max_blocks)
+        self.block_ladder = BucketLadder(min(8, max_blocks), max_blocks, bucket_growth)
         self.penalty_slots = PenaltySlots(num_penalty_slots or max_num_seqs)
 
     def decode_tokens(self, num_seqs: int) -> int:

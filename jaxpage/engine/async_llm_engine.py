@@ -23,7 +23,6 @@ import dataclasses
 import logging
 import queue
 import threading
-import time
 from typing import Any, AsyncIterator, Callable
 
 from jaxpage.engine.input_processor import PromptInput

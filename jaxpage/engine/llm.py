@@ -10,7 +10,7 @@ from jaxpage.beam_search import BeamSearchOutput, BeamSearchParams
 from jaxpage.config import EngineConfig
 from jaxpage.engine.llm_engine import PromptInput
 from jaxpage.outputs import RequestOutput
-from jaxpage.parallel.launch import build_engine
+from jaxpage.engine.replicas import build_engine
 from jaxpage.sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -52,9 +52,9 @@ class LLM:
         Restoring skips the conversion from safetensors / GGUF and loads every shard
         straight onto its device. Returns the absolute path.
         """
-        from jaxpage.parallel import checkpoint
+        from jaxpage.engine.save_checkpoint import save_checkpoint
 
-        return checkpoint.save(self.llm_engine, path)
+        return save_checkpoint(self.llm_engine, path)
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -1,1 +1,1 @@
-"""Model families, their registry, and weight loading (safetensors and GGUF)."""
+"""Model families, their registry, and weight loading (safetensors, GGUF, orbax)."""

@@ -7,11 +7,14 @@ that every tensor matches its Hugging Face counterpart exactly.
 
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
 from gguf import GGUFReader, GGMLQuantizationType
 from gguf.quants import dequantize
+
+from jaxpage.models.hf_layout import HFTensorSource
 
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM"}
@@ -40,8 +43,12 @@ def _hf_name(gguf_name: str) -> str | None:
     return None
 
 
-class GGUFSource:
+class GGUFSource(HFTensorSource):
     """Reads a GGUF file; ``get`` takes Hugging Face tensor names."""
+
+    @staticmethod
+    def accepts(path: str) -> bool:
+        return os.path.isfile(path) and path.endswith(".gguf")
 
     def __init__(self, path: str) -> None:
         self.path = path

@@ -31,7 +31,7 @@ from flax import nnx
 
 from jax.sharding import PartitionSpec as P
 
-from jaxpage.models.arch_config import ArchConfig
+from jaxpage.arch_config import ArchConfig
 from jaxpage.parallel.sharding_rules import TP
 from pallas_kernels.write_and_attend import write_and_attend
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from jaxpage.models.arch_config import ArchConfig, freeze_rope_scaling
+from jaxpage.arch_config import ArchConfig, freeze_rope_scaling
 from jaxpage.models.llama import CausalLM
 
 

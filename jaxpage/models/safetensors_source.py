@@ -9,9 +9,15 @@ import os
 import numpy as np
 from safetensors import safe_open
 
+from jaxpage.models.hf_layout import HFTensorSource
 
-class SafetensorsSource:
+
+class SafetensorsSource(HFTensorSource):
     """Reads tensors by their Hugging Face names from a checkpoint directory."""
+
+    @staticmethod
+    def accepts(path: str) -> bool:
+        return os.path.isdir(path)
 
     def __init__(self, directory: str) -> None:
         config_path = os.path.join(directory, "config.json")

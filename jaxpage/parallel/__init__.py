@@ -3,6 +3,7 @@
 ``sharding_rules`` (partition specs per parameter, GQA KV-head repetition),
 ``placement`` (meshes, loading into shards, sharded jit), ``distributed``
 (``jax.distributed`` start-up, the leader/follower mirror of device calls), ``router``
-(data-parallel front end), ``checkpoint`` (orbax save / restore of converted params).
-Kept import-light: the model code imports ``sharding_rules``.
+(data-parallel front end), ``targets`` (TPU slices and GPUs described in software).
+Below ``models`` and ``engine``: nothing here imports them (``engine.replicas`` builds one
+engine per replica; ``models.orbax_source`` saves and restores converted params).
 """

@@ -24,7 +24,7 @@ import dataclasses
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpage.models.arch_config import ArchConfig
+from jaxpage.arch_config import ArchConfig
 
 TP = "tp"  # the mesh axis of tensor parallelism
 

@@ -28,7 +28,7 @@ from jaxpage.config import EngineConfig
 from jaxpage.core.batch import BatchBuilder
 from jaxpage.core.block_pool import BlockPool
 from jaxpage.core.kv_cache_manager import KVCacheManager
-from jaxpage.models.arch_config import ArchConfig
+from jaxpage.arch_config import ArchConfig
 from jaxpage.models.loader import DTYPES
 from jaxpage.models.presets import PREFIX as PRESET_PREFIX
 from jaxpage.models.presets import preset_config
@@ -47,7 +47,8 @@ def model_config(model: str | None) -> dict[str, Any]:
     """The HF-style config of a preset, checkpoint directory or GGUF file (no weights read)."""
     if model is not None and model.startswith(PRESET_PREFIX):
         return preset_config(model)
-    from jaxpage.models.loader import default_model_path, open_source
+    from jaxpage.models.loader import default_model_path
+    from jaxpage.models.weight_sources import open_source
 
     return open_source(default_model_path() if model is None else model).hf_config
 
@@ -79,7 +80,7 @@ class AbstractEngine:
         self.device = devices[0]
         self.mesh = Mesh(np.array(devices[:tp]), (TP,))
         self.placement = Placement(self.mesh)
-        self.hf_config = model_config(mc.model)
+        self.hf_config = {**model_config(mc.model), **(mc.hf_overrides or {})}
         model_cls, arch = resolve_architecture(self.hf_config)
         self.arch: ArchConfig = replicated_arch(arch, tp)
         self.dtype = DTYPES["bfloat16" if mc.dtype == "auto" else mc.dtype]
@@ -102,7 +103,7 @@ class AbstractEngine:
         self.builder = BatchBuilder(
             KVCacheManager(BlockPool(2), self.block_size),
             max_num_batched_tokens=sc.max_num_batched_tokens, max_num_seqs=sc.max_num_seqs,
-            max_model_len=self.max_model_len)
+            max_model_len=self.max_model_len, bucket_growth=sc.bucket_growth)
         self.num_steps = sc.num_scheduler_steps
         self.swap_blocks = int(cc.swap_space * 2**30) // self.bytes_per_block(per_device=False)
 

@@ -106,7 +106,7 @@ class PlanReport:
             f"{self.memory_utilization} = {g(self.memory_utilization * self.hbm_bytes)})",
             f"  weights               {g(self.weight_bytes)}",
             f"  penalty table         {g(self.penalty_bytes)}",
-            f"  largest temporary     "
+            "  largest temporary     "
             + (g(self.peak_temp_bytes) if self.peak_temp_bytes or self.programs
                else "not probed (nothing fits)")
             + (f" + {self.temp_bytes_per_block / self.bytes_per_block:.2f} x the KV cache"

@@ -10,6 +10,12 @@ model, option or code gets a fresh directory; nothing stale is ever loaded. File
 written atomically; one that cannot be read is recompiled and replaced.
 
 Backends that cannot serialize an executable still work: the program stays in memory.
+
+In memory, programs are shared by every cache of the process with the same fingerprint
+and devices: a second engine of the same model, options and device (a notebook that
+rebuilds its ``LLM``, a test suite) runs the first one's programs without tracing or
+compiling. Sharing is as safe as the disk tier: the fingerprint names everything a
+program depends on besides its arguments. ``clear_shared_programs()`` drops them.
 """
 
 from __future__ import annotations
@@ -29,6 +35,14 @@ logger = logging.getLogger("jaxpage")
 _PACKAGES = ("jaxpage", "pallas_kernels")
 
 _persistent_cache_hits = [0]  # programs JAX's persistent compilation cache supplied
+
+# (fingerprint, device ids, name, bucket) -> compiled program, for every cache of the process
+_SHARED_PROGRAMS: dict[tuple, Callable] = {}
+
+
+def clear_shared_programs() -> None:
+    """Forget the programs shared in memory (each cache keeps the ones it already holds)."""
+    _SHARED_PROGRAMS.clear()
 
 
 def _count_cache_hits(event: str, **_: Any) -> None:
@@ -70,25 +84,36 @@ def fingerprint(*fixed_args: Any, extra: str = "") -> str:
 class ExecutableCache:
     """``get(name, bucket, jitted, args)`` returns a compiled program for those arguments.
 
-    Lookup order: memory, then ``directory/<fingerprint>/<name>-<bucket>.bin``, then
-    compiling (and saving). ``directory=None`` keeps programs in memory only.
+    Lookup order: this cache, the programs shared in memory by the process's other
+    caches of the same fingerprint and devices, then ``directory/<fingerprint>/<name>-
+    <bucket>.bin``, then compiling (and saving). ``directory=None`` keeps programs in
+    memory only.
     """
 
     def __init__(self, directory: str | os.PathLike | None, fingerprint: str,
                  devices: list | None = None) -> None:
         self.directory = Path(directory, fingerprint) if directory is not None else None
+        self._shared_key = (fingerprint, tuple(d.id for d in devices or ()))
         # The devices the programs run on; a loaded program would otherwise be placed on
         # every device of the backend.
         self.devices = devices
         self._programs: dict[tuple[str, tuple], Callable] = {}
         self.num_loaded = 0      # programs read from disk
         self.num_compiled = 0    # programs traced and compiled in this process
+        self.num_shared = 0      # programs another cache of the process had compiled
 
     def get(self, name: str, bucket: tuple, jitted: Any, args: tuple) -> Callable:
         key = (name, bucket)
         program = self._programs.get(key)
         if program is None:
-            program = self._programs[key] = self._load(key) or self._compile(key, jitted, args)
+            shared_key = (*self._shared_key, name, bucket)
+            program = _SHARED_PROGRAMS.get(shared_key)
+            if program is not None:
+                self.num_shared += 1
+            else:
+                program = self._load(key) or self._compile(key, jitted, args)
+                _SHARED_PROGRAMS[shared_key] = program
+            self._programs[key] = program
         return program
 
     def programs(self) -> dict[tuple[str, tuple], Callable]:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpage.models.arch_config import ArchConfig
+from jaxpage.arch_config import ArchConfig
 
 
 def bytes_per_block(arch: ArchConfig, block_size: int, dtype, num_shards: int = 1) -> int:

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 
 import anyio
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxpage.engine.async_llm_engine import AsyncLLMEngine

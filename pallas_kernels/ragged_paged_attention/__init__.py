@@ -40,10 +40,10 @@ def resolve_backend(backend: str, *, interpret: bool = False, dtype=None) -> str
     """
     resolved = _backend.resolve(backend, interpret=interpret)
     if resolved == "reference" and backend == "auto" and _backend.current_platform() == "cpu":
-        from pallas_kernels.ragged_paged_attention import cpu
+        import pallas_kernels.ragged_paged_attention.cpu as cpu
         return "cpu" if cpu.available(dtype or jnp.float32) else "reference"
     if resolved == "cpu":
-        from pallas_kernels.ragged_paged_attention import cpu
+        import pallas_kernels.ragged_paged_attention.cpu as cpu
         if not cpu.available(dtype or jnp.float32):
             raise ValueError(f"backend='cpu' needs float32 q, k_cache and v_cache (got "
                              f"{dtype}) and a C++ compiler to build the kernel (see the log; "
@@ -110,7 +110,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
         from pallas_kernels.ragged_paged_attention.cpu import ragged_paged_attention_cpu
         return ragged_paged_attention_cpu(*args, **kwargs)
     if resolved == "gpu":
-        from pallas_kernels.ragged_paged_attention import gpu
+        import pallas_kernels.ragged_paged_attention.gpu as gpu
         reason = gpu.unsupported_reason(head_dim=head_dim, block_size=k_cache.shape[-3])
         if reason and backend == "auto":
             return ragged_paged_attention_reference(*args, **kwargs)  # shapes Triton can't tile

@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.ragged_paged_attention import tiling
+import pallas_kernels.ragged_paged_attention.tiling as tiling
 
 # Programs the grid should have before the KV length is split (H100: 132 SMs; a few
 # programs per SM keep the memory system busy while others wait on loads).

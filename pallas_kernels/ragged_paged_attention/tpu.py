@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.ragged_paged_attention import tiling
+import pallas_kernels.ragged_paged_attention.tiling as tiling
 
 
 def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # SMEM int32 [NT] each (prefetched)
@@ -129,9 +129,6 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # SMEM int32 [NT] each (p
             return carry
 
         lax.fori_loop(0, num_kv_heads // heads_per_group, head_group, 0)
-        return carry
-
-        lax.fori_loop(0, num_kv_heads, head, 0)
         return carry
 
     lax.fori_loop(lo, hi, body, 0)

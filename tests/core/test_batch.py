@@ -13,6 +13,24 @@ def test_ladder_rungs_and_fit():
         ladder.fit(101)
 
 
+def test_ladder_growth_trades_programs_for_padding():
+    assert BucketLadder(16, 512, growth=4).rungs == (16, 64, 256, 512)
+    assert BucketLadder(8, 32, growth=4).rungs == (8, 16, 32)  # the minimum is kept
+    assert BucketLadder(1, 64, growth=4096).rungs == (1, 64)
+    assert BucketLadder(16, 16, growth=4).rungs == (16,)
+    with pytest.raises(ValueError, match="growth must be >= 2, got 1"):
+        BucketLadder(1, 8, growth=1)
+    s = make_scheduler(num_blocks=32, block_size=4)
+    few = BatchBuilder(s.kv, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64,
+                       bucket_growth=4096)
+    many = BatchBuilder(s.kv, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64)
+    # (T, S) of decodes: 1 sequence alone, else all 8 seats; mixed steps use 16 or 64 tokens
+    assert few.step_shapes() == [(1, 1, 8), (1, 1, 16), (8, 8, 8), (8, 8, 16), (16, 1, 8),
+                                 (16, 1, 16), (16, 8, 8), (16, 8, 16), (64, 1, 8),
+                                 (64, 1, 16), (64, 8, 8), (64, 8, 16)]
+    assert len(many.step_shapes()) > 2 * len(few.step_shapes())
+
+
 def test_mixed_prefill_and_decode_batch_layout():
     s = make_scheduler(num_blocks=32, block_size=4)
     builder = BatchBuilder(s.kv, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64)

@@ -6,6 +6,7 @@ import pytest
 from jaxpage import BeamSearchParams, LLM
 from jaxpage.beam_search import beam_score
 from tests.reference import load_hf_model
+from tests.options import FEW_BUCKETS
 
 
 def brute_force_beam_search(model, prompt, params, eos_ids):
@@ -40,7 +41,7 @@ def brute_force_beam_search(model, prompt, params, eos_ids):
 def test_beam_search_equals_brute_force_hf(kind, tiny_checkpoints, smollm2_tokenizer):
     path = tiny_checkpoints[kind]
     llm = LLM(path, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, block_size=4,
-              num_kv_blocks=96)
+              num_kv_blocks=96, **FEW_BUCKETS)
     params = BeamSearchParams(beam_width=4, max_tokens=10)
     prompts = ["Hello, my name is", "The three primary colors are red, green and"]
     outs = llm.beam_search([{"prompt_token_ids": smollm2_tokenizer(p).input_ids} for p in prompts],
@@ -62,7 +63,7 @@ def test_beam_search_equals_brute_force_hf(kind, tiny_checkpoints, smollm2_token
 def test_beam_search_shares_blocks_and_frees_them(tiny_checkpoints):
     llm = LLM(tiny_checkpoints["llama"], max_model_len=256, max_num_seqs=8,
               max_num_batched_tokens=64, block_size=4, num_kv_blocks=96,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, **FEW_BUCKETS)
     engine = llm.llm_engine
     engine.add_beam_search("s", {"prompt_token_ids": list(range(100, 130))},
                            BeamSearchParams(beam_width=4, max_tokens=6))

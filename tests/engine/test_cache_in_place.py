@@ -13,12 +13,13 @@ import pytest
 
 from jaxpage import LLM, SamplingParams
 from tests.kernels.test_write_and_attend import _cache_copies
+from tests.options import TINY
 
 
 @pytest.mark.parametrize("backend", ["auto", "reference"])
 def test_step_and_decode_programs_copy_no_cache(backend, tiny_checkpoints):
-    tiny_llm = LLM(tiny_checkpoints["llama"], max_model_len=256, max_num_seqs=8,
-                   max_num_batched_tokens=64, block_size=8, num_kv_blocks=64,
+    # powers-of-two buckets: three sequences decode in the (4, 4) bucket checked below
+    tiny_llm = LLM(tiny_checkpoints["llama"], **{**TINY, "bucket_growth": 2},
                    attention_backend=backend)
     engine = tiny_llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

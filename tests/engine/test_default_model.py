@@ -3,11 +3,12 @@
 import pytest
 
 from jaxpage import LLM, SamplingParams
+from tests.options import FEW_BUCKETS
 
 
 @pytest.fixture(scope="module")
 def default_llm():
-    return LLM(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128)
+    return LLM(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128, **FEW_BUCKETS)
 
 
 def test_chat_answers_the_capital_of_france(default_llm):

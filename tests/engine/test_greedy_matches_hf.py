@@ -10,8 +10,10 @@ import pytest
 from jaxpage import LLM, SamplingParams
 from tests.engine.prompts import BASE
 from tests.reference import hf_greedy, load_hf_model
+from tests.options import FEW_BUCKETS
 
-CONFIG = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=32, block_size=8)
+CONFIG = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=32, block_size=8,
+              **FEW_BUCKETS)
 
 
 def check_against_hf(model_path: str, tokenizer, *, max_tokens: int, num_kv_blocks: int) -> None:

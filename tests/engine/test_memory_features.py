@@ -4,11 +4,12 @@ import pytest
 
 from jaxpage import LLM, SamplingParams
 from tests.engine.prompts import BASE
+from tests.options import FEW_BUCKETS
 
 
 def tiny(path, **overrides):
     options = dict(max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=512, block_size=16,
-                   num_kv_blocks=256)
+                   num_kv_blocks=256, **FEW_BUCKETS)
     options.update(overrides)
     return LLM(path, **options)
 

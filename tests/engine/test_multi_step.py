@@ -4,14 +4,13 @@ import pytest
 
 from jaxpage import LLM, SamplingParams
 from tests.engine.prompts import BASE
+from tests.options import TINY
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_checkpoints):
-    options = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, block_size=8,
-                   num_kv_blocks=128)
-    return (LLM(tiny_checkpoints["llama"], num_scheduler_steps=1, **options),
-            LLM(tiny_checkpoints["llama"], num_scheduler_steps=8, **options))
+    return (LLM(tiny_checkpoints["llama"], num_scheduler_steps=1, **TINY),
+            LLM(tiny_checkpoints["llama"], num_scheduler_steps=8, **TINY))
 
 
 def run(llm, prompts, params, eos=None):
@@ -71,7 +70,7 @@ def test_abort_while_a_chained_call_is_queued(engines):
     chained_before = engine.step_profile["chained"]
     while engine.step_profile["chained"] == chained_before:
         assert not engine.step()
-    assert engine._inflight is not None
+    assert engine.device_calls.inflight is not None
     free_before = engine.block_pool.num_free_blocks
     engine.abort_request(ids[3])
     assert engine.block_pool.num_free_blocks > free_before

@@ -12,9 +12,9 @@ import pytest
 from jaxpage import LLM, SamplingParams
 from tests.engine.prompts import BASE
 from tests.reference import hf_logits, load_hf_model
+from tests.options import FEW_BUCKETS, TINY
 
-OPTIONS = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, block_size=8,
-               num_kv_blocks=128)
+OPTIONS = TINY
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,8 @@ def test_penalties_survive_slot_reuse_preemption_and_chaining(engines, tiny_chec
                                                    ignore_eos=True)] * 2
     expected = single.generate(prompts, params, use_tqdm=False)
     tight = LLM(tiny_checkpoints["llama"], num_scheduler_steps=4, max_model_len=256,
-                max_num_seqs=2, max_num_batched_tokens=64, block_size=8, num_kv_blocks=9)
+                max_num_seqs=2, max_num_batched_tokens=64, block_size=8, num_kv_blocks=9,
+                **FEW_BUCKETS)
     got = tight.generate(prompts, params, use_tqdm=False)
     stats = tight.get_stats()
     assert stats["num_preemptions"] > 0

@@ -43,7 +43,7 @@ def test_prompt_errors_leave_no_request_behind(tiny_llm):
 
 
 def test_request_that_can_never_fit_the_cache_is_rejected(tiny_llm):
-    # 64 blocks of 8 tokens = 512 tokens; max_model_len 256 fits, so shrink the cache view.
+    # tiny_llm's cache holds every request of max_model_len 256: build one of 4 blocks.
     with pytest.raises(ValueError, match="KV blocks"):
         tiny = LLM(tiny_llm.llm_engine.config.model.model, max_model_len=256, num_kv_blocks=4,
                    block_size=8, max_num_seqs=4, max_num_batched_tokens=64)

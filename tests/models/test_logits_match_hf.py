@@ -9,6 +9,7 @@ import pytest
 
 from jaxpage import LLM
 from tests.reference import hf_logits, load_hf_model
+from tests.options import FEW_BUCKETS
 
 PROMPTS = ["Hello, my name is", "The quick brown fox jumps over the lazy dog because it was",
            "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28",
@@ -20,7 +21,8 @@ def relative_error(ours: np.ndarray, ref: np.ndarray) -> float:
 
 
 def check_logits(model_path: str, tokenizer) -> None:
-    llm = LLM(model_path, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=16)
+    llm = LLM(model_path, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=16,
+              **FEW_BUCKETS)
     prompts = [tokenizer(p).input_ids for p in PROMPTS]
     assert max(map(len, prompts)) > 16  # at least one prompt is chunked
     ours = llm.llm_engine.prompt_logits([{"prompt_token_ids": p} for p in prompts])

@@ -9,10 +9,12 @@ import socket
 import subprocess
 import sys
 
+from tests.options import FEW_BUCKETS
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Small engine settings: a few buckets to compile, chunked prefill, multi-step decode.
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, block_size=8,
-              num_kv_blocks=48)
+              num_kv_blocks=48, **FEW_BUCKETS)
 
 
 def _command(scenario: str, args: dict) -> list[str]:
@@ -23,6 +25,13 @@ def _env() -> dict:
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the worker sets its own device count
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    # the suite's persistent XLA cache: workers compile the same programs again and again
+    import jax
+
+    if jax.config.jax_compilation_cache_dir:
+        env.setdefault("JAX_COMPILATION_CACHE_DIR", jax.config.jax_compilation_cache_dir)
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                       str(jax.config.jax_persistent_cache_min_compile_time_secs))
     return env
 
 

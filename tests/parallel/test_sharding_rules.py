@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxpage.models.arch_config import ArchConfig
+from jaxpage.arch_config import ArchConfig
 from jaxpage.parallel.sharding_rules import (kv_heads_for, param_spec, repeat_kv_heads,
                                              replicated_arch)
 from jaxpage.runtime.kv_cache import bytes_per_block, num_blocks_for_budget

@@ -14,11 +14,12 @@ from jaxpage import LLM
 from jaxpage.engine.async_llm_engine import AsyncLLMEngine
 from jaxpage.server.api_server import build_app
 from jaxpage.server.launch import BackgroundServer
+from tests.options import FEW_BUCKETS
 
 API_KEY = "test-key"
 MODEL_NAME = "tiny-llama"
 OPTIONS = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=128, block_size=8,
-               num_kv_blocks=256)
+               num_kv_blocks=256, **FEW_BUCKETS)
 
 
 @dataclasses.dataclass

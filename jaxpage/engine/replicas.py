@@ -1,5 +1,8 @@
 """Builds the engine a ``ParallelConfig`` asks for: one replica, M replicas, or one of N processes.
 
+An engine concern built from ``jaxpage.parallel``'s parts (meshes, the router, the
+process mirror); ``LLM`` and the server call ``build_engine``.
+
 * ``tensor_parallel_size=N``: one ``LLMEngine`` on a mesh of N devices.
 * ``data_parallel_size=M``: M engines on disjoint groups of N devices behind a
   ``DataParallelEngine`` router.
@@ -16,16 +19,16 @@ import logging
 from typing import Any
 
 from jaxpage.config import EngineConfig
+from jaxpage.engine.llm_engine import LLMEngine
 from jaxpage.parallel import distributed
+from jaxpage.parallel.placement import replica_meshes
+from jaxpage.parallel.router import DataParallelEngine
 
 logger = logging.getLogger("jaxpage")
 
 
 def build_engine(config: EngineConfig) -> Any:
     """An ``LLMEngine`` or a ``DataParallelEngine`` for ``config`` (see the module docstring)."""
-    from jaxpage.engine.llm_engine import LLMEngine
-    from jaxpage.parallel.placement import replica_meshes
-
     parallel = config.parallel
     if parallel.num_processes > 1 and config.cache.swap_space:
         # each process would have to keep its own heads' host copies; until then, preempted
@@ -38,8 +41,6 @@ def build_engine(config: EngineConfig) -> Any:
     if parallel.data_parallel_size == 1:
         engine = LLMEngine(config)
     else:
-        from jaxpage.parallel.router import DataParallelEngine
-
         meshes = replica_meshes(parallel.tensor_parallel_size, parallel.data_parallel_size)
         engine = DataParallelEngine([LLMEngine(config, mesh=mesh) for mesh in meshes])
     if parallel.num_processes > 1:

@@ -1,0 +1,236 @@
+"""Device calls between "schedule" and "tokens back": dispatch, chain, wait, apply.
+
+One ``DeviceCalls.step()`` takes one device call through its life:
+
+1. **schedule and dispatch**: the scheduler picks the requests; pending block copies and
+   swaps run first; the batch is built; the runner launches the step without waiting.
+   A call is a *single step* (any mix of prefill chunks and decodes, one token each) or a
+   *multi-step* decode call (``num_scheduler_steps`` iterations on the device) when
+   ``Scheduler.reserve_multi_step`` allows it.
+2. **chain** (multi-step calls with ``async_scheduling`` only): before the host reads
+   the call's tokens, the next multi-step call is dispatched behind it, continuing the
+   same rows from the device-side carry (``Scheduler.chain_multi_step`` decides whether
+   it may). That call is then *in flight*: the next ``step()`` processes it instead of
+   scheduling, so the host's bookkeeping overlaps the device's work.
+3. **wait and apply**: the host waits for the call's tokens (the only place it waits on
+   the device) and applies them to the requests: scheduler updates, logprobs, beam
+   search expansions, stop strings. Outputs are collected by ``collect``.
+
+Invariants:
+
+* At most one call is in flight, and only a multi-step call chained behind another one.
+  A single step is never chained: its sampled tokens (prefill ends, beam search,
+  penalties that the host fills) must reach the host before the next schedule.
+* A chained call is built from the previous call's schedule alone (``ahead=num_steps``),
+  never from tokens the host has not seen; rows the host later finds finished are
+  skipped when the chained call's tokens are applied (the device stops them itself by
+  the same rules: EOS, stop ids, ``max_tokens``).
+* The host waits for a call only in ``_process`` and ``drain``; everything the
+  scheduler does happens between calls or while one is in flight.
+* Before anything that schedules outside ``step()`` (``prompt_logits``), ``drain()``
+  applies the in-flight call; its outputs come back on the next ``step()``.
+
+``step_profile`` splits ``step()``'s wall time: ``device_s`` (waiting for results),
+``host_s`` (the host's own work), ``idle_s`` (the device had nothing dispatched, counted
+from when the host saw the last results: an upper bound) and ``chained`` (calls
+dispatched before the previous call's tokens were processed).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from jaxpage.config import SchedulerConfig
+from jaxpage.core.batch import BatchBuilder
+from jaxpage.core.block_pool import BlockPool
+from jaxpage.core.kv_cache_manager import KVCacheManager
+from jaxpage.core.request import Request
+from jaxpage.core.scheduler import PreemptionCostModel, Scheduler, SchedulerOutput
+from jaxpage.engine.beam_search_driver import BeamSearchDriver
+from jaxpage.engine.logprobs import LogprobsRecorder
+from jaxpage.engine.output_processor import OutputProcessor
+from jaxpage.outputs import RequestOutput
+from jaxpage.runtime.model_runner import ModelRunner, PendingMultiStep, PendingStep
+
+
+@dataclass
+class DeviceCall:
+    """A device call on its way: what was scheduled, and its pending results."""
+
+    out: SchedulerOutput
+    num_steps: int
+    pending: PendingStep | PendingMultiStep
+    dispatched_at: float
+
+
+class DeviceCalls:
+    """Drives the scheduler, the runner and the result handlers (see the module docstring)."""
+
+    def __init__(self, config: SchedulerConfig, *, scheduler: Scheduler,
+                 kv_cache_manager: KVCacheManager, block_pool: BlockPool,
+                 batch_builder: BatchBuilder, runner: ModelRunner,
+                 cost_model: PreemptionCostModel, beam_search: BeamSearchDriver,
+                 logprobs: LogprobsRecorder, output_processor: OutputProcessor,
+                 collect: Callable[[list[Request]], list[RequestOutput]]) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.kv_cache_manager = kv_cache_manager
+        self.block_pool = block_pool
+        self.batch_builder = batch_builder
+        self.runner = runner
+        self.cost_model = cost_model
+        self.beam_search = beam_search
+        self.logprobs = logprobs
+        self.output_processor = output_processor
+        self.collect = collect  # touched requests -> the outputs users should see
+        self.step_profile = {"calls": 0, "device_s": 0.0, "host_s": 0.0, "idle_s": 0.0,
+                             "chained": 0}
+        self.inflight: DeviceCall | None = None  # a chained call whose tokens wait
+        self._idle_since: float | None = None
+        self._results_at = 0.0
+        self._pending_outputs: list[RequestOutput] = []  # collected by drain()
+        self._empty_steps = 0  # consecutive empty schedules (see _check_not_stalled)
+
+    def step(self) -> list[RequestOutput]:
+        """Process one device call (the in-flight one, else a new one); its outputs."""
+        began = time.perf_counter()
+        call, self.inflight = self.inflight, None
+        if call is None:
+            call = self._schedule_and_dispatch()
+            if call is None:
+                outputs, self._pending_outputs = self._pending_outputs, []
+                return outputs
+        if call.num_steps > 1 and self.config.async_scheduling:
+            self.inflight = self._dispatch_chained(call)
+        waited = time.perf_counter()
+        touched = self._process(call)
+        outputs, self._pending_outputs = self._pending_outputs + self.collect(touched), []
+        ended = time.perf_counter()
+        if self.inflight is not None and self.inflight.pending.is_ready():
+            # The queued call finished while the host was busy: count the device as idle
+            # from when this call's results arrived (an upper bound).
+            self._idle_since = self._results_at
+        profile = self.step_profile
+        profile["calls"] += 1
+        profile["device_s"] += self._results_at - waited
+        profile["host_s"] += ended - began - (self._results_at - waited)
+        return outputs
+
+    def drain(self) -> None:
+        """Apply the in-flight call now (its outputs wait for the next ``step``)."""
+        call, self.inflight = self.inflight, None
+        if call is not None:
+            self._pending_outputs += self.collect(self._process(call))
+
+    # -- dispatch ---------------------------------------------------------------------
+
+    def _mark_dispatch(self) -> float:
+        now = time.perf_counter()
+        if self._idle_since is not None:
+            self.step_profile["idle_s"] += now - self._idle_since
+            self._idle_since = None
+        return now
+
+    def _schedule_and_dispatch(self) -> DeviceCall | None:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            self._check_not_stalled(out)
+            return None
+        self._empty_steps = 0
+        num_steps = self.scheduler.reserve_multi_step(out, self.config.num_scheduler_steps)
+        self.runner.apply_block_ops(*self.kv_cache_manager.take_pending_block_ops())
+        batch = self.batch_builder.build(out)
+        self.runner.fill_penalty_rows(self.batch_builder.take_penalty_fills())
+        dispatched_at = self._mark_dispatch()
+        if num_steps > 1:
+            pending = self.runner.dispatch_multi_step(batch, num_steps)
+        else:
+            pending = self.runner.dispatch(batch)
+        return DeviceCall(out, num_steps, pending, dispatched_at)
+
+    def _dispatch_chained(self, call: DeviceCall) -> DeviceCall | None:
+        """Queue the next multi-step call behind ``call`` before its tokens are known."""
+        out = self.scheduler.chain_multi_step(call.out, call.num_steps)
+        if out is None:
+            return None
+        self.runner.apply_block_ops(*self.kv_cache_manager.take_pending_block_ops())
+        row_of = {id(item.request): row for row, item in enumerate(call.out.scheduled)}
+        row_map = np.array([row_of[id(item.request)] for item in out.scheduled], np.int32)
+        batch = self.batch_builder.build(out, ahead=call.num_steps)  # never fills penalty rows
+        dispatched_at = self._mark_dispatch()
+        self.step_profile["chained"] += 1
+        pending = self.runner.dispatch_multi_step(batch, call.num_steps, after=call.pending,
+                                                  row_map=row_map)
+        return DeviceCall(out, call.num_steps, pending, dispatched_at)
+
+    def _check_not_stalled(self, out: SchedulerOutput) -> None:
+        """An empty schedule can happen once (a fork due at admission, a self-preemption);
+        several in a row with requests left would be a hang, so fail loudly instead."""
+        if out.preempted or not self.scheduler.has_unfinished_requests():
+            self._empty_steps = 0
+            return
+        self._empty_steps += 1
+        if self._empty_steps > 3:
+            self._empty_steps = 0
+            raise RuntimeError(f"scheduler made no progress: {self.scheduler.stats()}, "
+                               f"{self.block_pool.num_free_blocks} free blocks")
+
+    # -- results ----------------------------------------------------------------------
+
+    def _process(self, call: DeviceCall) -> list[Request]:
+        """Wait for ``call``'s tokens and apply them to the requests; returns those touched."""
+        if call.num_steps > 1:
+            result = call.pending.fetch_result()                            # [K, S]
+            self._results_arrived()
+            return self._accept_multi_step(call.out, result)
+        result = call.pending.fetch()
+        self._results_arrived()
+        self._observe_step(call.out, self._results_at - call.dispatched_at)
+        touched = []
+        for request, row in self.scheduler.update_from_output(call.out, result.tokens):
+            if request.external_sampling:
+                self.beam_search.on_distribution(request, result.top_ids[row],
+                                                 result.top_logprobs[row])
+                continue
+            self.logprobs.record(request, result, row)
+            self._after_tokens(request)
+            touched.append(request)
+        return touched
+
+    def _results_arrived(self) -> None:
+        self._results_at = time.perf_counter()
+        if self.inflight is None:
+            self._idle_since = self._results_at  # nothing queued: the device idles from now
+
+    def _accept_multi_step(self, out: SchedulerOutput, result) -> list[Request]:
+        touched = []
+        for row, item in enumerate(out.scheduled):
+            request = item.request
+            if request.is_finished:
+                continue  # finished (or aborted) while this call was queued or running
+            for k, token in enumerate(result.tokens[:, row].tolist()):
+                if token < 0 or request.is_finished:
+                    break  # the device stopped this row; the host agrees (same rules)
+                self.scheduler.accept_token(request, token)
+                self.logprobs.record(request, result, row, k)
+                self._after_tokens(request)  # tokens after a stop string are dropped
+            touched.append(request)
+        return touched
+
+    def _after_tokens(self, request: Request) -> None:
+        if request.first_token_time is None and request.num_output_tokens:
+            request.first_token_time = time.monotonic()
+        if not request.is_finished and request.sampling_params.stop:
+            self.output_processor.check_stop_strings(request)
+
+    def _observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """Feed the preemption cost model with the measured prefill speed (moving average)."""
+        num_prefill = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
+        if num_prefill >= 16 and seconds > 0:
+            model = self.cost_model
+            model.prefill_tokens_per_s = (0.8 * model.prefill_tokens_per_s
+                                          + 0.2 * num_prefill / seconds)

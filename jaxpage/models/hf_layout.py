@@ -1,0 +1,86 @@
+"""Hugging Face tensor names to jaxpage's parameter tree, for sources that read by name.
+
+``HFTensorSource`` is the part shared by the safetensors and GGUF sources: a subclass
+provides ``hf_config`` and ``get(name)`` (the tensor as Hugging Face stores it, linears
+[out, in]); this class turns those into our layout and places them. Invariants:
+
+* layer ``i``'s tensors land at ``("layers", i, name)``; linears become [in, out];
+* K/V projections (and biases) are repeated from the checkpoint's KV heads to the run
+  architecture's (``sharding_rules.replicated_arch``) when tensor parallelism has more
+  devices than KV heads;
+* one host tensor exists at a time: each is converted, placed, and dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpage.arch_config import ArchConfig
+from jaxpage.parallel.placement import Placement
+from jaxpage.parallel.sharding_rules import repeat_kv_heads, replicated_arch
+
+# our per-layer name -> (Hugging Face suffix after "model.layers.{i}.", transposed?)
+LAYER_TENSORS = {
+    "input_norm": ("input_layernorm.weight", False),
+    "post_attention_norm": ("post_attention_layernorm.weight", False),
+    "q_proj": ("self_attn.q_proj.weight", True),
+    "k_proj": ("self_attn.k_proj.weight", True),
+    "v_proj": ("self_attn.v_proj.weight", True),
+    "o_proj": ("self_attn.o_proj.weight", True),
+    "gate_proj": ("mlp.gate_proj.weight", True),
+    "up_proj": ("mlp.up_proj.weight", True),
+    "down_proj": ("mlp.down_proj.weight", True),
+}
+_KV_TENSORS = ("k_proj", "v_proj", "k_bias", "v_bias")
+
+
+class HFTensorSource:
+    """A weight source that reads tensors by their Hugging Face names (see the module)."""
+
+    hf_config: dict[str, Any]
+    saved_dtype: str | None = None  # tensors are converted to the dtype asked for
+
+    def get(self, name: str) -> np.ndarray:  # pragma: no cover - every subclass defines it
+        raise NotImplementedError
+
+    def run_arch(self, arch: ArchConfig, tp_size: int) -> ArchConfig:
+        """The architecture as run on ``tp_size`` devices (KV heads repeated if fewer)."""
+        return arch if tp_size == 1 else replicated_arch(arch, tp_size)
+
+    def read_params(self, arch: ArchConfig, run_arch: ArchConfig, template: dict[str, Any],
+                    placement: Placement, dtype: Any) -> dict[str, Any]:
+        """The model's pure dict (keys as in ``template``), every array on its devices."""
+        pure: dict[str, Any] = {}
+        for keys, array in self.param_arrays(arch, run_arch):
+            node = pure
+            for key in keys[:-1]:
+                node = node.setdefault(key, {})
+            node[keys[-1]] = (jnp.asarray(array, dtype) if placement.mesh is None
+                              else placement.put(keys[-1], array, dtype))
+            del array  # the host copy of one tensor at a time
+        return pure
+
+    def param_arrays(self, arch: ArchConfig,
+                     run_arch: ArchConfig) -> Iterator[tuple[tuple, np.ndarray]]:
+        """Yield (path keys, host array) for every parameter, in our layout, one at a time."""
+        repeats = run_arch.num_kv_heads // arch.num_kv_heads
+        yield ("embed",), self.get("model.embed_tokens.weight")
+        yield ("final_norm",), self.get("model.norm.weight")
+        if not arch.tie_word_embeddings:
+            yield ("lm_head",), self.get("lm_head.weight").T
+        layer_tensors = dict(LAYER_TENSORS)
+        if arch.qkv_bias:
+            for name in ("q", "k", "v"):
+                layer_tensors[f"{name}_bias"] = (f"self_attn.{name}_proj.bias", False)
+        if arch.o_bias:
+            layer_tensors["o_bias"] = ("self_attn.o_proj.bias", False)
+        for i in range(arch.num_layers):
+            for name, (suffix, transpose) in layer_tensors.items():
+                array = self.get(f"model.layers.{i}.{suffix}")
+                array = array.T if transpose else array
+                if name in _KV_TENSORS:
+                    array = repeat_kv_heads(array, arch.num_kv_heads, arch.head_dim, repeats)
+                yield ("layers", i, name), array
