@@ -5,8 +5,9 @@ Steps, per ``plan(model, target, **engine_options)``:
 1. Build the replica's programs as abstract arrays (``AbstractEngine``) on the target's
    devices (``jaxpage.parallel.targets``).
 2. Probe memory (unless ``num_kv_blocks`` is given): compile the largest step bucket
-   with a KV cache of 1 block and of a quarter of the memory the weights leave; the
-   compiler's memory analysis
+   with a KV cache of 1 block and of a quarter of the memory the weights leave (or of
+   the most blocks ``max_num_seqs`` sequences can use, when fewer: the cache then
+   planned, whose compiled step is reused); the compiler's memory analysis
    gives its temporaries per device at both, fitted as ``fixed + per_block x blocks``.
    A per-block term means the compiled step copies the cache (XLA:TPU does when its
    default layout of the cache differs from the layout a kernel or scatter needs); the
@@ -97,7 +98,10 @@ def plan(model: str | None = None, target: str = "v5e:1x1", *, buckets: str = "l
     budget = int(config.cache.memory_utilization * chip.hbm_bytes)
 
     largest_shape = probe.builder.step_shapes()[-1]
+    blocks_per_seq = -(-probe.max_model_len // probe.block_size)
+    max_useful = probe.max_num_seqs * blocks_per_seq
     peak_temp, temp_per_block, probe_errors = 0, 0.0, []
+    probed_programs: dict[int, Any] = {}  # blocks -> the largest step compiled by the probe
     if weights + penalty <= budget and config.cache.num_kv_blocks is None:
         # (else nothing to size: the weights alone do not fit, or the cache is given, and
         # the temporaries come from the compiled programs below)
@@ -105,22 +109,25 @@ def plan(model: str | None = None, target: str = "v5e:1x1", *, buckets: str = "l
             f"{target}")
         temps = []
         # the second size: a quarter of what the weights leave, so that the slope is
-        # measured near the sizes planned (it is not linear at small caches)
-        second = int(max(2, (chip.hbm_bytes - weights - penalty) // 4 // per_block))
+        # measured near the sizes planned (it is not linear at small caches), or the most
+        # blocks the sequences can use when that is less: the cache planned then, whose
+        # compiled step is reused below
+        second = int(max(2, min((chip.hbm_bytes - weights - penalty) // 4 // per_block,
+                                max_useful)))
         for blocks in (1, second):
             program = probe.step_program(largest_shape, num_blocks=blocks)
             try:
-                temps.append(_device_bytes(probe.compile(program))["temp"])
+                compiled = probe.compile(program)
             except Exception as error:  # noqa: BLE001 - reported, not raised
                 probe_errors.append(f"{program.label}: {_error_text(error)}")
                 break
+            temps.append(_device_bytes(compiled)["temp"])
+            probed_programs[blocks] = compiled
         if len(temps) == 2:
             temp_per_block = max(0.0, (temps[1] - temps[0]) / (second - 1))
             peak_temp = temps[0]
     probed = peak_temp > 0
 
-    blocks_per_seq = -(-probe.max_model_len // probe.block_size)
-    max_useful = probe.max_num_seqs * blocks_per_seq
     report = PlanReport(
         model=config.model.model or "default (SmolLM2-135M-Instruct)", target=target,
         chip=chip.description, num_devices=len(devices), tensor_parallel_size=probe.tp_size,
@@ -146,8 +153,10 @@ def plan(model: str | None = None, target: str = "v5e:1x1", *, buckets: str = "l
     model_temp = 0
     for i, program in enumerate(programs):
         began = time.perf_counter()
+        reuse = (probed_programs.get(num_blocks)
+                 if program.name == "step" and program.bucket == largest_shape else None)
         try:
-            compiled = engine.compile(program)
+            compiled = reuse if reuse is not None else engine.compile(program)
         except Exception as error:  # noqa: BLE001 - reported per program
             result = ProgramResult(program.label, False, error=_error_text(error),
                                    seconds=time.perf_counter() - began)
