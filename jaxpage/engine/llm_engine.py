@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -213,17 +213,30 @@ class LLMEngine:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop a request (all its sequences, or all beams of a search) at any stage.
 
-        Its blocks are freed at once. Unknown or finished ids are ignored.
+        ``request_id``: one id or several (as vLLM). Their blocks are freed at once.
+        Unknown or finished ids are ignored.
         """
-        self.beam_search.abort(request_id)
-        for sequence in self.groups.pop(request_id):
-            self.scheduler.finish_request(sequence.request_id, RequestStatus.FINISHED_ABORTED)
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for one in ids:
+            self.beam_search.abort(one)
+            for sequence in self.groups.pop(one):
+                self.scheduler.finish_request(sequence.request_id,
+                                              RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests waiting, running or swapped out (sequences of ``n > 1`` count each)."""
+        stats = self.scheduler.stats()
+        return stats["num_running"] + stats["num_waiting"] + stats["num_swapped"]
+
+    def get_tokenizer(self):
+        """The tokenizer (a ``transformers`` tokenizer), as ``LLM.get_tokenizer``."""
+        return self.tokenizer
 
     def num_used_blocks(self) -> int:
         return self.num_kv_blocks - self.block_pool.num_free_blocks
