@@ -21,14 +21,16 @@ def _command(scenario: str, args: dict) -> list[str]:
     return [sys.executable, "-m", "tests.parallel.worker", scenario, json.dumps(args)]
 
 
-def _env() -> dict:
+def _env(xla_cache: bool = True) -> dict:
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the worker sets its own device count
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    # the suite's persistent XLA cache: workers compile the same programs again and again
+    # the suite's persistent XLA cache: workers compile the same programs again and again.
+    # Not for the processes of one jax.distributed job: one that loads a program while
+    # another compiles it reaches the first collective far ahead (gloo's set-up timed out).
     import jax
 
-    if jax.config.jax_compilation_cache_dir:
+    if xla_cache and jax.config.jax_compilation_cache_dir:
         env.setdefault("JAX_COMPILATION_CACHE_DIR", jax.config.jax_compilation_cache_dir)
         env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
                        str(jax.config.jax_persistent_cache_min_compile_time_secs))
@@ -59,8 +61,8 @@ def free_port() -> int:
 
 def run_workers(scenario: str, args_list: list[dict], timeout: float = 900) -> list[dict | None]:
     """Start one worker per args at once (processes of one jax.distributed job)."""
-    procs = [subprocess.Popen(_command(scenario, args), cwd=ROOT, env=_env(), text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    procs = [subprocess.Popen(_command(scenario, args), cwd=ROOT, env=_env(xla_cache=False),
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for args in args_list]
     results = []
     try:
