@@ -124,6 +124,18 @@ class LLMEngine:
             beam_search=self.beam_search, logprobs=self.logprobs,
             output_processor=self.output_processor, collect=self.groups.collect)
 
+    @property
+    def runner(self) -> ModelRunner:
+        return self._runner
+
+    @runner.setter
+    def runner(self, runner: ModelRunner) -> None:
+        """Replacing the runner (``parallel.distributed`` wraps it to mirror every device
+        call to the other processes) replaces it where device calls are made too."""
+        self._runner = runner
+        if hasattr(self, "device_calls"):
+            self.device_calls.runner = runner
+
     def _eos_token_ids(self, hf_config: dict[str, Any]) -> frozenset[int]:
         ids: set[int] = set()
         eos = hf_config.get("eos_token_id")
