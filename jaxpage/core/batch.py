@@ -26,14 +26,13 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from jaxpage.core.batch_rows import BatchRows
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.penalty_slots import PenaltyFill, PenaltySlots
+from jaxpage.core.request import MAX_STOP_TOKENS
 from jaxpage.core.scheduler import SchedulerOutput
 from jaxpage.sampling_params import MAX_LOGPROBS
 
-# Width of the per-sequence list of stop token ids the device knows (EOS and stop_token_ids):
-# masked until min_tokens are out, and checked on device by the multi-step decode loop.
-MAX_STOP_TOKENS = 16
 # Top log-probabilities the step returns per sequence when any sequence asks for them: as
 # many as a request may ask for.
 MAX_TOP_LOGPROBS = MAX_LOGPROBS
@@ -105,6 +104,57 @@ class BatchMetadata:
     def as_dict(self) -> dict[str, np.ndarray]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def packed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The batch as three arrays, what actually crosses to the device (one transfer
+        each instead of one per field; ``unpack_batch`` undoes it inside the program):
+
+        tokens int32 [3, T] (input_ids, positions, slot_mapping), rows int32
+        [S, len(ROW_INT_FIELDS) + MAX_STOP_TOKENS + M] (per-row ints, stop ids, block
+        table; ``cu_q_lens[1:]`` and ``num_seqs`` ride as columns) and floats float32
+        [S, len(ROW_FLOAT_FIELDS)].
+        """
+        S = self.block_tables.shape[0]
+        ints = [getattr(self, name) for name in ROW_INT_FIELDS[:-3]]
+        ints += [self.sample_seeds.view(np.int32), self.cu_q_lens[1:],
+                 np.broadcast_to(self.num_seqs, (S,))]
+        rows = np.concatenate([np.stack(ints, axis=1), self.stop_token_ids, self.block_tables],
+                              axis=1)
+        tokens = np.stack([self.input_ids, self.positions, self.slot_mapping])
+        floats = np.stack([getattr(self, name) for name in ROW_FLOAT_FIELDS], axis=1)
+        return tokens, rows, floats
+
+
+# Column order of ``BatchMetadata.packed``'s per-row arrays.
+ROW_INT_FIELDS = ("kv_lens", "logits_indices", "top_k", "sample_index", "min_tokens",
+                  "max_output", "want_logprobs", "penalty_slot", "sample_seeds", "cu_q_lens",
+                  "num_seqs")
+ROW_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty")
+
+
+def unpack_batch(tokens, rows, floats) -> dict:
+    """The fields of a batch from ``BatchMetadata.packed``'s arrays (numpy or traced jax
+    arrays: only slicing, so it costs nothing inside a compiled program). ``sample_seeds``
+    comes back as int32 bits (the sampler only uses them as a key)."""
+    batch = {"input_ids": tokens[0], "positions": tokens[1], "slot_mapping": tokens[2]}
+    for column, name in enumerate(ROW_INT_FIELDS):
+        batch[name] = rows[:, column]
+    num_ints = len(ROW_INT_FIELDS)
+    batch["cu_q_lens"] = _prepend_zero(batch["cu_q_lens"])
+    batch["num_seqs"] = batch["num_seqs"][:1]
+    batch["stop_token_ids"] = rows[:, num_ints:num_ints + MAX_STOP_TOKENS]
+    batch["block_tables"] = rows[:, num_ints + MAX_STOP_TOKENS:]
+    for column, name in enumerate(ROW_FLOAT_FIELDS):
+        batch[name] = floats[:, column]
+    return batch
+
+
+def _prepend_zero(values):
+    """[0, *values] for a numpy or a jax array (their shared array-API namespace: no jax
+    import on this floor)."""
+    xp = values.__array_namespace__()
+    return xp.concatenate([xp.zeros(1, dtype=values.dtype), values])
+
 
 class BatchBuilder:
     """Turns a SchedulerOutput into a padded BatchMetadata."""
@@ -120,6 +170,7 @@ class BatchBuilder:
         max_blocks = kv_cache_manager.num_blocks_for(max_model_len)
         self.block_ladder = BucketLadder(min(8, max_blocks), max_blocks, bucket_growth)
         self.penalty_slots = PenaltySlots(num_penalty_slots or max_num_seqs)
+        self.rows = BatchRows(max_num_seqs, max_blocks)
 
     def decode_tokens(self, num_seqs: int) -> int:
         """T of a batch of ``num_seqs`` decodes: the sequence rung, capped by the token rung."""
@@ -164,82 +215,77 @@ class BatchBuilder:
         ``ahead > 0`` builds decodes that continue a device call not yet seen by the host
         (``Scheduler.chain_multi_step``): every request is ``ahead`` tokens further than
         its state says, and ``input_ids`` are left 0 (the device supplies them).
+
+        The work per step is vectorized over rows: what a request keeps for its whole run
+        (sampling settings, stop ids, its block table) lives in ``self.rows``, carried
+        from the previous build for requests that stay and rewritten only for those that
+        join or whose blocks changed.
         """
         items = out.scheduled
-        if ahead and any(item.num_new_tokens != 1 for item in items):
+        n = len(items)
+        if ahead and out.num_batched_tokens != n:
             raise ValueError("only decodes can be built ahead of the host")
-        num_tokens = out.num_batched_tokens
-        if all(item.num_new_tokens == 1 for item in items):
-            T = self.decode_tokens(len(items))
-        else:
-            T = self.token_ladder.fit(num_tokens)
-        S = self.seq_ladder.fit(len(items))
-        tables = [self.kv.block_ids(it.request.request_id) for it in items]
-        M = self.block_ladder.fit(max(len(t) for t in tables))
+        requests = [item.request for item in items]
+        rows = self.rows.update(requests, self.kv)
+        num_new = np.fromiter((item.num_new_tokens for item in items), np.int32, n)   # [n]
+        computed = np.fromiter((r.num_computed_tokens for r in requests), np.int32, n)  # [n]
+        computed += ahead
+        num_tokens = int(num_new.sum())
+        decodes_only = num_tokens == n
+        T = self.decode_tokens(n) if decodes_only else self.token_ladder.fit(num_tokens)
+        S = self.seq_ladder.fit(n)
+        M = self.block_ladder.fit(int(rows.table_len[:n].max()))
         bs = self.block_size
 
-        input_ids = np.zeros(T, np.int32)
-        positions = np.zeros(T, np.int32)
-        slot_mapping = np.full(T, -1, np.int32)
-        block_tables = np.zeros((S, M), np.int32)
-        kv_lens = np.zeros(S, np.int32)
         cu_q_lens = np.full(S + 1, num_tokens, np.int32)
-        logits_indices = np.zeros(S, np.int32)
-        temperature = np.zeros(S, np.float32)
-        top_k = np.zeros(S, np.int32)
-        top_p = np.ones(S, np.float32)
-        min_p = np.zeros(S, np.float32)
-        seeds = np.zeros(S, np.uint32)
-        sample_index = np.zeros(S, np.int32)
-        stop_ids = np.full((S, MAX_STOP_TOKENS), -1, np.int32)
-        min_tokens = np.zeros(S, np.int32)
-        max_output = np.zeros(S, np.int32)
-        want_logprobs = np.zeros(S, np.int32)
-
-        start = 0
-        for i, (item, table) in enumerate(zip(items, tables)):
-            req, n = item.request, item.num_new_tokens
-            first = req.num_computed_tokens + ahead
-            end = start + n
-            pos = np.arange(first, first + n, dtype=np.int32)
-            table_arr = np.asarray(table, np.int32)
-            if not ahead:
-                input_ids[start:end] = req.all_token_ids[first:first + n]
-                slot_mapping[start:end] = table_arr[pos // bs] * bs + pos % bs
+        cu_q_lens[0] = 0
+        np.cumsum(num_new, out=cu_q_lens[1:n + 1])
+        if decodes_only:
+            token_pos = computed                                             # [n]
+            token_row = np.arange(n)
+        else:
+            token_row = np.repeat(np.arange(n, dtype=np.int32), num_new)     # [tokens]
+            token_pos = (np.arange(num_tokens, dtype=np.int32)
+                         + np.repeat(computed - cu_q_lens[:n], num_new))
+        positions = np.zeros(T, np.int32)
+        positions[:num_tokens] = token_pos
+        input_ids = np.zeros(T, np.int32)
+        slot_mapping = np.full(T, -1, np.int32)
+        if not ahead:
             # ahead: the decode loop derives its slots from positions, and a row that ends
             # in the previous call may have no block reserved at ``first``.
-            positions[start:end] = pos
-            block_tables[i, :len(table)] = table_arr
-            kv_lens[i] = first + n
-            cu_q_lens[i] = start
-            logits_indices[i] = end - 1
-            params = req.sampling_params
-            temperature[i] = params.temperature
-            top_k[i] = params.top_k
-            top_p[i] = params.top_p
-            min_p[i] = params.min_p
-            seeds[i] = req.sample_seed
-            sample_index[i] = req.num_output_tokens + ahead
-            ids = req.stop_token_ids_to_suppress[:MAX_STOP_TOKENS]
-            stop_ids[i, :len(ids)] = ids
-            min_tokens[i] = params.min_tokens
-            max_output[i] = req.max_tokens
-            want_logprobs[i] = req.external_sampling or params.logprobs is not None
-            start = end
-        cu_q_lens[len(items)] = num_tokens
+            slot_mapping[:num_tokens] = (rows.tables[token_row, token_pos // bs] * bs
+                                         + token_pos % bs)
+            if decodes_only:
+                input_ids[:n] = np.fromiter(
+                    (r.all_token_ids[r.num_computed_tokens] for r in requests), np.int32, n)
+            else:
+                for i in np.flatnonzero(num_new > 0).tolist():
+                    first, start = int(computed[i]), int(cu_q_lens[i])
+                    count = int(num_new[i])
+                    input_ids[start:start + count] = requests[i].all_token_ids[first:first + count]
+        kv_lens = np.zeros(S, np.int32)
+        kv_lens[:n] = computed + num_new
+        logits_indices = np.zeros(S, np.int32)
+        logits_indices[:n] = cu_q_lens[1:n + 1] - 1
+        sample_index = np.zeros(S, np.int32)
+        sample_index[:n] = np.fromiter((len(r.output_token_ids) for r in requests), np.int32, n)
+        sample_index[:n] += ahead
+        fields_ = rows.fields(S)
         return BatchMetadata(
             input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
-            block_tables=block_tables, kv_lens=kv_lens, cu_q_lens=cu_q_lens,
-            num_seqs=np.array([len(items)], np.int32), logits_indices=logits_indices,
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            sample_seeds=seeds, sample_index=sample_index, stop_token_ids=stop_ids,
-            min_tokens=min_tokens, max_output=max_output,
-            want_logprobs=want_logprobs, **self._penalties(items, S, ahead))
+            block_tables=rows.tables[:S, :M].copy(), kv_lens=kv_lens, cu_q_lens=cu_q_lens,
+            num_seqs=np.array([n], np.int32), logits_indices=logits_indices,
+            sample_index=sample_index, **fields_,
+            **self._penalties(items, S, ahead, rows.has_penalties[:n].any()))
 
-    def _penalties(self, items, S: int, ahead: int) -> dict[str, np.ndarray]:
+    def _penalties(self, items, S: int, ahead: int, any_penalties: bool
+                   ) -> dict[str, np.ndarray]:
         """The penalty fields of a batch. A row gets a penalty slot when its request has
         penalties and this step's sampled token is kept (the last prefill chunk, a decode)."""
         fields_ = _no_penalties(S)
+        if not any_penalties:
+            return fields_
         penalized = []
         for i, item in enumerate(items):
             req = item.request

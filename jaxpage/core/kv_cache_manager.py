@@ -58,6 +58,9 @@ class KVCacheManager:
         self.pending_swap_in: list[tuple[int, int]] = []    # (host block, device block)
         self.num_prefix_queried_tokens = 0
         self.num_prefix_hit_tokens = 0
+        # Requests whose block list changed since the batch builder last looked: it keeps
+        # block tables row by row and rewrites only these (``take_changed``).
+        self.changed: set[str] = set()
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -111,8 +114,14 @@ class KVCacheManager:
         ``computed_blocks`` (from ``get_computed_blocks``) are taken first; the caller
         then advances ``num_computed_tokens`` by ``len(computed_blocks) * block_size``.
         """
-        computed_blocks = computed_blocks or []
         blocks = self.req_to_blocks.get(request.request_id, [])
+        if not computed_blocks:
+            # Hot path (a decode whose slot is already there, unshared): nothing to do.
+            index = request.num_computed_tokens // self.block_size
+            last = (request.num_computed_tokens + num_new_tokens - 1) // self.block_size
+            if num_new_tokens > 0 and last < len(blocks) and blocks[index].ref_cnt == 1:
+                return True
+        computed_blocks = computed_blocks or []
         first_new = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_have = len(blocks) + len(computed_blocks)
         num_new_blocks = self.num_blocks_for(first_new + num_new_tokens) - num_have
@@ -123,6 +132,8 @@ class KVCacheManager:
         if max(num_new_blocks, 0) + needs_copy + num_revived > self.block_pool.num_free_blocks:
             return False
         blocks = self.req_to_blocks.setdefault(request.request_id, blocks)
+        if computed_blocks or needs_copy or num_new_blocks > 0:
+            self.changed.add(request.request_id)
         if computed_blocks:
             self.block_pool.touch(computed_blocks)
             blocks.extend(computed_blocks)
@@ -144,11 +155,13 @@ class KVCacheManager:
         blocks = list(self.req_to_blocks.get(parent.request_id, []))
         self.block_pool.touch(blocks)
         self.req_to_blocks[child.request_id] = blocks
+        self.changed.add(child.request_id)
         self.num_hashed_blocks[child.request_id] = self.num_hashed_blocks.get(parent.request_id, 0)
 
     def free(self, request: Request) -> None:
         """Release all blocks of a request, last block first (so its tail is evicted first)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.changed.add(request.request_id)
         self.num_hashed_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(list(reversed(blocks)))
         self.host_pool.give_back(self.req_to_host_blocks.pop(request.request_id, []))
@@ -161,6 +174,7 @@ class KVCacheManager:
     def swap_out(self, request: Request) -> None:
         """Move a request's blocks to host memory; its device blocks are released."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.changed.add(request.request_id)
         host = self.host_pool.take(len(blocks))
         self.pending_swap_out.extend((b.block_id, h) for b, h in zip(blocks, host))
         self.req_to_host_blocks[request.request_id] = host
@@ -176,6 +190,7 @@ class KVCacheManager:
         blocks = self.block_pool.get_new_blocks(len(host))
         self.pending_swap_in.extend((h, b.block_id) for h, b in zip(host, blocks))
         self.req_to_blocks[request.request_id] = blocks
+        self.changed.add(request.request_id)
         self.host_pool.give_back(host)
 
     def take_pending_block_ops(self) -> tuple[list, list, list]:
@@ -183,6 +198,11 @@ class KVCacheManager:
         ops = (self.pending_swap_out, self.pending_swap_in, self.pending_copies)
         self.pending_swap_out, self.pending_swap_in, self.pending_copies = [], [], []
         return ops
+
+    def take_changed(self) -> set[str]:
+        """Ids of requests whose block list changed since the last call; clears them."""
+        changed, self.changed = self.changed, set()
+        return changed
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]

@@ -10,6 +10,11 @@ import numpy as np
 from jaxpage.sampling_params import SamplingParams
 
 
+# Width of the per-sequence list of stop token ids the device knows (EOS and stop_token_ids):
+# masked until min_tokens are out, and checked on device by the multi-step decode loop.
+MAX_STOP_TOKENS = 16
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -22,13 +27,18 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+        return id(self) in _FINISHED_IDS
 
     @property
     def finish_reason(self) -> str | None:
         return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
                 RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+# Identities of the finished statuses: ``id(status) in _FINISHED_IDS`` is a C-level check,
+# where an Enum's own hashing and equality run in Python (hot: once per row per step).
+_FINISHED_IDS = frozenset(map(id, (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                                   RequestStatus.FINISHED_ABORTED)))
 
 
 def derive_sample_seed(seed: int) -> int:
@@ -80,6 +90,9 @@ class Request:
         # When True the engine chooses each next token (beam search), not the sampler.
         self.external_sampling = False
         self.extra_seats = 0  # batch rows held for siblings born later (beam search)
+        # More stop token ids than the device's list holds: vector pre-checks cannot rule
+        # out a stop, so every token of this request is checked exactly.
+        self.has_many_stop_ids = len(self.stop_token_ids_to_suppress) > MAX_STOP_TOKENS
 
     @property
     def fork_at(self) -> int:
@@ -120,7 +133,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return id(self.status) in _FINISHED_IDS
 
     @property
     def stop_token_ids_to_suppress(self) -> tuple[int, ...]:

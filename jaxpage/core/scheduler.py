@@ -21,6 +21,7 @@ arrival improve a request's priority by one, so no request starves.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -31,7 +32,7 @@ from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
@@ -68,6 +69,9 @@ class PreemptionCostModel:
     def prefer_swap(self, num_blocks: int, num_tokens: int) -> bool:
         swap_seconds = 2 * num_blocks * self.bytes_per_block / self.host_bandwidth
         return swap_seconds < num_tokens / self.prefill_tokens_per_s
+
+
+_ARRIVAL = operator.attrgetter("arrival_seq")
 
 
 class Scheduler:
@@ -125,6 +129,21 @@ class Scheduler:
         request.status = status
         return request
 
+    def _sort_running(self) -> None:
+        if self.config.scheduling_policy == "fcfs":
+            self.running.sort(key=_ARRIVAL)  # C-level key; nearly sorted already: O(n)
+        else:
+            self.running.sort(key=self._priority_key)
+
+    def _best_waiting(self) -> Request:
+        """The waiting request to admit next. Under FCFS it is the head of the queue, in
+        O(1): requests arrive in order, and a preempted (or forked) one goes back to the
+        head having arrived before every request still waiting. Priorities age with the
+        step count, so that policy compares every waiting request."""
+        if self.config.scheduling_policy == "fcfs":
+            return self.waiting[0]
+        return min(self.waiting, key=self._priority_key)
+
     def _priority_key(self, request: Request) -> tuple[int, int]:
         if self.config.scheduling_policy == "fcfs":
             return (0, request.arrival_seq)
@@ -148,19 +167,26 @@ class Scheduler:
         self.step_count += 1
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        self.running.sort(key=self._priority_key)
+        self._sort_running()
+        running, scheduled, allocate = self.running, out.scheduled, self.kv.allocate_slots
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            if request.fork_children and request.num_computed_tokens >= request.fork_at:
-                self._fork(request, index)
-            num_new = self._num_new_tokens(request, budget, request.num_computed_tokens)
+        while index < len(running) and budget > 0:
+            request = running[index]
+            if request.fork_children:
+                if request.num_computed_tokens >= request.fork_at:
+                    self._fork(request, index)
+                num_new = self._num_new_tokens(request, budget, request.num_computed_tokens)
+            elif request.num_computed_tokens == len(request.all_token_ids) - 1:
+                num_new = 1  # a decode: the hot path, one row of every step
+            else:
+                num_new = self._num_new_tokens(request, budget, request.num_computed_tokens)
             if num_new == 0:
                 index += 1
                 continue
-            if not self._allocate_or_preempt(request, num_new, out):
+            if not allocate(request, num_new) and not self._allocate_or_preempt(
+                    request, num_new, out):
                 break  # the request itself was preempted: nothing worse is left
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
             index += 1
         if not out.preempted:
@@ -201,6 +227,8 @@ class Scheduler:
         return child
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        if not self.swapped:
+            return budget
         self.swapped.sort(key=self._priority_key)
         while (self.swapped and budget > 0
                and self._seats_in_use() + self.swapped[0].num_seats <= self.config.max_num_seqs):
@@ -218,9 +246,12 @@ class Scheduler:
         return budget
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.waiting:
+            return
+        seats = self._seats_in_use()
         while self.waiting and budget > 0:
-            request = min(self.waiting, key=self._priority_key)
-            if self._seats_in_use() + request.num_seats > self.config.max_num_seqs:
+            request = self._best_waiting()
+            if seats + request.num_seats > self.config.max_num_seqs:
                 break
             computed = self.kv.get_computed_blocks(request)
             num_cached = len(computed) * self.kv.block_size
@@ -232,7 +263,11 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
                 self.kv.record_prefix_lookup(request.num_prompt_tokens, num_cached)
             request.num_computed_tokens = num_computed
-            self.waiting.remove(request)
+            if self.waiting[0] is request:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(request)
+            seats += request.num_seats
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             if num_new:
@@ -266,41 +301,53 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
 
-    def update_from_output(self, out: SchedulerOutput,
-                           sampled_token_ids: np.ndarray) -> list[tuple[Request, int]]:
+    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: np.ndarray,
+                           may_stop: np.ndarray | None = None) -> list[tuple[Request, int]]:
         """Advance progress after a single step; returns (request, batch row) per new token.
 
         A row is only a real token when that request's step reached its last known token
         (no partial prefill). Tokens of ``external_sampling`` requests (beam search) are
-        chosen by the engine instead of appended here.
+        chosen by the engine instead of appended here. ``may_stop`` (bool [S], optional)
+        marks the rows whose token could end their request; the others skip the stop
+        check (the caller guarantees it would find nothing).
         """
         produced = []
+        tokens = sampled_token_ids.tolist()
+        cache_full_blocks = self.kv.cache_full_blocks
         for row, item in enumerate(out.scheduled):
             request = item.request
             if request.is_finished:
                 continue  # aborted while the step ran
-            if request.num_computed_tokens + item.num_new_tokens < request.num_tokens:
-                request.num_computed_tokens += item.num_new_tokens
-                self.kv.cache_full_blocks(request)
+            computed = request.num_computed_tokens + item.num_new_tokens
+            if computed < len(request.all_token_ids):
+                request.num_computed_tokens = computed
+                cache_full_blocks(request)
                 continue  # a prefill chunk: its sampled token is meaningless
             produced.append((request, row))
             if request.external_sampling:
-                request.num_computed_tokens += item.num_new_tokens
-                self.kv.cache_full_blocks(request)
+                request.num_computed_tokens = computed
+                cache_full_blocks(request)
                 continue
-            request.num_computed_tokens += item.num_new_tokens - 1
-            self.accept_token(request, int(sampled_token_ids[row]))
+            request.num_computed_tokens = computed - 1
+            if item.num_new_tokens > 1:
+                cache_full_blocks(request)  # blocks the chunk filled before its last token
+            self.accept_token(request, tokens[row], may_stop is None or may_stop[row])
         return produced
 
-    def accept_token(self, request: Request, token: int) -> bool:
+    def accept_token(self, request: Request, token: int, may_stop: bool = True) -> bool:
         """Append a token whose predecessor's K/V the device just wrote; True if it stops.
 
-        Counts that predecessor as computed, caches newly full blocks, and finishes the
-        request (freeing its blocks) on a token-level stop.
+        Counts that predecessor as computed, caches a block it filled, and finishes the
+        request (freeing its blocks) on a token-level stop. ``may_stop=False`` skips the
+        stop check (the caller knows the token cannot stop the request).
         """
         request.num_computed_tokens += 1
-        self.kv.cache_full_blocks(request)
-        request.append_output_token(token)
+        if request.num_computed_tokens % self.kv.block_size == 0:
+            self.kv.cache_full_blocks(request)
+        request.output_token_ids.append(token)
+        request.all_token_ids.append(token)
+        if not (may_stop or request.has_many_stop_ids):
+            return False
         status = request.check_token_stop()
         if status is not None:
             self.finish_request(request.request_id, status)

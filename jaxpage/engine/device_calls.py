@@ -45,7 +45,7 @@ from typing import Callable
 import numpy as np
 
 from jaxpage.config import SchedulerConfig
-from jaxpage.core.batch import BatchBuilder
+from jaxpage.core.batch import BatchBuilder, BatchMetadata
 from jaxpage.core.block_pool import BlockPool
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.request import Request
@@ -57,6 +57,13 @@ from jaxpage.outputs import RequestOutput
 from jaxpage.runtime.model_runner import ModelRunner, PendingMultiStep, PendingStep
 
 
+# The host's work per call, by phase (seconds in ``step_profile["phases"]``): scheduling
+# and the block manager, building the batch metadata, moving it to the device and
+# launching the program, applying the tokens to the requests (stop checks included), and
+# turning moved requests into outputs (detokenization, stop strings, deltas).
+PHASES = ("schedule", "batch", "dispatch", "process", "outputs")
+
+
 @dataclass
 class DeviceCall:
     """A device call on its way: what was scheduled, and its pending results."""
@@ -65,6 +72,7 @@ class DeviceCall:
     num_steps: int
     pending: PendingStep | PendingMultiStep
     dispatched_at: float
+    batch: BatchMetadata
 
 
 class DeviceCalls:
@@ -88,7 +96,8 @@ class DeviceCalls:
         self.output_processor = output_processor
         self.collect = collect  # touched requests -> the outputs users should see
         self.step_profile = {"calls": 0, "device_s": 0.0, "host_s": 0.0, "idle_s": 0.0,
-                             "chained": 0}
+                             "chained": 0, "phases": dict.fromkeys(PHASES, 0.0)}
+        self._phases = self.step_profile["phases"]
         self.inflight: DeviceCall | None = None  # a chained call whose tokens wait
         self._idle_since: float | None = None
         self._results_at = 0.0
@@ -108,8 +117,11 @@ class DeviceCalls:
             self.inflight = self._dispatch_chained(call)
         waited = time.perf_counter()
         touched = self._process(call)
+        processed = time.perf_counter()
         outputs, self._pending_outputs = self._pending_outputs + self.collect(touched), []
         ended = time.perf_counter()
+        self._phases["process"] += processed - self._results_at
+        self._phases["outputs"] += ended - processed
         if self.inflight is not None and self.inflight.pending.is_ready():
             # The queued call finished while the host was busy: count the device as idle
             # from when this call's results arrived (an upper bound).
@@ -136,12 +148,14 @@ class DeviceCalls:
         return now
 
     def _schedule_and_dispatch(self) -> DeviceCall | None:
+        began = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
             self._check_not_stalled(out)
             return None
         self._empty_steps = 0
         num_steps = self.scheduler.reserve_multi_step(out, self.config.num_scheduler_steps)
+        scheduled = time.perf_counter()
         self.runner.apply_block_ops(*self.kv_cache_manager.take_pending_block_ops())
         batch = self.batch_builder.build(out)
         self.runner.fill_penalty_rows(self.batch_builder.take_penalty_fills())
@@ -150,13 +164,18 @@ class DeviceCalls:
             pending = self.runner.dispatch_multi_step(batch, num_steps)
         else:
             pending = self.runner.dispatch(batch)
-        return DeviceCall(out, num_steps, pending, dispatched_at)
+        self._phases["schedule"] += scheduled - began
+        self._phases["batch"] += dispatched_at - scheduled
+        self._phases["dispatch"] += time.perf_counter() - dispatched_at
+        return DeviceCall(out, num_steps, pending, dispatched_at, batch)
 
     def _dispatch_chained(self, call: DeviceCall) -> DeviceCall | None:
         """Queue the next multi-step call behind ``call`` before its tokens are known."""
+        began = time.perf_counter()
         out = self.scheduler.chain_multi_step(call.out, call.num_steps)
         if out is None:
             return None
+        scheduled = time.perf_counter()
         self.runner.apply_block_ops(*self.kv_cache_manager.take_pending_block_ops())
         row_of = {id(item.request): row for row, item in enumerate(call.out.scheduled)}
         row_map = np.array([row_of[id(item.request)] for item in out.scheduled], np.int32)
@@ -165,7 +184,10 @@ class DeviceCalls:
         self.step_profile["chained"] += 1
         pending = self.runner.dispatch_multi_step(batch, call.num_steps, after=call.pending,
                                                   row_map=row_map)
-        return DeviceCall(out, call.num_steps, pending, dispatched_at)
+        self._phases["schedule"] += scheduled - began
+        self._phases["batch"] += dispatched_at - scheduled
+        self._phases["dispatch"] += time.perf_counter() - dispatched_at
+        return DeviceCall(out, call.num_steps, pending, dispatched_at, batch)
 
     def _check_not_stalled(self, out: SchedulerOutput) -> None:
         """An empty schedule can happen once (a fork due at admission, a self-preemption);
@@ -190,14 +212,19 @@ class DeviceCalls:
         result = call.pending.fetch()
         self._results_arrived()
         self._observe_step(call.out, self._results_at - call.dispatched_at)
+        produced = self.scheduler.update_from_output(call.out, result.tokens,
+                                                     may_stop(call.batch, result.tokens))
         touched = []
-        for request, row in self.scheduler.update_from_output(call.out, result.tokens):
+        with_logprobs = result.top_ids is not None
+        for request, row in produced:
             if request.external_sampling:
                 self.beam_search.on_distribution(request, result.top_ids[row],
                                                  result.top_logprobs[row])
                 continue
-            self.logprobs.record(request, result, row)
-            self._after_tokens(request)
+            if with_logprobs:
+                self.logprobs.record(request, result, row)
+            if request.first_token_time is None or request.sampling_params.stop:
+                self._after_tokens(request)
             touched.append(request)
         return touched
 
@@ -229,8 +256,20 @@ class DeviceCalls:
 
     def _observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """Feed the preemption cost model with the measured prefill speed (moving average)."""
+        num_prefill = out.num_batched_tokens - len(out.scheduled)  # tokens beyond one a row
+        if num_prefill < 16:
+            return
         num_prefill = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
         if num_prefill >= 16 and seconds > 0:
             model = self.cost_model
             model.prefill_tokens_per_s = (0.8 * model.prefill_tokens_per_s
                                           + 0.2 * num_prefill / seconds)
+
+
+def may_stop(batch: BatchMetadata, tokens: np.ndarray) -> np.ndarray:
+    """bool [S]: rows whose sampled token could end their request, from the batch's own
+    stop lists and lengths (a superset of the rows that stop: ``min_tokens`` is left to
+    the exact check). Requests with more stop ids than the list holds are checked
+    exactly regardless (``Request.has_many_stop_ids``)."""
+    hits = (tokens[:, None] == batch.stop_token_ids).any(axis=1)          # [S]
+    return hits | (batch.sample_index + 1 >= batch.max_output)

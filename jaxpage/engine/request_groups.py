@@ -51,6 +51,8 @@ class RequestGroups:
         seen: set[str] = set()
         moved = {seq.request_id for seq in requests}
         for request in requests:
+            if not request.is_finished and request.sampling_params.output_kind != "delta":
+                continue  # a final-only request that moved but did not finish: nothing to say
             group_id = self._group_of.get(request.request_id)
             if group_id is None or group_id in seen:
                 continue

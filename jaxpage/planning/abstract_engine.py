@@ -145,9 +145,10 @@ class AbstractEngine:
         penalty = self._replicated((self.max_num_seqs, self.arch.vocab_size), jnp.int32)
         return self.kv_cache(num_blocks), penalty
 
-    def batch(self, shape: tuple[int, int, int]) -> dict:
-        arrays = self.builder.empty(*shape).as_dict()
-        return {k: self._replicated(v.shape, v.dtype) for k, v in arrays.items()}
+    def batch(self, shape: tuple[int, int, int]) -> tuple:
+        """The packed batch (``BatchMetadata.packed``) of that shape, abstract."""
+        arrays = self.builder.empty(*shape).packed()
+        return tuple(self._replicated(v.shape, v.dtype) for v in arrays)
 
     # -- programs ---------------------------------------------------------------------
 

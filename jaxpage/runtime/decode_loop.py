@@ -29,12 +29,13 @@ from flax import nnx
 
 from jaxpage.core.batch import MAX_TOP_LOGPROBS
 from jaxpage.runtime.sampler import record_tokens, sample, sampled_logprobs
-from jaxpage.runtime.step import Caches
+from jaxpage.runtime.step import Caches, Packed, unpack
 
 
 def make_decode_loop(graphdef: Any, num_steps: int, block_size: int,
                      jit: Callable = jax.jit) -> Callable:
-    """Jitted ``loop(state, caches, batch, prev_tokens, prev_done, row_map)``.
+    """Jitted ``loop(state, caches, packed, prev_tokens, prev_done, row_map)``
+    (``packed``: ``BatchMetadata.packed()``).
 
     prev_tokens int32 [R], prev_done bool [R] (R = carry rows), row_map int32 [S].
     ``caches``: ``(kv_cache, penalty_table)`` as in ``step.make_step``.
@@ -43,8 +44,9 @@ def make_decode_loop(graphdef: Any, num_steps: int, block_size: int,
     MAX_TOP_LOGPROBS], token_* [num_steps, S], all zeros unless some row wants logprobs.
     """
 
-    def loop(state: Any, caches: Caches, batch: dict[str, jax.Array],
+    def loop(state: Any, caches: Caches, packed: Packed,
              prev_tokens: jax.Array, prev_done: jax.Array, row_map: jax.Array):
+        batch = unpack(packed)
         kv_cache, penalty_table = caches
         model = nnx.merge(graphdef, state)
         num_tokens = batch["input_ids"].shape[0]

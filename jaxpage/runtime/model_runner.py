@@ -204,7 +204,7 @@ class ModelRunner:
     def dispatch(self, batch: BatchMetadata) -> "PendingStep":
         """Launch one step without waiting; its outputs start moving to the host at once."""
         self.compiled_shapes.add(batch.shape_key)
-        args = (self.state, (self.kv_cache, self.penalty_table), jax.device_put(batch.as_dict()))
+        args = (self.state, (self.kv_cache, self.penalty_table), jax.device_put(batch.packed()))
         program = self.executables.get("step", batch.shape_key, self._step, args)
         (self.kv_cache, self.penalty_table), (tokens, *logprobs) = program(*args)
         outputs = (tokens, *logprobs) if batch.want_logprobs.any() else (tokens,)
@@ -238,7 +238,7 @@ class ModelRunner:
             row_map = np.pad(np.asarray(row_map, np.int32), (0, num_rows - len(row_map)),
                              constant_values=-1)
         self.compiled_shapes.add(batch.shape_key + (num_steps,))
-        args = (self.state, (self.kv_cache, self.penalty_table), jax.device_put(batch.as_dict()),
+        args = (self.state, (self.kv_cache, self.penalty_table), jax.device_put(batch.packed()),
                 prev_tokens, prev_done, jax.device_put(row_map))
         program = self.executables.get(f"decode{num_steps}", batch.shape_key, loop, args)
         (self.kv_cache, self.penalty_table), tokens, carry, logprobs = program(*args)
@@ -256,7 +256,7 @@ class ModelRunner:
     def logits(self, batch: BatchMetadata) -> np.ndarray:
         """Run one step and return float32 logits [T, V] for every token (the cache is updated)."""
         self.kv_cache, logits = self._forward_logits(self.state, self.kv_cache,
-                                                     jax.device_put(batch.as_dict()))
+                                                     jax.device_put(batch.packed()))
         return np.asarray(logits)
 
 

@@ -14,22 +14,32 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
-from jaxpage.core.batch import MAX_TOP_LOGPROBS
+from jaxpage.core.batch import MAX_TOP_LOGPROBS, unpack_batch
 from jaxpage.runtime.sampler import fill_penalty_row, record_tokens, sample, sampled_logprobs
 
 KVCache = tuple[jax.Array, jax.Array]
 Caches = tuple[KVCache, jax.Array]  # (kv_cache, penalty_table int32 [R, V])
+Packed = tuple[jax.Array, jax.Array, jax.Array]  # BatchMetadata.packed() on the device
+
+
+def unpack(packed: Packed) -> dict[str, jax.Array]:
+    """The batch's fields inside a program, from ``BatchMetadata.packed`` (free slicing);
+    the seeds get their uint32 type back."""
+    batch = unpack_batch(*packed)
+    batch["sample_seeds"] = jax.lax.bitcast_convert_type(batch["sample_seeds"], jax.numpy.uint32)
+    return batch
 
 
 def make_step(graphdef: Any, jit: Callable = jax.jit) -> Callable:
-    """Jitted ``step(state, caches, batch) -> (caches, (tokens, top_ids, top_logprobs,
-    token_logprobs, token_ranks))``.
+    """Jitted ``step(state, caches, packed) -> (caches, (tokens, top_ids, top_logprobs,
+    token_logprobs, token_ranks))``; ``packed`` is ``BatchMetadata.packed()``.
 
     tokens: int32 [S]; top_ids, top_logprobs: [S, MAX_TOP_LOGPROBS]; token_logprobs float32
     [S] and token_ranks int32 [S] of the sampled tokens (all zeros unless some row has
     ``want_logprobs``).
     """
-    def step(state: Any, caches: Caches, batch: dict[str, jax.Array]):
+    def step(state: Any, caches: Caches, packed: Packed):
+        batch = unpack(packed)
         kv_cache, penalty_table = caches
         model = nnx.merge(graphdef, state)
         hidden, kv_cache = model(batch["input_ids"], batch["positions"], kv_cache, batch)
@@ -54,12 +64,13 @@ def make_penalty_fill(jit: Callable = jax.jit) -> Callable:
 
 
 def make_forward_logits(graphdef: Any, jit: Callable = jax.jit) -> Callable:
-    """Jitted ``forward(state, kv_cache, batch) -> (kv_cache, logits float32 [T, V])``.
+    """Jitted ``forward(state, kv_cache, packed) -> (kv_cache, logits float32 [T, V])``.
 
     Logits of every scheduled token: for checks against a reference model and for
     prompt log-probabilities.
     """
-    def forward(state: Any, kv_cache: KVCache, batch: dict[str, jax.Array]):
+    def forward(state: Any, kv_cache: KVCache, packed: Packed):
+        batch = unpack(packed)
         model = nnx.merge(graphdef, state)
         hidden, kv_cache = model(batch["input_ids"], batch["positions"], kv_cache, batch)
         return kv_cache, model.compute_logits(hidden)
