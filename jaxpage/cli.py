@@ -56,6 +56,7 @@ ENGINE_FLAGS = {
     "seed": (int, "engine seed for requests without their own"),
     "attention_backend": (str, "auto, reference, cpu (C++ kernel), gpu or tpu"),
     "compilation_cache": (_bool, "save compiled programs for the next start (true/false)"),
+    "weight_cache": (_bool, "keep GGUF weights converted for the next start (true/false)"),
     "warmup": (_bool, "compile every bucket at start-up (default: on accelerators only)"),
     "async_scheduling": (_bool, "queue the next multi-step call before processing the last (true/false)"),
     "tensor_parallel_size": (int, "devices per model replica (sharded Megatron-style)"),

@@ -32,6 +32,7 @@ class ModelConfig:
     seed: int = 0
     attention_backend: str = "auto"
     compilation_cache: bool = True  # save compiled programs under the jaxpage cache dir
+    weight_cache: bool = True  # keep GGUF weights converted under the jaxpage cache dir
     warmup: bool | None = None  # compile every bucket at start-up; None: on accelerators only
     # Keys replaced in the model's Hugging Face config before it is built (vLLM's name), e.g.
     # {"num_hidden_layers": 2} for a shallow copy of a model; not for orbax checkpoints.
@@ -52,6 +53,8 @@ class ModelConfig:
                  f"warmup={self.warmup!r} must be None (auto), True or False")
         _require(isinstance(self.compilation_cache, bool),
                  f"compilation_cache={self.compilation_cache!r} must be a bool")
+        _require(isinstance(self.weight_cache, bool),
+                 f"weight_cache={self.weight_cache!r} must be a bool")
         _require(self.attention_backend in SUPPORTED_ATTENTION_BACKENDS,
                  f"attention_backend={self.attention_backend!r} is not one of "
                  f"{SUPPORTED_ATTENTION_BACKENDS}")

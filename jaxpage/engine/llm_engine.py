@@ -68,7 +68,9 @@ class LLMEngine:
             mesh = default_mesh(config.parallel)
         num_shards = 1 if mesh is None else mesh.size  # KV sizes are per device
         loaded = load_model(mc.model, dtype=mc.dtype, attention_backend=mc.attention_backend,
-                            mesh=mesh, hf_overrides=mc.hf_overrides)
+                            mesh=mesh, hf_overrides=mc.hf_overrides,
+                            cache_dir=(os.path.join(cache_dir(), "weights")
+                                       if mc.weight_cache else None))
         self.arch = loaded.arch
         self.tokenizer = load_tokenizer(loaded.path, mc.tokenizer)
         limit = self.arch.max_position_embeddings

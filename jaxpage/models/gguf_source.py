@@ -3,18 +3,30 @@
 llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` for Llama-type models
 (per head, rows laid out as (2, head_dim/2) were written as (head_dim/2, 2)); we undo it so
 that every tensor matches its Hugging Face counterpart exactly.
+
+With a ``cache_dir`` the config and the converted params are kept there
+(``converted_cache``): a second start opens neither the file's metadata nor its tensors.
+The file is parsed only when something is missing from the cache.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+from typing import Any
 
+import jax
 import numpy as np
 from gguf import GGUFReader, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from jaxpage.arch_config import ArchConfig
+from jaxpage.models.converted_cache import ConvertedCache, StaleEntry
 from jaxpage.models.hf_layout import HFTensorSource
+from jaxpage.parallel.placement import Placement
+
+logger = logging.getLogger("jaxpage")
 
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM"}
@@ -44,14 +56,33 @@ def _hf_name(gguf_name: str) -> str | None:
 
 
 class GGUFSource(HFTensorSource):
-    """Reads a GGUF file; ``get`` takes Hugging Face tensor names."""
+    """Reads a GGUF file; ``get`` takes Hugging Face tensor names.
+
+    ``from_cache`` tells whether ``read_params`` took the converted params from the cache.
+    """
+
+    caches_conversion = True  # takes cache_dir (weight_sources.open_source)
 
     @staticmethod
     def accepts(path: str) -> bool:
         return os.path.isfile(path) and path.endswith(".gguf")
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, cache_dir: str | None = None) -> None:
         self.path = path
+        self.cache = ConvertedCache(cache_dir, path) if cache_dir is not None else None
+        self.from_cache = False
+        self.reader = None
+        config = self.cache.read_config() if self.cache is not None else None
+        if config is not None:
+            self.hf_config = config
+            return
+        self._open()
+        if self.cache is not None:
+            self.cache.write_config(self.hf_config)
+
+    def _open(self) -> None:
+        """Parse the file's metadata and tensor index (seconds for a real model)."""
+        path = self.path
         self.reader = GGUFReader(path)
         self.metadata = {key: self._field(key) for key in self.reader.fields
                          if not key.startswith("tokenizer.ggml.")}
@@ -103,11 +134,35 @@ class GGUFSource(HFTensorSource):
             "eos_token_id": int(eos.contents()) if eos is not None else None,
         }
 
+    def read_params(self, arch: ArchConfig, run_arch: ArchConfig, template: dict[str, Any],
+                    placement: Placement, dtype: Any) -> dict[str, Any]:
+        """As ``HFTensorSource.read_params``, from the converted cache when it holds them
+        (checked as read: a stale or corrupted entry is converted again and replaced)."""
+        if self.cache is None:
+            return super().read_params(arch, run_arch, template, placement, dtype)
+        try:
+            cached = self.cache.load(dtype, arch)
+            if cached is not None:
+                pure = self.place(self.repeat_kv(cached, arch, run_arch), placement, dtype)
+                self.from_cache = True
+                return pure
+        except StaleEntry as error:
+            logger.warning("%s; converting %s again", error, self.path)
+            self.cache.discard(dtype, arch)
+        nbytes = sum(int(np.prod(leaf.shape)) * np.dtype(dtype).itemsize
+                     for leaf in jax.tree.leaves(template))
+        converted = self.cache.save(dtype, arch, self.layout_arrays(arch), nbytes)
+        return self.place(self.repeat_kv(converted, arch, run_arch), placement, dtype)
+
     def names(self) -> set[str]:
+        if self.reader is None:
+            self._open()
         return set(self._tensors)
 
     def get(self, name: str) -> np.ndarray:
         """float32 tensor in Hugging Face layout ([out, in] for linear weights)."""
+        if self.reader is None:
+            self._open()
         if name not in self._tensors:
             raise ValueError(f"GGUF file has no tensor for {name!r}")
         tensor = self._tensors[name]

@@ -13,7 +13,7 @@ provides ``hf_config`` and ``get(name)`` (the tensor as Hugging Face stores it, 
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import jax.numpy as jnp
 import numpy as np
@@ -53,8 +53,14 @@ class HFTensorSource:
     def read_params(self, arch: ArchConfig, run_arch: ArchConfig, template: dict[str, Any],
                     placement: Placement, dtype: Any) -> dict[str, Any]:
         """The model's pure dict (keys as in ``template``), every array on its devices."""
+        return self.place(self.param_arrays(arch, run_arch), placement, dtype)
+
+    @staticmethod
+    def place(arrays: Iterable[tuple[tuple, np.ndarray]], placement: Placement,
+              dtype: Any) -> dict[str, Any]:
+        """(path keys, host array) pairs -> the pure dict, every array on its devices."""
         pure: dict[str, Any] = {}
-        for keys, array in self.param_arrays(arch, run_arch):
+        for keys, array in arrays:
             node = pure
             for key in keys[:-1]:
                 node = node.setdefault(key, {})
@@ -66,7 +72,20 @@ class HFTensorSource:
     def param_arrays(self, arch: ArchConfig,
                      run_arch: ArchConfig) -> Iterator[tuple[tuple, np.ndarray]]:
         """Yield (path keys, host array) for every parameter, in our layout, one at a time."""
+        return self.repeat_kv(self.layout_arrays(arch), arch, run_arch)
+
+    @staticmethod
+    def repeat_kv(arrays: Iterable[tuple[tuple, np.ndarray]], arch: ArchConfig,
+                  run_arch: ArchConfig) -> Iterator[tuple[tuple, np.ndarray]]:
+        """``arrays`` with K/V projections repeated to ``run_arch``'s KV heads."""
         repeats = run_arch.num_kv_heads // arch.num_kv_heads
+        for keys, array in arrays:
+            if keys[-1] in _KV_TENSORS:
+                array = repeat_kv_heads(array, arch.num_kv_heads, arch.head_dim, repeats)
+            yield keys, array
+
+    def layout_arrays(self, arch: ArchConfig) -> Iterator[tuple[tuple, np.ndarray]]:
+        """(path keys, host array) in our layout (linears [in, out]), KV heads as saved."""
         yield ("embed",), self.get("model.embed_tokens.weight")
         yield ("final_norm",), self.get("model.norm.weight")
         if not arch.tie_word_embeddings:
@@ -80,7 +99,4 @@ class HFTensorSource:
         for i in range(arch.num_layers):
             for name, (suffix, transpose) in layer_tensors.items():
                 array = self.get(f"model.layers.{i}.{suffix}")
-                array = array.T if transpose else array
-                if name in _KV_TENSORS:
-                    array = repeat_kv_heads(array, arch.num_kv_heads, arch.head_dim, repeats)
-                yield ("layers", i, name), array
+                yield ("layers", i, name), array.T if transpose else array

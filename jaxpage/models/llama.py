@@ -54,28 +54,53 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
+class ParamInit:
+    """New parameters: random normal (std 0.02), ones or zeros; with ``rngs=None`` only
+    their shapes (``jax.ShapeDtypeStruct``), for a model whose weights are loaded next.
+
+    Shapes only need no tracing: ``nnx.eval_shape`` of the same model costs ~0.7 s for
+    SmolLM2, most of it flax asking each traced parameter for its sharding.
+    """
+
+    def __init__(self, rngs: nnx.Rngs | None, dtype: Any) -> None:
+        self.rngs, self.dtype = rngs, dtype
+
+    def normal(self, *shape: int) -> nnx.Param:
+        if self.rngs is None:
+            return nnx.Param(jax.ShapeDtypeStruct(shape, self.dtype))
+        return nnx.Param(nnx.initializers.normal(0.02)(self.rngs.params(), shape, self.dtype))
+
+    def ones(self, *shape: int) -> nnx.Param:
+        if self.rngs is None:
+            return nnx.Param(jax.ShapeDtypeStruct(shape, self.dtype))
+        return nnx.Param(jnp.ones(shape, self.dtype))
+
+    def zeros(self, *shape: int) -> nnx.Param:
+        if self.rngs is None:
+            return nnx.Param(jax.ShapeDtypeStruct(shape, self.dtype))
+        return nnx.Param(jnp.zeros(shape, self.dtype))
+
+
 class DecoderLayer(nnx.Module):
     """One decoder layer's weights (projections ``[in_features, out_features]``) and its
     forward pass."""
 
-    def __init__(self, cfg: ArchConfig, *, dtype: Any, rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: ArchConfig, *, dtype: Any, rngs: nnx.Rngs | None) -> None:
         H, I = cfg.hidden_size, cfg.intermediate_size
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        init = nnx.initializers.normal(0.02)
+        init = ParamInit(rngs, dtype)
+        weight = init.normal
 
-        def weight(*shape: int) -> nnx.Param:
-            return nnx.Param(init(rngs.params(), shape, dtype))
-
-        self.input_norm = nnx.Param(jnp.ones((H,), dtype))
-        self.post_attention_norm = nnx.Param(jnp.ones((H,), dtype))
+        self.input_norm = init.ones(H)
+        self.post_attention_norm = init.ones(H)
         self.q_proj, self.k_proj, self.v_proj = weight(H, q_dim), weight(H, kv_dim), weight(H, kv_dim)
         self.o_proj = weight(q_dim, H)
         if cfg.qkv_bias:
-            self.q_bias = nnx.Param(jnp.zeros((q_dim,), dtype))
-            self.k_bias = nnx.Param(jnp.zeros((kv_dim,), dtype))
-            self.v_bias = nnx.Param(jnp.zeros((kv_dim,), dtype))
+            self.q_bias = init.zeros(q_dim)
+            self.k_bias = init.zeros(kv_dim)
+            self.v_bias = init.zeros(kv_dim)
         if cfg.o_bias:
-            self.o_bias = nnx.Param(jnp.zeros((H,), dtype))
+            self.o_bias = init.zeros(H)
         self.gate_proj, self.up_proj, self.down_proj = weight(H, I), weight(H, I), weight(I, H)
 
     def qkv(self, cfg: ArchConfig, h: jax.Array, positions: jax.Array,
@@ -105,22 +130,24 @@ class DecoderLayer(nnx.Module):
 
 
 class CausalLM(nnx.Module):
-    """Embeddings -> decoder layers -> final norm; ``compute_logits`` for the head."""
+    """Embeddings -> decoder layers -> final norm; ``compute_logits`` for the head.
+
+    ``rngs=None`` builds the parameters' shapes only (``ParamInit``), to load weights into.
+    """
 
     def __init__(self, cfg: ArchConfig, *, dtype: Any = jnp.float32,
-                 attention_backend: str = "auto", rngs: nnx.Rngs,
+                 attention_backend: str = "auto", rngs: nnx.Rngs | None,
                  mesh: jax.sharding.Mesh | None = None) -> None:
         self.cfg = cfg
         self.attention_backend = attention_backend
         self.mesh = mesh  # static: a one-axis ("tp") mesh, or None on one device
-        self.embed = nnx.Param(nnx.initializers.normal(0.02)(
-            rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
+        init = ParamInit(rngs, dtype)
+        self.embed = init.normal(cfg.vocab_size, cfg.hidden_size)
         self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs)
                                 for _ in range(cfg.num_layers)])
-        self.final_norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype))
+        self.final_norm = init.ones(cfg.hidden_size)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nnx.Param(nnx.initializers.normal(0.02)(
-                rngs.params(), (cfg.hidden_size, cfg.vocab_size), dtype))
+            self.lm_head = init.normal(cfg.hidden_size, cfg.vocab_size)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
                  batch: dict[str, jax.Array]) -> tuple[jax.Array, KVCache]:

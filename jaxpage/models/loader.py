@@ -1,11 +1,12 @@
 """Builds a model from a checkpoint path: HF directory, GGUF file, orbax checkpoint, preset.
 
 The path picks a weight source (``weight_sources.open_source``); the loader builds the
-model abstractly (no memory), asks the source for the params of the architecture as run,
-and merges them in. With a ``mesh`` (tensor parallelism) every array goes straight into
-its shards: no device ever holds a whole sharded tensor. KV heads are repeated for GQA
-when fewer than the devices (``sharding_rules.replicated_arch``); ``LoadedModel.arch`` is
-then the repeated one.
+model abstractly (shapes only: no memory, nothing traced), asks the source for the params
+of the architecture as run, and merges them in. With a ``mesh`` (tensor parallelism)
+every array goes straight into its shards: no device ever holds a whole sharded tensor.
+KV heads are repeated for GQA when fewer than the devices
+(``sharding_rules.replicated_arch``); ``LoadedModel.arch`` is then the repeated one.
+A GGUF source given a ``cache_dir`` keeps what it converted there for the next start.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class LoadedModel:
     hf_config: dict[str, Any]
     path: str
     mesh: Any = None           # the replica's jax.sharding.Mesh, None on one device
+    from_cache: bool = False   # params came from the converted-weights cache
 
 
 def resolve_dtype(dtype: str) -> Any:
@@ -64,17 +66,27 @@ def with_overrides(hf_config: dict[str, Any], overrides: dict[str, Any] | None) 
     return {**hf_config, **(overrides or {})}
 
 
+def resolve_model_path(path: str | None) -> str:
+    """The path ``load_model`` reads: the embedded default for None, ``~`` expanded."""
+    if path is not None and path.startswith(PRESET_PREFIX):
+        return path
+    return default_model_path() if path is None else os.path.expanduser(path)
+
+
 def load_model(path: str | None, *, dtype: str = "float32", attention_backend: str = "auto",
-               mesh: Any = None, hf_overrides: dict[str, Any] | None = None) -> LoadedModel:
+               mesh: Any = None, hf_overrides: dict[str, Any] | None = None,
+               cache_dir: str | None = None) -> LoadedModel:
     """Load ``path`` (None: the embedded default); sharded over ``mesh`` when given.
 
     ``hf_overrides`` replaces keys of the model's Hugging Face config before the model is
     built (e.g. fewer ``num_hidden_layers``: the first layers of the checkpoint are read).
+    ``cache_dir``: where a source that converts (GGUF) keeps its converted params for the
+    next start (``converted_cache``); None converts every time.
     """
-    if path is not None and path.startswith(PRESET_PREFIX):
+    path = resolve_model_path(path)
+    if path.startswith(PRESET_PREFIX):
         return _random_preset(path, dtype, attention_backend, mesh, hf_overrides)
-    path = default_model_path() if path is None else os.path.expanduser(path)
-    source = open_source(path)
+    source = open_source(path, cache_dir)
     if hf_overrides and getattr(source, "architecture_is_saved", False):
         raise ValueError(f"hf_overrides={hf_overrides!r} cannot change the architecture saved "
                          f"in the checkpoint {path!r}; load the original checkpoint instead")
@@ -84,13 +96,14 @@ def load_model(path: str | None, *, dtype: str = "float32", attention_backend: s
     run_arch = source.run_arch(arch, placement.tp_size)
     jdtype = resolve_dtype(source.saved_dtype if dtype == "auto" and source.saved_dtype
                            else dtype)
-    abstract = nnx.eval_shape(lambda: model_cls(run_arch, dtype=jdtype,
-                                                attention_backend=attention_backend,
-                                                rngs=nnx.Rngs(0), mesh=mesh))
+    # rngs=None: parameter shapes only, no arrays and nothing traced (llama.ParamInit)
+    abstract = model_cls(run_arch, dtype=jdtype, attention_backend=attention_backend,
+                         rngs=None, mesh=mesh)
     graphdef, state = nnx.split(abstract)
     pure = source.read_params(arch, run_arch, nnx.to_pure_dict(state), placement, jdtype)
     nnx.replace_by_pure_dict(state, pure)
-    return LoadedModel(nnx.merge(graphdef, state), run_arch, hf_config, path, mesh)
+    return LoadedModel(nnx.merge(graphdef, state), run_arch, hf_config, path, mesh,
+                       from_cache=getattr(source, "from_cache", False))
 
 
 def _random_preset(name: str, dtype: str, attention_backend: str, mesh: Any,
