@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable
 
 import numpy as np
@@ -32,7 +33,7 @@ from jaxpage.engine.output_processor import OutputProcessor
 from jaxpage.engine.prompt_logits import prompt_logits
 from jaxpage.engine.request_groups import RequestGroups
 from jaxpage.engine.tokenizer import cache_dir, load_tokenizer
-from jaxpage.models.loader import load_model
+from jaxpage.models.loader import load_model, resolve_model_path
 from jaxpage.outputs import RequestOutput
 from jaxpage.parallel.placement import default_mesh
 from jaxpage.runtime.kv_cache import bytes_per_block
@@ -47,6 +48,15 @@ def jax_backend() -> str:
     import jax
 
     return jax.default_backend()
+
+
+def _in_background(fn: Any, *args: Any) -> Future:
+    """``fn(*args)`` on a thread of its own; ``.result()`` returns or raises its outcome."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="jaxpage-start")
+    try:
+        return pool.submit(fn, *args)
+    finally:
+        pool.shutdown(wait=False)
 
 
 class LLMEngine:
@@ -67,18 +77,19 @@ class LLMEngine:
         if mesh is None:
             mesh = default_mesh(config.parallel)
         num_shards = 1 if mesh is None else mesh.size  # KV sizes are per device
+        # The tokenizer (importing transformers: ~1 s) loads on a thread while the weights
+        # load and the KV cache is zeroed, which mostly run outside the GIL.
+        tokenizer = _in_background(load_tokenizer, resolve_model_path(mc.model), mc.tokenizer)
         loaded = load_model(mc.model, dtype=mc.dtype, attention_backend=mc.attention_backend,
                             mesh=mesh, hf_overrides=mc.hf_overrides,
                             cache_dir=(os.path.join(cache_dir(), "weights")
                                        if mc.weight_cache else None))
         self.arch = loaded.arch
-        self.tokenizer = load_tokenizer(loaded.path, mc.tokenizer)
         limit = self.arch.max_position_embeddings
         if mc.max_model_len is not None and mc.max_model_len > limit:
             raise ValueError(f"max_model_len={mc.max_model_len} exceeds the model's context "
                              f"length {limit}")
         self.max_model_len = mc.max_model_len or limit
-        eos_token_ids = self._eos_token_ids(loaded.hf_config)
 
         block_size = cc.block_size
         dtype = loaded.model.embed[...].dtype
@@ -106,6 +117,8 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)", num_kv_blocks,
                     block_size, num_kv_blocks * block_size,
                     num_kv_blocks * bytes_per_block(self.arch, block_size, dtype) / 2**20)
+        self.tokenizer = tokenizer.result()
+        eos_token_ids = self._eos_token_ids(loaded.hf_config)
         warmup = mc.warmup if mc.warmup is not None else jax_backend() != "cpu"
         if warmup:
             self.warmup()

@@ -4,17 +4,21 @@ A GGUF file stores its tokenizer as metadata. We read those fields with the ``gg
 package and hand them to transformers' own GGUF tokenizer converter (whose file reader,
 unlike the converter, imports torch). The result is saved under the jaxpage cache
 directory, keyed by the file's path, size and mtime, so later loads are instant.
+
+transformers is imported when a tokenizer is loaded, not with this module, and a saved
+GGUF tokenizer is read back through ``PreTrainedTokenizerFast`` (the class it was saved
+from): ``AutoTokenizer`` imports PyTorch, about 1.7 s of a warm start on the CPU.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from typing import TYPE_CHECKING
 
-from gguf import GGUFReader
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
-from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-    GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
+if TYPE_CHECKING:
+    from gguf import GGUFReader
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -30,7 +34,9 @@ def _gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     key = hashlib.sha1(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
     cached = os.path.join(cache_dir(), "tokenizers", key[:16])
     if os.path.isfile(os.path.join(cached, "tokenizer.json")):
-        return AutoTokenizer.from_pretrained(cached)
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(cached)
     tokenizer = convert_gguf_file_tokenizer(path)
     tmp = f"{cached}.tmp{os.getpid()}"
     tokenizer.save_pretrained(tmp)
@@ -49,6 +55,11 @@ def _field_value(reader: GGUFReader, key: str):
 
 def convert_gguf_file_tokenizer(path: str) -> PreTrainedTokenizerFast:
     """Build the fast tokenizer a GGUF file describes (same result as transformers' loader)."""
+    from gguf import GGUFReader
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
+
     reader = GGUFReader(path)
     groups = {group: {} for group in GGUF_TOKENIZER_MAPPING}
     for group, renames in GGUF_TOKENIZER_MAPPING.items():
@@ -80,6 +91,8 @@ def load_tokenizer(model_path: str, tokenizer: str | None = None) -> PreTrainedT
     if os.path.isfile(path) and path.endswith(".gguf"):
         return _gguf_tokenizer(path)
     if os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(path)
     if tokenizer is not None:
         raise ValueError(f"tokenizer={tokenizer!r} is neither a tokenizer directory nor a .gguf file")
