@@ -58,7 +58,7 @@ ENGINE_FLAGS = {
     "compilation_cache": (_bool, "save compiled programs for the next start (true/false)"),
     "weight_cache": (_bool, "keep GGUF weights converted for the next start (true/false)"),
     "warmup": (_bool, "compile every bucket at start-up (default: on accelerators only)"),
-    "async_scheduling": (_bool, "queue the next multi-step call before processing the last (true/false)"),
+    "async_scheduling": (_bool, "dispatch the next call before processing the last one's tokens (true/false)"),
     "tensor_parallel_size": (int, "devices per model replica (sharded Megatron-style)"),
     "data_parallel_size": (int, "model replicas on disjoint device groups"),
     "coordinator_address": (str, "host:port of process 0 (several processes / hosts)"),

@@ -100,7 +100,7 @@ class SchedulerConfig:
     preemption_mode: str = "auto"    # "recompute", "swap" or "auto" (cheaper per request)
     long_prefill_token_threshold: int = 0  # > 0: most prompt tokens one request takes a step
     num_scheduler_steps: int = 8  # decode iterations run on device per call when all decode
-    async_scheduling: bool = True  # queue the next multi-step call before processing the last
+    async_scheduling: bool = True  # dispatch the next call before the last one's tokens are processed
     max_waiting_requests: int | None = None  # server: more waiting than this is a 503; None: no cap
     # Factor between neighbouring rungs of the bucket ladders (tokens, sequences, blocks per
     # sequence): 2 pads a batch by less than 2x; a larger factor compiles fewer programs

@@ -74,6 +74,7 @@ class BatchMetadata:
     """Numpy arrays for one model step (see the module docstring for padding rules)."""
 
     input_ids: np.ndarray        # int32 [T]
+    input_src: np.ndarray        # int32 [T]  -1, or the previous call's row whose sampled token this is
     positions: np.ndarray        # int32 [T]
     slot_mapping: np.ndarray     # int32 [T]  flat slot block_id * block_size + offset, -1 = skip
     block_tables: np.ndarray     # int32 [S, M]
@@ -108,7 +109,7 @@ class BatchMetadata:
         """The batch as three arrays, what actually crosses to the device (one transfer
         each instead of one per field; ``unpack_batch`` undoes it inside the program):
 
-        tokens int32 [3, T] (input_ids, positions, slot_mapping), rows int32
+        tokens int32 [4, T] (input_ids, positions, slot_mapping, input_src), rows int32
         [S, len(ROW_INT_FIELDS) + MAX_STOP_TOKENS + M] (per-row ints, stop ids, block
         table; ``cu_q_lens[1:]`` and ``num_seqs`` ride as columns) and floats float32
         [S, len(ROW_FLOAT_FIELDS)].
@@ -119,7 +120,7 @@ class BatchMetadata:
                  np.broadcast_to(self.num_seqs, (S,))]
         rows = np.concatenate([np.stack(ints, axis=1), self.stop_token_ids, self.block_tables],
                               axis=1)
-        tokens = np.stack([self.input_ids, self.positions, self.slot_mapping])
+        tokens = np.stack([self.input_ids, self.positions, self.slot_mapping, self.input_src])
         floats = np.stack([getattr(self, name) for name in ROW_FLOAT_FIELDS], axis=1)
         return tokens, rows, floats
 
@@ -136,7 +137,8 @@ def unpack_batch(tokens, rows, floats) -> dict:
     """The fields of a batch from ``BatchMetadata.packed``'s arrays (numpy or traced jax
     arrays: only slicing, so it costs nothing inside a compiled program). ``sample_seeds``
     comes back as int32 bits (the sampler only uses them as a key)."""
-    batch = {"input_ids": tokens[0], "positions": tokens[1], "slot_mapping": tokens[2]}
+    batch = {"input_ids": tokens[0], "positions": tokens[1], "slot_mapping": tokens[2],
+             "input_src": tokens[3]}
     for column, name in enumerate(ROW_INT_FIELDS):
         batch[name] = rows[:, column]
     num_ints = len(ROW_INT_FIELDS)
@@ -201,7 +203,7 @@ class BatchBuilder:
         """A batch of the given shape holding no sequence (for compiling ahead of time)."""
         zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
         return BatchMetadata(
-            input_ids=zeros(T), positions=zeros(T), slot_mapping=np.full(T, -1, np.int32),
+            input_ids=zeros(T), input_src=np.full(T, -1, np.int32), positions=zeros(T), slot_mapping=np.full(T, -1, np.int32),
             block_tables=zeros(S, M), kv_lens=zeros(S), cu_q_lens=zeros(S + 1),
             num_seqs=zeros(1), logits_indices=zeros(S), temperature=np.zeros(S, np.float32),
             top_k=zeros(S), top_p=np.ones(S, np.float32), min_p=np.zeros(S, np.float32),
@@ -212,9 +214,12 @@ class BatchBuilder:
     def build(self, out: SchedulerOutput, ahead: int = 0) -> BatchMetadata:
         """Pad ``out`` into a batch.
 
-        ``ahead > 0`` builds decodes that continue a device call not yet seen by the host
-        (``Scheduler.chain_multi_step``): every request is ``ahead`` tokens further than
-        its state says, and ``input_ids`` are left 0 (the device supplies them).
+        A row scheduled ahead of the host (``ScheduledRequest.ahead`` / ``sampled_ahead``,
+        ``Scheduler.schedule_ahead``) starts that many tokens further than its request's
+        state says; when its first token is still on the device, ``input_src`` names the
+        previous call's row that sampled it. ``ahead > 0`` builds decodes that continue a
+        multi-step call (``Scheduler.chain_multi_step``): every request is ``ahead``
+        tokens further, and ``input_ids`` and ``slot_mapping`` are left to the device.
 
         The work per step is vectorized over rows: what a request keeps for its whole run
         (sampling settings, stop ids, its block table) lives in ``self.rows``, carried
@@ -229,7 +234,19 @@ class BatchBuilder:
         rows = self.rows.update(requests, self.kv)
         num_new = np.fromiter((item.num_new_tokens for item in items), np.int32, n)   # [n]
         computed = np.fromiter((r.num_computed_tokens for r in requests), np.int32, n)  # [n]
-        computed += ahead
+        known = np.fromiter((len(r.all_token_ids) for r in requests), np.int32, n)      # [n]
+        sampled = np.fromiter((len(r.output_token_ids) for r in requests), np.int32, n)  # [n]
+        source = None
+        if ahead:
+            computed += ahead
+            sampled += ahead
+            known += ahead
+        elif any(item.ahead for item in items):
+            source = np.fromiter((item.source_row for item in items), np.int32, n)     # [n]
+            sampled_ahead = np.fromiter((item.sampled_ahead for item in items), np.int32, n)
+            computed += np.fromiter((item.ahead for item in items), np.int32, n)
+            sampled += sampled_ahead
+            known += sampled_ahead
         num_tokens = int(num_new.sum())
         decodes_only = num_tokens == n
         T = self.decode_tokens(n) if decodes_only else self.token_ladder.fit(num_tokens)
@@ -250,17 +267,21 @@ class BatchBuilder:
         positions = np.zeros(T, np.int32)
         positions[:num_tokens] = token_pos
         input_ids = np.zeros(T, np.int32)
+        input_src = np.full(T, -1, np.int32)
         slot_mapping = np.full(T, -1, np.int32)
         if not ahead:
             # ahead: the decode loop derives its slots from positions, and a row that ends
             # in the previous call may have no block reserved at ``first``.
             slot_mapping[:num_tokens] = (rows.tables[token_row, token_pos // bs] * bs
                                          + token_pos % bs)
-            if decodes_only:
+            if source is not None:
+                input_src[cu_q_lens[:n]] = source  # a row's first token: -1 or on the device
+            host = (np.arange(n) if source is None else np.flatnonzero(source < 0)).tolist()
+            if decodes_only and source is None:
                 input_ids[:n] = np.fromiter(
                     (r.all_token_ids[r.num_computed_tokens] for r in requests), np.int32, n)
             else:
-                for i in np.flatnonzero(num_new > 0).tolist():
+                for i in host:
                     first, start = int(computed[i]), int(cu_q_lens[i])
                     count = int(num_new[i])
                     input_ids[start:start + count] = requests[i].all_token_ids[first:first + count]
@@ -269,39 +290,33 @@ class BatchBuilder:
         logits_indices = np.zeros(S, np.int32)
         logits_indices[:n] = cu_q_lens[1:n + 1] - 1
         sample_index = np.zeros(S, np.int32)
-        sample_index[:n] = np.fromiter((len(r.output_token_ids) for r in requests), np.int32, n)
-        sample_index[:n] += ahead
-        fields_ = rows.fields(S)
+        sample_index[:n] = sampled
+        emits = computed + num_new >= known  # the row's sampled token is kept (not a chunk)
         return BatchMetadata(
-            input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
-            block_tables=rows.tables[:S, :M].copy(), kv_lens=kv_lens, cu_q_lens=cu_q_lens,
-            num_seqs=np.array([n], np.int32), logits_indices=logits_indices,
-            sample_index=sample_index, **fields_,
-            **self._penalties(items, S, ahead, rows.has_penalties[:n].any()))
+            input_ids=input_ids, input_src=input_src, positions=positions,
+            slot_mapping=slot_mapping, block_tables=rows.tables[:S, :M].copy(),
+            kv_lens=kv_lens, cu_q_lens=cu_q_lens, num_seqs=np.array([n], np.int32),
+            logits_indices=logits_indices, sample_index=sample_index, **rows.fields(S),
+            **self._penalties(requests, S, emits, bool(ahead), rows.has_penalties[:n]))
 
-    def _penalties(self, items, S: int, ahead: int, any_penalties: bool
-                   ) -> dict[str, np.ndarray]:
+    def _penalties(self, requests: list, S: int, emits: np.ndarray, chained: bool,
+                   penalized: np.ndarray) -> dict[str, np.ndarray]:
         """The penalty fields of a batch. A row gets a penalty slot when its request has
-        penalties and this step's sampled token is kept (the last prefill chunk, a decode)."""
+        penalties and this step's sampled token is kept (``emits``: the last prefill
+        chunk, a decode). ``chained``: a multi-step call behind another, which may not
+        fill slots (see ``penalty_slots``)."""
         fields_ = _no_penalties(S)
-        if not any_penalties:
+        rows = np.flatnonzero(penalized & emits).tolist()
+        if not rows:
             return fields_
-        penalized = []
-        for i, item in enumerate(items):
-            req = item.request
-            params = req.sampling_params
-            emits = ahead or (req.num_computed_tokens + item.num_new_tokens
-                              >= len(req.all_token_ids))
-            if not (params.has_penalties and emits and not req.external_sampling):
-                penalized.append(None)
-                continue
-            penalized.append(req)
+        owners = [None] * len(requests)
+        for i in rows:
+            params = requests[i].sampling_params
+            owners[i] = requests[i]
             fields_["presence_penalty"][i] = params.presence_penalty
             fields_["frequency_penalty"][i] = params.frequency_penalty
             fields_["repetition_penalty"][i] = params.repetition_penalty
-        if any(r is not None for r in penalized):
-            fields_["penalty_slot"][:len(items)] = self.penalty_slots.assign(
-                penalized, ahead=bool(ahead))
+        fields_["penalty_slot"][:len(requests)] = self.penalty_slots.assign(owners, ahead=chained)
         return fields_
 
     def take_penalty_fills(self) -> list[PenaltyFill]:

@@ -23,35 +23,14 @@ from __future__ import annotations
 import itertools
 import operator
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from jaxpage.config import SchedulerConfig
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.request import Request, RequestStatus
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-
-
-@dataclass
-class SchedulerOutput:
-    """What runs in one step. The i-th scheduled request is sequence i of the batch."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from jaxpage.core.schedule_ahead import AheadOfHost, ScheduledRequest, SchedulerOutput  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -74,7 +53,7 @@ class PreemptionCostModel:
 _ARRIVAL = operator.attrgetter("arrival_seq")
 
 
-class Scheduler:
+class Scheduler(AheadOfHost):
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  cost_model: PreemptionCostModel | None = None) -> None:
         self.config = config
@@ -353,52 +332,6 @@ class Scheduler:
             self.finish_request(request.request_id, status)
             return True
         return False
-
-    def reserve_multi_step(self, out: SchedulerOutput, num_steps: int) -> int:
-        """How many decode iterations the device may run for ``out``: ``num_steps`` or 1.
-
-        Several are allowed only when every scheduled request is a plain decode (no
-        prefill chunk, no beam search, nothing preempted this step); blocks for all of
-        them are reserved here, up to each request's remaining ``max_tokens``.
-        """
-        if num_steps <= 1 or out.preempted or not out.scheduled:
-            return 1
-        for item in out.scheduled:
-            request = item.request
-            if (item.num_new_tokens != 1 or request.external_sampling or request.fork_children
-                    or request.num_computed_tokens != request.num_tokens - 1):
-                return 1
-        for item in out.scheduled:
-            request = item.request
-            remaining = max(1, request.max_tokens - request.num_output_tokens)
-            if not self.kv.allocate_slots(request, min(num_steps, remaining)):
-                return 1  # blocks already taken stay with their request: used next steps
-        return num_steps
-
-    def chain_multi_step(self, out: SchedulerOutput, num_steps: int) -> SchedulerOutput | None:
-        """Schedule the same decodes again while ``out``'s multi-step call still runs.
-
-        The new schedule continues each still-unfinished request of ``out``, ``num_steps``
-        tokens past what the host knows (the device feeds it the last tokens). It is only
-        made when nothing else could use the step: no request waits or is swapped out,
-        every running request is in ``out`` (none was left out for budget), one of them
-        can outlive the window (``max_tokens``), and blocks for another window fit without
-        preemption. Returns None otherwise; blocks reserved before a failure stay with
-        their request and are used by its next steps.
-        """
-        if num_steps <= 1 or self.waiting or self.swapped:
-            return None
-        alive = [item.request for item in out.scheduled if not item.request.is_finished]
-        if not alive or {id(r) for r in alive} != {id(r) for r in self.running}:
-            return None
-        if not any(r.max_tokens - r.num_output_tokens > num_steps for r in alive):
-            return None
-        for request in alive:
-            remaining = max(1, request.max_tokens - request.num_output_tokens)
-            if not self.kv.allocate_slots(request, min(2 * num_steps, remaining)):
-                return None
-        self.step_count += 1
-        return SchedulerOutput(scheduled=[ScheduledRequest(r, 1) for r in alive])
 
     def stats(self) -> dict[str, int | float]:
         queried = self.kv.num_prefix_queried_tokens

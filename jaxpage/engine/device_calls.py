@@ -7,24 +7,30 @@ One ``DeviceCalls.step()`` takes one device call through its life:
    A call is a *single step* (any mix of prefill chunks and decodes, one token each) or a
    *multi-step* decode call (``num_scheduler_steps`` iterations on the device) when
    ``Scheduler.reserve_multi_step`` allows it.
-2. **chain** (multi-step calls with ``async_scheduling`` only): before the host reads
-   the call's tokens, the next multi-step call is dispatched behind it, continuing the
-   same rows from the device-side carry (``Scheduler.chain_multi_step`` decides whether
-   it may). That call is then *in flight*: the next ``step()`` processes it instead of
-   scheduling, so the host's bookkeeping overlaps the device's work.
+2. **overlap** (``async_scheduling``, the default): before the host reads the call's
+   tokens, the next call is dispatched behind it. Behind a multi-step call it is the same
+   decodes again, continuing each row from the device-side carry
+   (``Scheduler.chain_multi_step``); behind a single step it is the next schedule made
+   from what the host knows (``Scheduler.schedule_ahead``): every row of the running call
+   counted as done, its sampled token read on the device (``input_src``); that schedule
+   may itself be a multi-step call. The new call is then *in flight*: the next ``step()``
+   processes it instead of scheduling, so the host's bookkeeping overlaps the device's
+   work.
 3. **wait and apply**: the host waits for the call's tokens (the only place it waits on
    the device) and applies them to the requests: scheduler updates, logprobs, beam
    search expansions, stop strings. Outputs are collected by ``collect``.
 
 Invariants:
 
-* At most one call is in flight, and only a multi-step call chained behind another one.
-  A single step is never chained: its sampled tokens (prefill ends, beam search,
-  penalties that the host fills) must reach the host before the next schedule.
-* A chained call is built from the previous call's schedule alone (``ahead=num_steps``),
-  never from tokens the host has not seen; rows the host later finds finished are
-  skipped when the chained call's tokens are applied (the device stops them itself by
-  the same rules: EOS, stop ids, ``max_tokens``).
+* At most one call is in flight, always dispatched right behind the call being
+  processed (the runner continues its own last call: ``chain=True`` / ``row_map``).
+* A call dispatched ahead never preempts and never fills a penalty row of a request
+  whose token is still on the device (``core.schedule_ahead``). Its rows count the
+  previous call's tokens as known; rows the host later finds finished (stop token, stop
+  string, abort) are skipped when their tokens are applied, so no request returns a
+  token past its stop. When the host's view is needed first (beam search, a fork due,
+  swapped-out requests, blocks short), nothing is dispatched ahead: the host waits and
+  schedules normally.
 * The host waits for a call only in ``_process`` and ``drain``; everything the
   scheduler does happens between calls or while one is in flight.
 * Before anything that schedules outside ``step()`` (``prompt_logits``), ``drain()``
@@ -113,8 +119,9 @@ class DeviceCalls:
             if call is None:
                 outputs, self._pending_outputs = self._pending_outputs, []
                 return outputs
-        if call.num_steps > 1 and self.config.async_scheduling:
-            self.inflight = self._dispatch_chained(call)
+        if self.config.async_scheduling:
+            self.inflight = (self._dispatch_chained(call) if call.num_steps > 1
+                             else self._dispatch_ahead(call))
         waited = time.perf_counter()
         touched = self._process(call)
         processed = time.perf_counter()
@@ -155,19 +162,7 @@ class DeviceCalls:
             return None
         self._empty_steps = 0
         num_steps = self.scheduler.reserve_multi_step(out, self.config.num_scheduler_steps)
-        scheduled = time.perf_counter()
-        self.runner.apply_block_ops(*self.kv_cache_manager.take_pending_block_ops())
-        batch = self.batch_builder.build(out)
-        self.runner.fill_penalty_rows(self.batch_builder.take_penalty_fills())
-        dispatched_at = self._mark_dispatch()
-        if num_steps > 1:
-            pending = self.runner.dispatch_multi_step(batch, num_steps)
-        else:
-            pending = self.runner.dispatch(batch)
-        self._phases["schedule"] += scheduled - began
-        self._phases["batch"] += dispatched_at - scheduled
-        self._phases["dispatch"] += time.perf_counter() - dispatched_at
-        return DeviceCall(out, num_steps, pending, dispatched_at, batch)
+        return self._launch(out, num_steps, began)
 
     def _dispatch_chained(self, call: DeviceCall) -> DeviceCall | None:
         """Queue the next multi-step call behind ``call`` before its tokens are known."""
@@ -175,19 +170,47 @@ class DeviceCalls:
         out = self.scheduler.chain_multi_step(call.out, call.num_steps)
         if out is None:
             return None
-        scheduled = time.perf_counter()
-        self.runner.apply_block_ops(*self.kv_cache_manager.take_pending_block_ops())
         row_of = {id(item.request): row for row, item in enumerate(call.out.scheduled)}
         row_map = np.array([row_of[id(item.request)] for item in out.scheduled], np.int32)
-        batch = self.batch_builder.build(out, ahead=call.num_steps)  # never fills penalty rows
+        return self._launch(out, call.num_steps, began, row_map=row_map,
+                            built_ahead=call.num_steps)
+
+    def _dispatch_ahead(self, call: DeviceCall) -> DeviceCall | None:
+        """Queue the next schedule behind the single step ``call`` before its tokens are
+        known (``Scheduler.schedule_ahead``): rows continuing ``call``'s rows read their
+        first token on the device. None when the scheduler needs the host's view first."""
+        began = time.perf_counter()
+        out = self.scheduler.schedule_ahead(call.out)
+        if out is None:
+            return None
+        num_steps = self.scheduler.reserve_multi_step(out, self.config.num_scheduler_steps)
+        row_map = np.fromiter((item.source_row for item in out.scheduled), np.int32,
+                              len(out.scheduled))
+        return self._launch(out, num_steps, began, row_map=row_map)
+
+    def _launch(self, out: SchedulerOutput, num_steps: int, began: float, *,
+                row_map: np.ndarray | None = None, built_ahead: int = 0) -> DeviceCall:
+        """Run pending block moves, build the batch, fill penalty rows and dispatch.
+
+        ``row_map`` (int32 [n]): the call continues the one dispatched just before, row
+        ``i`` from that call's row ``row_map[i]`` (-1: none); ``built_ahead``: every row is
+        that many tokens past the host's view (a chained multi-step call)."""
+        scheduled = time.perf_counter()
+        self.runner.apply_block_ops(*self.kv_cache_manager.take_pending_block_ops())
+        batch = self.batch_builder.build(out, ahead=built_ahead)
+        # A fill copies the host's tokens: only rows with none on the device get one.
+        self.runner.fill_penalty_rows(self.batch_builder.take_penalty_fills())
         dispatched_at = self._mark_dispatch()
-        self.step_profile["chained"] += 1
-        pending = self.runner.dispatch_multi_step(batch, call.num_steps, after=call.pending,
-                                                  row_map=row_map)
+        if row_map is not None:
+            self.step_profile["chained"] += 1
+        if num_steps > 1:
+            pending = self.runner.dispatch_multi_step(batch, num_steps, row_map=row_map)
+        else:
+            pending = self.runner.dispatch(batch, chain=row_map is not None)
         self._phases["schedule"] += scheduled - began
         self._phases["batch"] += dispatched_at - scheduled
         self._phases["dispatch"] += time.perf_counter() - dispatched_at
-        return DeviceCall(out, call.num_steps, pending, dispatched_at, batch)
+        return DeviceCall(out, num_steps, pending, dispatched_at, batch)
 
     def _check_not_stalled(self, out: SchedulerOutput) -> None:
         """An empty schedule can happen once (a fork due at admission, a self-preemption);

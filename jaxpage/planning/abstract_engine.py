@@ -161,7 +161,8 @@ class AbstractEngine:
     def step_program(self, shape, num_blocks: int | None = None) -> Program:
         run = make_step(self.graphdef, jit=self._jit_with_caches)
         return Program("step", tuple(shape), run.jitted,
-                       (self.state, self.caches(num_blocks), self.batch(shape)))
+                       (self.state, self.caches(num_blocks), self.batch(shape),
+                        self._replicated((self.max_num_seqs,), jnp.int32)))
 
     def decode_program(self, shape, num_blocks: int | None = None) -> Program:
         run = make_decode_loop(self.graphdef, self.num_steps, self.block_size,

@@ -29,6 +29,7 @@ PENALTY_FILL_WIDTH = 512
 class PendingStep:
     """A dispatched single step whose outputs may still be on the device."""
 
+    last_tokens: jax.Array                  # int32 [R]  tokens padded, for a step behind it
     tokens: jax.Array                       # int32 [S]
     top_ids: jax.Array | None = None        # int32 [S, K] (only when a row wants logprobs)
     top_logprobs: jax.Array | None = None   # float32 [S, K]
@@ -37,6 +38,12 @@ class PendingStep:
 
     def is_ready(self) -> bool:
         return self.tokens.is_ready()
+
+    @property
+    def carry(self) -> tuple[jax.Array, jax.Array]:
+        """(last tokens int32 [R], done bool [R]) for a multi-step call behind this step:
+        its rows are all live (a stop is the host's to find)."""
+        return self.last_tokens, jax.numpy.zeros(self.last_tokens.shape, bool)
 
     def fetch(self) -> "StepResult":
         """Wait for the step and bring its outputs to the host."""
@@ -119,6 +126,7 @@ class ModelRunner:
         # The carry of a multi-step call that continues nothing: one row per possible sequence.
         self._no_carry = (jax.numpy.zeros(max_num_seqs, jax.numpy.int32),
                           jax.numpy.ones(max_num_seqs, bool))
+        self._last_call: PendingStep | PendingMultiStep | None = None  # for chained calls
         if self.placement.mesh is not None:  # sharded programs: plain jit dispatch
             self.executables = JitDispatch()
         else:
@@ -201,40 +209,49 @@ class ModelRunner:
             best = min(best, time.perf_counter() - start)
         return num_bytes / best
 
-    def dispatch(self, batch: BatchMetadata) -> "PendingStep":
-        """Launch one step without waiting; its outputs start moving to the host at once."""
+    def dispatch(self, batch: BatchMetadata, chain: bool = False) -> "PendingStep":
+        """Launch one step without waiting; its outputs start moving to the host at once.
+
+        ``chain``: the batch continues the call dispatched just before (not yet fetched):
+        tokens whose ``input_src`` names one of its rows read that row's sampled token on
+        the device. The runner keeps its last call itself, so a mirrored runner on another
+        process continues its own (``parallel.distributed``).
+        """
         self.compiled_shapes.add(batch.shape_key)
-        args = (self.state, (self.kv_cache, self.penalty_table), jax.device_put(batch.packed()))
+        prev_tokens = self._last_call.carry[0] if chain else self._no_carry[0]
+        args = (self.state, (self.kv_cache, self.penalty_table), jax.device_put(batch.packed()),
+                prev_tokens)
         program = self.executables.get("step", batch.shape_key, self._step, args)
-        (self.kv_cache, self.penalty_table), (tokens, *logprobs) = program(*args)
+        (self.kv_cache, self.penalty_table), (tokens, *logprobs), last_tokens = program(*args)
         outputs = (tokens, *logprobs) if batch.want_logprobs.any() else (tokens,)
         for array in outputs:
             array.copy_to_host_async()
-        return PendingStep(*outputs)
+        self._last_call = PendingStep(last_tokens, *outputs)
+        return self._last_call
 
     def execute(self, batch: BatchMetadata) -> StepResult:
         """Run one step and wait for it. Rows past ``num_seqs`` are junk."""
         return self.dispatch(batch).fetch()
 
     def dispatch_multi_step(self, batch: BatchMetadata, num_steps: int,
-                            after: "PendingMultiStep | None" = None,
                             row_map: np.ndarray | None = None) -> "PendingMultiStep":
         """Launch up to ``num_steps`` decode iterations without waiting.
 
-        With ``after`` (a call not yet fetched), row ``i`` of ``batch`` continues row
-        ``row_map[i]`` of that call: its first input token and done flag come from the
-        device, and the host must have built ``batch`` that call's K tokens ahead.
+        With ``row_map`` the batch continues the call dispatched just before (not yet
+        fetched): row ``i`` continues its row ``row_map[i]`` (-1: none), taking its first
+        input token and done flag from the device; the host built ``batch`` as far ahead
+        as that call goes.
         """
         loop = self._decode_loops.get(num_steps)
         if loop is None:
             loop = self._decode_loops[num_steps] = make_decode_loop(
                 self._graphdef, num_steps, self._block_size, jit=self._jit_with_caches)
         num_rows = batch.block_tables.shape[0]
-        if after is None:
+        if row_map is None:
             prev_tokens, prev_done = self._no_carry
             row_map = np.full(num_rows, -1, np.int32)
         else:
-            prev_tokens, prev_done = after.carry
+            prev_tokens, prev_done = self._last_call.carry
             row_map = np.pad(np.asarray(row_map, np.int32), (0, num_rows - len(row_map)),
                              constant_values=-1)
         self.compiled_shapes.add(batch.shape_key + (num_steps,))
@@ -244,10 +261,12 @@ class ModelRunner:
         (self.kv_cache, self.penalty_table), tokens, carry, logprobs = program(*args)
         tokens.copy_to_host_async()
         if not batch.want_logprobs.any():
-            return PendingMultiStep(tokens, carry)
-        for array in logprobs:
-            array.copy_to_host_async()
-        return PendingMultiStep(tokens, carry, logprobs)
+            logprobs = None
+        else:
+            for array in logprobs:
+                array.copy_to_host_async()
+        self._last_call = PendingMultiStep(tokens, carry, logprobs)
+        return self._last_call
 
     def execute_multi_step(self, batch: BatchMetadata, num_steps: int) -> np.ndarray:
         """Run ``num_steps`` decode iterations; int32 [num_steps, S], -1 after a row stops."""

@@ -31,24 +31,34 @@ def unpack(packed: Packed) -> dict[str, jax.Array]:
 
 
 def make_step(graphdef: Any, jit: Callable = jax.jit) -> Callable:
-    """Jitted ``step(state, caches, packed) -> (caches, (tokens, top_ids, top_logprobs,
-    token_logprobs, token_ranks))``; ``packed`` is ``BatchMetadata.packed()``.
+    """Jitted ``step(state, caches, packed, prev_tokens) -> (caches, (tokens, top_ids,
+    top_logprobs, token_logprobs, token_ranks), last_tokens)``.
 
-    tokens: int32 [S]; top_ids, top_logprobs: [S, MAX_TOP_LOGPROBS]; token_logprobs float32
-    [S] and token_ranks int32 [S] of the sampled tokens (all zeros unless some row has
-    ``want_logprobs``).
+    ``packed`` is ``BatchMetadata.packed()``. A token whose ``input_src`` is ``i >= 0``
+    takes ``prev_tokens[i]`` (int32 [R]: the previous call's ``last_tokens``, still on the
+    device) instead of its ``input_ids``: that is how a step scheduled ahead of the host
+    continues the previous one. tokens: int32 [S]; top_ids, top_logprobs: [S,
+    MAX_TOP_LOGPROBS]; token_logprobs float32 [S] and token_ranks int32 [S] of the sampled
+    tokens (all zeros unless some row has ``want_logprobs``); last_tokens int32 [R]: tokens
+    padded to R rows, for the next call.
     """
-    def step(state: Any, caches: Caches, packed: Packed):
+    def step(state: Any, caches: Caches, packed: Packed, prev_tokens: jax.Array):
         batch = unpack(packed)
         kv_cache, penalty_table = caches
         model = nnx.merge(graphdef, state)
-        hidden, kv_cache = model(batch["input_ids"], batch["positions"], kv_cache, batch)
+        rows = prev_tokens.shape[0]
+        source = batch["input_src"]                                          # [T]
+        input_ids = jax.numpy.where(source >= 0, prev_tokens[jax.numpy.clip(source, 0, rows - 1)],
+                                    batch["input_ids"])
+        hidden, kv_cache = model(input_ids, batch["positions"], kv_cache, batch)
         logits = model.compute_logits(hidden[batch["logits_indices"]])  # [S, V]
         tokens = sample(logits, batch, penalty_table)
         penalty_table = record_tokens(penalty_table, batch["penalty_slot"], tokens)
         chosen, rank, top_ids, top_values = sampled_logprobs(
             logits, tokens, batch["want_logprobs"], MAX_TOP_LOGPROBS)
-        return (kv_cache, penalty_table), (tokens, top_ids, top_values, chosen, rank)
+        kept = min(rows, tokens.shape[0])
+        last_tokens = jax.numpy.zeros(rows, jax.numpy.int32).at[:kept].set(tokens[:kept])
+        return (kv_cache, penalty_table), (tokens, top_ids, top_values, chosen, rank), last_tokens
 
     return jit(step, donate_argnums=(1,))  # jit: a Placement.jit under tensor parallelism
 

@@ -1,0 +1,170 @@
+"""Scheduling ahead of the host: the decisions made while a device call is still running.
+
+A *row* of a step (``ScheduledRequest``) may start past what its request's state says,
+because the call before it has not come back yet. Three decisions are made that way:
+
+* ``reserve_multi_step``: may this schedule run several decode iterations in one call;
+* ``chain_multi_step``: the same decodes again behind a multi-step call in flight;
+* ``schedule_ahead``: the next single step behind a single step in flight (overlapped
+  scheduling at ``num_scheduler_steps=1``): the in-flight tokens reach it on the device.
+
+None of them preempts: that needs the host's whole view, so when blocks run short they
+refuse, and the caller waits for the call in flight and schedules normally. Blocks
+reserved before a refusal stay with their request and are used by its next steps.
+A row scheduled for a request that then finishes (a stop token or string found when the
+call before is processed, an abort) is discarded when its own call is processed; its K/V
+write lands past the request's last token, in a block only it held (never a full block
+that the prefix cache may share), and the block is free again by then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from jaxpage.core.request import Request
+
+if TYPE_CHECKING:
+    from jaxpage.config import SchedulerConfig
+    from jaxpage.core.kv_cache_manager import KVCacheManager
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One row of a step. A row scheduled ahead of the host (``Scheduler.schedule_ahead``)
+    starts ``ahead`` computed tokens and ``sampled_ahead`` output tokens past what the
+    request's state says; with ``sampled_ahead`` its first input token is the one the
+    previous call sampled in row ``source_row``, still on the device."""
+
+    request: Request
+    num_new_tokens: int
+    ahead: int = 0
+    sampled_ahead: int = 0
+    source_row: int = -1
+
+
+@dataclass
+class SchedulerOutput:
+    """What runs in one step. The i-th scheduled request is sequence i of the batch."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class AheadOfHost:
+    """The ahead-of-host decisions of ``Scheduler`` (which supplies the queues, the KV
+    manager and ``_admit``)."""
+
+    config: "SchedulerConfig"
+    kv: "KVCacheManager"
+    running: list[Request]
+    step_count: int
+
+    def reserve_multi_step(self, out: SchedulerOutput, num_steps: int) -> int:
+        """How many decode iterations the device may run for ``out``: ``num_steps`` or 1.
+
+        Several are allowed only when every scheduled request is a plain decode (no
+        prefill chunk, no beam search, nothing preempted this step), counting rows
+        scheduled ahead of the host at their ahead position; blocks for all of them are
+        reserved here, up to each request's remaining ``max_tokens``.
+        """
+        if num_steps <= 1 or out.preempted or not out.scheduled:
+            return 1
+        for item in out.scheduled:
+            request = item.request
+            if (item.num_new_tokens != 1 or request.external_sampling or request.fork_children
+                    or request.num_computed_tokens + item.ahead
+                    != len(request.all_token_ids) + item.sampled_ahead - 1):
+                return 1
+        for item in out.scheduled:
+            request = item.request
+            remaining = max(1, request.max_tokens - request.num_output_tokens - item.sampled_ahead)
+            if not self.kv.allocate_slots(request, item.ahead + min(num_steps, remaining)):
+                return 1  # blocks already taken stay with their request: used next steps
+        return num_steps
+
+    def chain_multi_step(self, out: SchedulerOutput, num_steps: int) -> SchedulerOutput | None:
+        """Schedule the same decodes again while ``out``'s multi-step call still runs.
+
+        The new schedule continues each still-unfinished request of ``out``, ``num_steps``
+        tokens past what the host knows (the device feeds it the last tokens). It is only
+        made when nothing else could use the step: no request is swapped out, none waits
+        for a free seat,
+        every running request is in ``out`` (none was left out for budget), one of them
+        can outlive the window (``max_tokens``), and blocks for another window fit without
+        preemption. Returns None otherwise; blocks reserved before a failure stay with
+        their request and are used by its next steps.
+        """
+        if num_steps <= 1 or self.swapped:
+            return None
+        if self.waiting and (self._seats_in_use() + self._best_waiting().num_seats
+                             <= self.config.max_num_seqs):
+            return None  # a seat is free: admit the waiting request first
+        alive = [item.request for item in out.scheduled if not item.request.is_finished]
+        if not alive or {id(r) for r in alive} != {id(r) for r in self.running}:
+            return None
+        if not any(r.max_tokens - r.num_output_tokens > num_steps for r in alive):
+            return None
+        for request in alive:
+            remaining = max(1, request.max_tokens - request.num_output_tokens)
+            if not self.kv.allocate_slots(request, min(2 * num_steps, remaining)):
+                return None
+        self.step_count += 1
+        return SchedulerOutput(scheduled=[ScheduledRequest(r, 1) for r in alive])
+
+    def schedule_ahead(self, previous: SchedulerOutput) -> SchedulerOutput | None:
+        """Schedule the next single step while ``previous`` still runs, its tokens unknown.
+
+        Every request of ``previous`` is taken as if that step had run: its prefill chunk
+        computed, its sampled token appended (that token reaches the next step on the
+        device, ``source_row``). A request that ``previous`` brings to ``max_tokens`` is
+        left out; one that a stop token or stop string ends is found out when
+        ``previous`` is processed, and its row of this step is discarded then. Waiting
+        requests are admitted as usual.
+
+        Returns None (the caller then waits and schedules normally) when the host's
+        knowledge is needed: beam search, an ``n > 1`` fork still to happen, swapped-out
+        requests, or a running request whose blocks no longer fit (that needs a
+        preemption). Blocks reserved before such a refusal stay with their request.
+        """
+        if self.swapped or not previous.scheduled:
+            return None
+        in_flight = {id(item.request): (row, item.num_new_tokens)
+                     for row, item in enumerate(previous.scheduled)}
+        self._sort_running()
+        for request in self.running:
+            if request.external_sampling or request.fork_children:
+                return None
+        self.step_count += 1
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        threshold = self.config.long_prefill_token_threshold
+        for request in self.running:
+            if budget <= 0:
+                break
+            row, ahead = in_flight.get(id(request), (-1, 0))
+            computed = request.num_computed_tokens + ahead
+            emits = ahead > 0 and computed >= len(request.all_token_ids)
+            if emits and request.num_output_tokens + 1 >= request.max_tokens:
+                continue  # its in-flight token is its last
+            count = len(request.all_token_ids) + emits - computed
+            if threshold and count > 1:
+                count = min(count, threshold)
+            num_new = min(count, budget)
+            if num_new <= 0:
+                continue
+            if not self.kv.allocate_slots(request, ahead + num_new):
+                return None  # needs a preemption: only the host's own schedule does that
+            out.scheduled.append(ScheduledRequest(request, num_new, ahead, int(emits),
+                                                  row if emits else -1))
+            budget -= num_new
+        self._admit(out, budget)
+        return out if out.scheduled else None

@@ -1,0 +1,191 @@
+"""Host work per engine step, by phase, with the model step nearly free.
+
+The engine runs ``preset:tiny-llama`` (2 layers, hidden 64: its device step costs little),
+so what is measured is the host: scheduling and the block manager, building the batch
+metadata, moving it to the device and launching the program, applying the sampled tokens
+(stop checks included) and turning them into outputs. For every number of running
+decode sequences (``--running``), every number of requests waiting behind them
+(``--waiting``: the engine's ``max_num_seqs`` equals the running count, so they stay
+queued) and every ``num_scheduler_steps`` (``--steps``), it reports per engine call:
+
+* the host's microseconds by phase (``LLMEngine.step_profile["phases"]``) and in all;
+* the fraction of wall time the device had nothing to run (``idle_s`` over the wall
+  time: the device waiting for the host; an upper bound, see ``engine.device_calls``).
+
+Each engine runs the whole measurement once untimed first (every program it needs is
+compiled then), then once per waiting count, timed. ``--profile FILE`` writes a cProfile
+of the timed calls of the first configuration, and prints its top functions.
+
+    python scripts/bench_host_overhead.py                       # the full table
+    python scripts/bench_host_overhead.py --running 256 --waiting 0,10000 --steps 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import copy
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+from scripts.bench_common import environment, markdown_table, write_report  # noqa: E402
+
+PHASES = ("schedule", "batch", "dispatch", "process", "outputs")
+PROMPT_LEN = 24
+
+
+def make_engine(running: int, num_steps: int, max_tokens: int, block_size: int):
+    from jaxpage import LLM
+
+    llm = LLM("preset:tiny-llama", max_num_seqs=running,
+              max_num_batched_tokens=max(2048, running), block_size=block_size,
+              max_model_len=PROMPT_LEN + max_tokens,
+              num_kv_blocks=running * -(-(PROMPT_LEN + max_tokens) // block_size) + 16,
+              num_scheduler_steps=num_steps, enable_prefix_caching=False)
+    return llm.llm_engine
+
+
+def add_requests(engine, count: int, max_tokens: int, rng: np.random.Generator) -> list[str]:
+    from jaxpage import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0, seed=0)
+    ids = []
+    for _ in range(count):
+        prompt = {"prompt_token_ids": rng.integers(1, 4000, PROMPT_LEN).tolist()}
+        ids.append(engine.add_request(None, prompt, params))
+    return ids
+
+
+def all_decoding(engine, running: int) -> bool:
+    """Every seat holds a request that is past its prompt (plain decodes only)."""
+    scheduler = engine.scheduler
+    return (len(scheduler.running) == running
+            and all(r.num_output_tokens > 0 and r.num_computed_tokens >= r.num_tokens - 2
+                    for r in scheduler.running))
+
+
+def measure(engine, running: int, waiting: int, calls: int, max_tokens: int,
+            profiler: cProfile.Profile | None = None) -> dict:
+    """Bring ``running`` requests to steady decoding with ``waiting`` queued behind them,
+    then time ``calls`` engine steps; everything is aborted afterwards."""
+    rng = np.random.default_rng(0)
+    ids = add_requests(engine, running, max_tokens, rng)
+    ids += add_requests(engine, waiting, max_tokens, rng)
+    for _ in range(10_000):
+        engine.step()
+        if all_decoding(engine, running):
+            break
+    for _ in range(2):
+        engine.step()
+    before = copy.deepcopy(engine.step_profile)
+    tokens_before = sum(r.num_output_tokens for r in engine.scheduler.running)
+    start = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
+    for _ in range(calls):
+        engine.step()
+    if profiler is not None:
+        profiler.disable()
+    wall = time.perf_counter() - start
+    after = engine.step_profile
+    tokens = sum(r.num_output_tokens for r in engine.scheduler.running) - tokens_before
+    if len(engine.scheduler.running) != running:
+        raise RuntimeError(f"{len(engine.scheduler.running)} requests ran instead of {running}: "
+                           "raise max_tokens so that none finishes while timed")
+    engine.abort_request(ids)
+    engine.step()  # hand back anything still in flight
+    leaked = engine.num_used_blocks()
+    if leaked:
+        raise RuntimeError(f"{leaked} KV blocks still held after aborting every request")
+    n = after["calls"] - before["calls"]
+    host = after["host_s"] - before["host_s"]
+    row = {"running": running, "waiting": waiting, "calls": n, "tokens": tokens,
+           "wall_s": wall, "host_us_per_call": 1e6 * host / n,
+           "device_wait_us_per_call": 1e6 * (after["device_s"] - before["device_s"]) / n,
+           "idle_fraction": (after["idle_s"] - before["idle_s"]) / wall,
+           "overlapped_calls": after["chained"] - before["chained"],
+           "tokens_per_s": tokens / wall}
+    for phase in PHASES:
+        row[f"{phase}_us"] = 1e6 * (after["phases"][phase] - before["phases"][phase]) / n
+    return row
+
+
+def plot(rows: list[dict]):
+    def draw(ax):
+        for steps in sorted({r["K"] for r in rows}):
+            for waiting in sorted({r["waiting"] for r in rows}):
+                sel = [r for r in rows if r["K"] == steps and r["waiting"] == waiting]
+                ax.plot([r["running"] for r in sel], [r["host_us_per_call"] / 1e3 for r in sel],
+                        marker="o", label=f"K={steps}, {waiting} waiting")
+        ax.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="1 ms")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("running decode sequences")
+        ax.set_ylabel("host ms per engine call")
+        ax.set_title("jaxpage host work per call (tiny preset, CPU)")
+        ax.legend(fontsize=7)
+    return draw
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
+    parser.add_argument("--running", type=ints, default=[16, 64, 256, 1024])
+    parser.add_argument("--waiting", type=ints, default=[0, 1000, 10000])
+    parser.add_argument("--steps", type=ints, default=[1, 8],
+                        help="num_scheduler_steps values (8 is the engine's default)")
+    parser.add_argument("--calls", type=int, default=60, help="timed engine calls at K=1 "
+                        "(at K > 1: calls / K * 2, at least 6)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--out", default="docs/benchmarks/results")
+    parser.add_argument("--stem", default="host_overhead")
+    parser.add_argument("--profile", default=None, help="write a cProfile of the first "
+                        "configuration's timed calls to this file")
+    args = parser.parse_args(argv)
+
+    rows = []
+    profiler = first_profiler = cProfile.Profile() if args.profile else None
+    for steps in args.steps:
+        calls = args.calls if steps == 1 else max(6, 2 * args.calls // steps)
+        max_tokens = 16 + steps * (calls + 8)
+        for running in args.running:
+            engine = make_engine(running, steps, max_tokens, args.block_size)
+            measure(engine, running, 0, calls, max_tokens)  # untimed: compiles every shape
+            for waiting in args.waiting:
+                row = measure(engine, running, waiting, calls, max_tokens, profiler)
+                profiler = None
+                row["K"] = steps
+                rows.append(row)
+                print(f"K={steps} running={running:5d} waiting={waiting:6d}: host "
+                      f"{row['host_us_per_call']:8.0f} us/call ("
+                      + ", ".join(f"{p} {row[p + '_us']:.0f}" for p in PHASES)
+                      + f"), device idle {row['idle_fraction']:.1%}", flush=True)
+            del engine
+    if first_profiler is not None:
+        Path(args.profile).parent.mkdir(parents=True, exist_ok=True)
+        first_profiler.dump_stats(args.profile)
+        pstats.Stats(first_profiler, stream=sys.stdout).sort_stats("tottime").print_stats(25)
+    columns = [("K", "K"), ("running", "running"), ("waiting", "waiting"),
+               ("host_us_per_call", "host us/call")]
+    columns += [(f"{p}_us", f"{p} us") for p in PHASES]
+    columns += [("device_wait_us_per_call", "wait for results us/call"),
+                ("idle_fraction", "device idle fraction"), ("overlapped_calls", "overlapped calls"),
+                ("calls", "calls"), ("tokens_per_s", "output tok/s")]
+    table = markdown_table(rows, columns)
+    print(table)
+    payload = {"environment": environment(), "command": " ".join(sys.argv), "rows": rows}
+    paths = write_report(args.out, args.stem, title="Host work per engine call", payload=payload,
+                         table=table, plot=plot(rows))
+    print("wrote", ", ".join(str(p) for p in paths.values()))
+    return payload
+
+
+if __name__ == "__main__":
+    main()
