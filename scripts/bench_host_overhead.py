@@ -32,11 +32,12 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from scripts.bench_common import environment, markdown_table, write_report  # noqa: E402
+from bench_common import environment, markdown_table, write_report  # noqa: E402
 
 PHASES = ("schedule", "batch", "dispatch", "process", "outputs")
 PROMPT_LEN = 24
@@ -95,7 +96,7 @@ def measure(engine, running: int, waiting: int, calls: int, max_tokens: int,
     if profiler is not None:
         profiler.disable()
     wall = time.perf_counter() - start
-    after = engine.step_profile
+    after = copy.deepcopy(engine.step_profile)
     tokens = sum(r.num_output_tokens for r in engine.scheduler.running) - tokens_before
     if len(engine.scheduler.running) != running:
         raise RuntimeError(f"{len(engine.scheduler.running)} requests ran instead of {running}: "

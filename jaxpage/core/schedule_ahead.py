@@ -147,6 +147,7 @@ class AheadOfHost:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         threshold = self.config.long_prefill_token_threshold
+        req_to_blocks, block_size = self.kv.req_to_blocks, self.kv.block_size
         for request in self.running:
             if budget <= 0:
                 break
@@ -161,7 +162,11 @@ class AheadOfHost:
             num_new = min(count, budget)
             if num_new <= 0:
                 continue
-            if not self.kv.allocate_slots(request, ahead + num_new):
+            blocks = req_to_blocks.get(request.request_id, ())
+            # A row continuing an in-flight one writes after it: into that row's block
+            # (already private) or a later one. Enough blocks held: nothing to allocate.
+            if not (ahead and (computed + num_new - 1) // block_size < len(blocks)) and \
+                    not self.kv.allocate_slots(request, ahead + num_new):
                 return None  # needs a preemption: only the host's own schedule does that
             out.scheduled.append(ScheduledRequest(request, num_new, ahead, int(emits),
                                                   row if emits else -1))

@@ -1,0 +1,31 @@
+"""Host work per step does not grow with the number of waiting requests (a regression
+guard, not a timing claim: the margin is generous), and bench_host_overhead reports it."""
+
+import bench_host_overhead
+
+
+def test_ten_thousand_waiting_cost_no_more_host_time_than_none(tmp_path):
+    running, calls, max_tokens = 256, 12, 64
+    engine = bench_host_overhead.make_engine(running, 1, max_tokens, block_size=16)
+    bench_host_overhead.measure(engine, running, 0, calls, max_tokens)  # compiles the shapes
+    idle = bench_host_overhead.measure(engine, running, 0, calls, max_tokens)
+    queued = bench_host_overhead.measure(engine, running, 10_000, calls, max_tokens)
+    assert idle["calls"] == queued["calls"] == calls
+    assert queued["overlapped_calls"] >= calls  # every timed call was dispatched ahead
+    # Scheduling alone once scanned the queue (12.5 ms at 10,000 waiting).
+    assert queued["schedule_us"] < 2 * idle["schedule_us"] + 300, (idle, queued)
+    assert queued["host_us_per_call"] < 1.5 * idle["host_us_per_call"] + 500, (idle, queued)
+    assert engine.num_used_blocks() == 0
+
+
+def test_the_script_writes_its_table(tmp_path):
+    payload = bench_host_overhead.main(["--running", "4,8", "--waiting", "0,20", "--steps",
+                                        "1,4", "--calls", "8", "--out", str(tmp_path)])
+    rows = payload["rows"]
+    assert [(r["K"], r["running"], r["waiting"]) for r in rows] == [
+        (k, r, w) for k in (1, 4) for r in (4, 8) for w in (0, 20)]
+    for row in rows:
+        assert row["host_us_per_call"] > 0 and 0 <= row["idle_fraction"] < 1
+        assert row["tokens"] > 0
+    assert (tmp_path / "host_overhead.md").read_text().count("\n| ") >= len(rows)
+    assert (tmp_path / "host_overhead.png").exists()
