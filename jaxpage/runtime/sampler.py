@@ -1,8 +1,9 @@
 """Sampling on device: penalties, greedy, temperature, top-k, top-p, min-p, per-request
 random streams, and log-probabilities of the sampled token and the top ones.
 
-Each row's randomness comes from ``fold_in(key(sample_seeds[i]), sample_index[i])``, so a
-request draws the same numbers whether it runs alone or in a batch, and after preemption.
+Each row's randomness is a function of its ``sample_seeds[i]``, ``sample_index[i]`` and
+the token id only (``gumbel_noise``), so a request draws the same numbers whether it runs
+alone or in a batch, and after preemption.
 
 Order, as in vLLM: ``min_tokens`` masking, then penalties (repetition over prompt and
 output tokens, presence and frequency over output tokens), then greedy or temperature and
@@ -27,6 +28,33 @@ def first_argmax(values: jax.Array) -> jax.Array:
     top = jnp.max(values, axis=-1, keepdims=True)                           # [S, 1]
     index = jnp.arange(vocab, dtype=jnp.float32)
     return jnp.min(jnp.where(values == top, index, float(vocab)), axis=-1).astype(jnp.int32)
+
+
+def _mix32(x: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finalizer: a bijection of uint32 whose every output bit
+    depends on every input bit."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seeds: jax.Array, index: jax.Array, vocab: int) -> jax.Array:
+    """float32 [S, V] standard Gumbel noise; entry (i, v) depends only on ``seeds[i]``
+    (uint32), ``index[i]`` (the row's sample number) and ``v``.
+
+    A counter-based hash (splitmix's pattern: a per-draw key plus the token id times the
+    golden ratio, then a strong mixer) in a few integer operations per entry, where
+    ``jax.random``'s threefry takes dozens: on the CPU the noise for 256 rows of a 4k
+    vocabulary took ~3 ms a step with threefry, most of sampling's cost.
+    """
+    golden = jnp.uint32(0x9E3779B9)
+    key = _mix32(_mix32(seeds.astype(jnp.uint32)) ^ (index.astype(jnp.uint32) * golden
+                                                     + jnp.uint32(0x7F4A7C15)))   # [S]
+    bits = _mix32(key[:, None] + jnp.arange(vocab, dtype=jnp.uint32)[None, :] * golden)
+    uniform = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))       # (0, 1)
+    return -jnp.log(-jnp.log(uniform))
 
 
 def suppress_tokens(logits: jax.Array, suppressed_ids: jax.Array) -> jax.Array:
@@ -129,9 +157,7 @@ def sample(logits: jax.Array, batch: dict[str, jax.Array],
     def stochastic() -> jax.Array:
         filtered = _filtered_logits(logits, temperature, batch["top_k"], batch["top_p"],
                                     batch["min_p"])
-        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(
-            batch["sample_seeds"], batch["sample_index"])
-        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:]))(keys)
+        gumbel = gumbel_noise(batch["sample_seeds"], batch["sample_index"], logits.shape[-1])
         drawn = first_argmax(filtered + gumbel)
         return jnp.where(temperature > 0, drawn, greedy)
 
