@@ -78,6 +78,13 @@ def prepare_model(name: str) -> str:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent),
                                                                gguf_file=gguf.name)
         tokenizer.save_pretrained(str(target))
+        # A model loaded from GGUF refuses save_pretrained: copy its (dequantized) weights
+        # into a plain one of the same config.
+        state, config = model.state_dict(), model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        model.load_state_dict(state)
     elif name == "tiny-hd64":
         torch.manual_seed(0)
         config = transformers.LlamaConfig(
