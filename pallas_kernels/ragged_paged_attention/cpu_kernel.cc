@@ -52,6 +52,29 @@ struct WorkItem {
   int32_t seq, first_token, num_tokens;
 };
 
+// exp(x) for x <= 0 (and -inf -> 0), to within ~2 float ulps: x = n ln2 + r with |r| <=
+// ln2 / 2, a degree-6 polynomial for exp(r), and n put into the exponent bits. Plain
+// arithmetic and selects, so loops over it vectorize (the library's expf is a call per
+// element: it took a third of a prefill's attention).
+inline float ExpNonPositive(float x) {
+  x = std::max(x, -87.0f);  // exp(-87) ~ 1.6e-38: the smallest normal; -inf lands here too
+  // Round to nearest by adding and removing 1.5 * 2^23 (no call, so it vectorizes).
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  float poly = 1.3981999507e-3f;
+  poly = poly * r + 8.3334519073e-3f;
+  poly = poly * r + 4.1665795894e-2f;
+  poly = poly * r + 1.6666665459e-1f;
+  poly = poly * r + 5.0000001201e-1f;
+  poly = poly * r * r + r + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &poly, sizeof(bits));
+  bits += static_cast<int32_t>(n) << 23;
+  float result;
+  std::memcpy(&result, &bits, sizeof(result));
+  return x <= -87.0f ? 0.0f : result;
+}
+
 inline float Dot(const float* __restrict a, const float* __restrict b, int64_t n) {
   // Eight independent partial sums: the FMA chains overlap instead of waiting on each other.
   float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -63,75 +86,152 @@ inline float Dot(const float* __restrict a, const float* __restrict b, int64_t n
   return sum;
 }
 
+// p[j] = q . kt[:, j] for the B lanes of a transposed key block kt [D][B]. A fixed B keeps
+// the B partial sums in registers across the D multiply-adds.
+template <int64_t kB>
+inline void ScoresFixed(const float* __restrict qr, const float* __restrict kt, int64_t D,
+                        float* __restrict p) {
+  float sums[kB] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    const float qd = qr[d];
+    const float* __restrict lane = kt + d * kB;
+#pragma omp simd
+    for (int64_t j = 0; j < kB; ++j) sums[j] += qd * lane[j];
+  }
+  for (int64_t j = 0; j < kB; ++j) p[j] = sums[j];
+}
+
+inline void Scores(const float* __restrict qr, const float* __restrict kt, int64_t D, int64_t B,
+                   float* __restrict p) {
+  if (B == 16) return ScoresFixed<16>(qr, kt, D, p);
+  if (B == 32) return ScoresFixed<32>(qr, kt, D, p);
+  for (int64_t j = 0; j < B; ++j) p[j] = 0.f;
+  for (int64_t d = 0; d < D; ++d) {
+    const float qd = qr[d];
+    const float* __restrict lane = kt + d * B;
+#pragma omp simd
+    for (int64_t j = 0; j < B; ++j) p[j] += qd * lane[j];
+  }
+}
+
+// ar = ar * correction + sum over visible keys j of p[j] * v[j] (v[j] = v_first + j *
+// stride). A fixed D keeps the accumulator in registers across the keys.
+template <int64_t kD>
+inline void AccumulateFixed(float* __restrict ar, float correction, const float* __restrict p,
+                            const float* v_first, int64_t first, int64_t last, int64_t stride) {
+  float sums[kD];
+#pragma omp simd
+  for (int64_t d = 0; d < kD; ++d) sums[d] = ar[d] * correction;
+  for (int64_t j = first; j < last; ++j) {
+    const float w = p[j];
+    const float* __restrict vj = v_first + j * stride;
+#pragma omp simd
+    for (int64_t d = 0; d < kD; ++d) sums[d] += w * vj[d];
+  }
+#pragma omp simd
+  for (int64_t d = 0; d < kD; ++d) ar[d] = sums[d];
+}
+
+inline void Accumulate(float* __restrict ar, float correction, const float* __restrict p,
+                       const float* v_first, int64_t first, int64_t last, int64_t stride,
+                       int64_t D) {
+  if (D == 64) return AccumulateFixed<64>(ar, correction, p, v_first, first, last, stride);
+  if (D == 128) return AccumulateFixed<128>(ar, correction, p, v_first, first, last, stride);
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) ar[d] *= correction;
+  for (int64_t j = first; j < last; ++j) {
+    const float w = p[j];
+    const float* __restrict vj = v_first + j * stride;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) ar[d] += w * vj[d];
+  }
+}
+
 // Attend `item`'s query rows (its tokens x every query head) to their sequence's keys and
 // values, block by block, and write their outputs. Row r is token r / Hq, head r % Hq.
+//
+// With many rows per KV head (prefill tiles), each block's keys are first transposed into
+// kt [Hkv][D][B], so a row's scores over the block are D broadcast multiply-adds over B
+// lanes (no horizontal sums); with few (decodes) a dot product per key reads them in
+// place. Scores are then masked, exponentiated and accumulated into the row's online
+// softmax.
 void AttendItem(const Shape& s, const WorkItem& item, const float* q, const float* k_cache,
                 const float* v_cache, const int32_t* block_table, int64_t kv_len,
                 int64_t q_len, int64_t first_seq_token, float sm_scale,
                 int64_t sliding_window, float soft_cap, float* out) {
   const int64_t D = s.head_dim, G = s.group, B = s.block_size, Hq = s.num_q_heads;
+  const int64_t Hkv = s.num_kv_heads;
   const int64_t rows = static_cast<int64_t>(item.num_tokens) * Hq;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   // Scratch reused across calls; plain pointers below keep thread-local lookups out of
   // the inner loops.
-  thread_local std::vector<float> m_buf, l_buf, acc_buf, p_buf;
+  thread_local std::vector<float> m_buf, l_buf, acc_buf, p_buf, kt_buf;
   thread_local std::vector<int64_t> pos_buf;
   m_buf.assign(rows, neg_inf);
   l_buf.assign(rows, 0.f);
   acc_buf.assign(rows * D, 0.f);
   p_buf.resize(B);
+  kt_buf.resize(Hkv * D * B);
   pos_buf.resize(item.num_tokens);
   float* __restrict m = m_buf.data();
   float* __restrict l = l_buf.data();
   float* __restrict acc = acc_buf.data();
   float* __restrict p = p_buf.data();
+  float* __restrict kt = kt_buf.data();
   int64_t* __restrict q_pos = pos_buf.data();
   for (int64_t t = 0; t < item.num_tokens; ++t)
     q_pos[t] = kv_len - q_len + (item.first_token + t - first_seq_token);
   const int64_t hi = std::min(q_pos[item.num_tokens - 1], s.max_blocks * B - 1);
   int64_t lo = 0;
   if (sliding_window > 0) lo = std::max<int64_t>(0, q_pos[0] - sliding_window + 1);
+  const int64_t stride = Hkv * D;  // between consecutive positions of a head
+  const bool transpose = rows >= 4 * Hkv;  // enough rows share each transposed head
 
   for (int64_t block = lo / B; hi >= lo && block <= hi / B; ++block) {
     const int64_t id = std::clamp<int64_t>(block_table[block], 0, s.num_blocks - 1);
     const int64_t start = std::max(lo, block * B), stop = std::min(hi, block * B + B - 1);
     const int64_t count = stop - start + 1;
-    const int64_t stride = s.num_kv_heads * D;  // between consecutive positions of a head
+    const float* k_block = k_cache + (id * B + start - block * B) * stride;
+    const float* v_block = v_cache + (id * B + start - block * B) * stride;
+    // kt[h][d][j] = key j of head h, dimension d; lanes past `count` are zero.
+    for (int64_t h = 0; transpose && h < Hkv; ++h)
+      for (int64_t d = 0; d < D; ++d) {
+        float* __restrict lane = kt + (h * D + d) * B;
+        for (int64_t j = 0; j < count; ++j) lane[j] = k_block[j * stride + h * D + d];
+        for (int64_t j = count; j < B; ++j) lane[j] = 0.f;
+      }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t token = r / Hq, head = r % Hq, kv_head = head / G;
       const int64_t pos = q_pos[token];
-      const float* qr = q + ((item.first_token + token) * Hq + head) * D;
-      const float* k_first = k_cache + ((id * B + start - block * B) * s.num_kv_heads + kv_head) * D;
-      const float* v_first = v_cache + ((id * B + start - block * B) * s.num_kv_heads + kv_head) * D;
+      if (start > pos) continue;  // this row sees nothing in this block (causal)
+      const float* __restrict qr = q + ((item.first_token + token) * Hq + head) * D;
+      if (transpose) {
+        Scores(qr, kt + kv_head * D * B, D, B, p);
+      } else {
+        for (int64_t j = 0; j < count; ++j) p[j] = Dot(qr, k_block + j * stride + kv_head * D, D);
+      }
+      // Visible keys: start + j <= pos, within the window; the rest score -inf.
+      const int64_t last = std::min<int64_t>(count, pos - start + 1);
+      const int64_t first = sliding_window > 0
+          ? std::clamp<int64_t>(pos - sliding_window + 1 - start, 0, last) : 0;
       float block_max = neg_inf;
       for (int64_t j = 0; j < count; ++j) {
-        const int64_t at = start + j;
-        float score = neg_inf;
-        if (at <= pos && (sliding_window <= 0 || at > pos - sliding_window)) {
-          score = Dot(qr, k_first + j * stride, D) * sm_scale;
-          if (soft_cap > 0.f) score = soft_cap * std::tanh(score / soft_cap);
-        }
+        float score = p[j] * sm_scale;
+        if (soft_cap > 0.f) score = soft_cap * std::tanh(score / soft_cap);
+        score = (j >= first && j < last) ? score : neg_inf;
         p[j] = score;
         block_max = std::max(block_max, score);
       }
       if (block_max == neg_inf) continue;  // this row sees nothing in this block
       const float new_max = std::max(m[r], block_max);
-      const float correction = m[r] == neg_inf ? 0.f : std::exp(m[r] - new_max);
+      const float correction = m[r] == neg_inf ? 0.f : ExpNonPositive(m[r] - new_max);
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < count; ++j) {  // exp(-inf) = 0 for hidden positions
-        p[j] = std::exp(p[j] - new_max);
+      for (int64_t j = 0; j < count; ++j) {  // hidden positions: exp(-inf) = 0
+        p[j] = ExpNonPositive(p[j] - new_max);
         sum += p[j];
       }
-      float* __restrict ar = acc + r * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) ar[d] *= correction;
-      for (int64_t j = 0; j < count; ++j) {
-        const float w = p[j];
-        const float* vj = v_first + j * stride;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ar[d] += w * vj[d];
-      }
+      Accumulate(acc + r * D, correction, p, v_block + kv_head * D, first, last, stride, D);
       l[r] = l[r] * correction + sum;
       m[r] = new_max;
     }
