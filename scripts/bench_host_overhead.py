@@ -13,8 +13,9 @@ queued) and every ``num_scheduler_steps`` (``--steps``), it reports per engine c
   time: the device waiting for the host; an upper bound, see ``engine.device_calls``).
 
 Each engine runs the whole measurement once untimed first (every program it needs is
-compiled then), then once per waiting count, timed. ``--profile FILE`` writes a cProfile
-of the timed calls of the first configuration, and prints its top functions.
+compiled then), then once per waiting count, timed. ``--profile FILE`` then measures the
+first configuration once more under cProfile (not a row of the table: the profiler slows
+the host), writes the profile to FILE and prints its top functions.
 
     python scripts/bench_host_overhead.py                       # the full table
     python scripts/bench_host_overhead.py --running 256 --waiting 0,10000 --steps 1
@@ -152,7 +153,6 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     rows = []
-    profiler = first_profiler = cProfile.Profile() if args.profile else None
     for steps in args.steps:
         calls = args.calls if steps == 1 else max(6, 2 * args.calls // steps)
         max_tokens = 16 + steps * (calls + 8)
@@ -160,19 +160,20 @@ def main(argv: list[str] | None = None) -> dict:
             engine = make_engine(running, steps, max_tokens, args.block_size)
             measure(engine, running, 0, calls, max_tokens)  # untimed: compiles every shape
             for waiting in args.waiting:
-                row = measure(engine, running, waiting, calls, max_tokens, profiler)
-                profiler = None
+                row = measure(engine, running, waiting, calls, max_tokens)
                 row["K"] = steps
                 rows.append(row)
                 print(f"K={steps} running={running:5d} waiting={waiting:6d}: host "
                       f"{row['host_us_per_call']:8.0f} us/call ("
                       + ", ".join(f"{p} {row[p + '_us']:.0f}" for p in PHASES)
                       + f"), device idle {row['idle_fraction']:.1%}", flush=True)
+            if args.profile and steps == args.steps[0] and running == args.running[0]:
+                profiler = cProfile.Profile()
+                measure(engine, running, args.waiting[0], calls, max_tokens, profiler)
+                Path(args.profile).parent.mkdir(parents=True, exist_ok=True)
+                profiler.dump_stats(args.profile)
+                pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(25)
             del engine
-    if first_profiler is not None:
-        Path(args.profile).parent.mkdir(parents=True, exist_ok=True)
-        first_profiler.dump_stats(args.profile)
-        pstats.Stats(first_profiler, stream=sys.stdout).sort_stats("tottime").print_stats(25)
     columns = [("K", "K"), ("running", "running"), ("waiting", "waiting"),
                ("host_us_per_call", "host us/call")]
     columns += [(f"{p}_us", f"{p} us") for p in PHASES]
