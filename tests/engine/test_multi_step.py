@@ -3,6 +3,7 @@
 import pytest
 
 from jaxpage import LLM, SamplingParams
+from tests.engine.outcomes import outcomes
 from tests.engine.prompts import BASE
 from tests.options import TINY
 
@@ -14,15 +15,8 @@ def engines(tiny_checkpoints):
 
 
 def run(llm, prompts, params, eos=None):
-    engine = llm.llm_engine
-    saved = engine.eos_token_ids
-    if eos is not None:
-        engine.eos_token_ids = frozenset({eos})
-    try:
-        return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
-                 o.outputs[0].stop_reason) for o in llm.generate(prompts, params, use_tqdm=False)]
-    finally:
-        engine.eos_token_ids = saved
+    """The first completion's (token ids, text, finish reason, stop reason) per request."""
+    return [completions[0] for completions in outcomes(llm, prompts, params, eos)]
 
 
 def test_stops_in_the_middle_of_a_window_match_single_steps(engines):

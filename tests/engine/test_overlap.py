@@ -10,6 +10,7 @@ leaks (the suite's autouse check also asserts every block is free after each tes
 import pytest
 
 from jaxpage import LLM, SamplingParams
+from tests.engine.outcomes import outcomes
 from tests.engine.prompts import BASE
 from tests.options import TINY
 
@@ -25,17 +26,6 @@ def engines(tiny_checkpoints):
 def summary(outputs):
     return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs]
             for o in outputs]
-
-
-def run(llm, prompts, params, eos=None):
-    engine = llm.llm_engine
-    saved = engine.eos_token_ids
-    if eos is not None:
-        engine.eos_token_ids = frozenset({eos})
-    try:
-        return summary(llm.generate(prompts, params, use_tqdm=False))
-    finally:
-        engine.eos_token_ids = saved
 
 
 def mixed_params(free):
@@ -56,12 +46,12 @@ def mixed_params(free):
 @pytest.mark.parametrize("name", ["k1", "k8"])
 def test_stops_lengths_and_sampling_match_the_waiting_engine(engines, name):
     prompts = BASE[:8]
-    free = run(engines["sync"], prompts, SamplingParams(temperature=0, max_tokens=30))
+    free = outcomes(engines["sync"], prompts, SamplingParams(temperature=0, max_tokens=30))
     eos = free[0][0][0][11]  # a token the first prompt produces at step 12: its EOS
     params = mixed_params(free)
-    want = run(engines["sync"], prompts, params, eos=eos)
+    want = outcomes(engines["sync"], prompts, params, eos=eos)
     overlapped = engines[name].llm_engine.step_profile["chained"]
-    got = run(engines[name], prompts, params, eos=eos)
+    got = outcomes(engines[name], prompts, params, eos=eos)
     assert got == want
     assert want[0][0][2] == "stop" and len(want[0][0][0]) <= 12
     assert [len(w[0][0]) for w in want[3:5]] == [13, 1]
@@ -73,19 +63,19 @@ def test_a_prefix_shared_after_a_stop_is_intact(engines):
     its end into a block of its own, never into the full blocks it leaves in the prefix
     cache, which a later request then reads."""
     first = BASE[3]
-    base = run(engines["sync"], [first], SamplingParams(temperature=0, max_tokens=24))[0][0]
+    base = outcomes(engines["sync"], [first], SamplingParams(temperature=0, max_tokens=24))[0][0]
     stop_id = base[0][17]
     params = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id])
     for name in ("k1", "k8"):
-        stopped = run(engines[name], [first], params)[0][0]
+        stopped = outcomes(engines[name], [first], params)[0][0]
         assert stopped[0] == base[0][:base[0].index(stop_id) + 1]
         follow = {"prompt_token_ids": engines[name].get_tokenizer()(first)["input_ids"]
                   + stopped[0] + [5, 6, 7]}
         again = SamplingParams(temperature=0, max_tokens=12)
         cached = engines[name].llm_engine.kv_cache_manager.num_prefix_hit_tokens
-        got = run(engines[name], [follow], again)
+        got = outcomes(engines[name], [follow], again)
         assert engines[name].llm_engine.kv_cache_manager.num_prefix_hit_tokens > cached
-        assert got == run(engines["sync"], [follow], again)
+        assert got == outcomes(engines["sync"], [follow], again)
 
 
 @pytest.mark.parametrize("steps", [1, 8])
@@ -100,7 +90,7 @@ def test_preemption_matches_the_waiting_engine(tiny_checkpoints, steps):
     results = {}
     for name, extra in (("sync", {"async_scheduling": False}), ("overlap", {})):
         llm = LLM(path, num_scheduler_steps=steps, **options, **extra)
-        results[name] = run(llm, prompts, params)
+        results[name] = outcomes(llm, prompts, params)
         assert llm.get_stats()["num_preemptions"] > 0, name
         if name == "overlap":
             assert llm.llm_engine.step_profile["chained"] > 0
@@ -116,7 +106,7 @@ def test_aborts_while_a_call_is_queued(engines, name):
     seeded = SamplingParams(temperature=0.9, seed=21, max_tokens=25, ignore_eos=True)
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     prompts, params = BASE[:6], [greedy, seeded] * 2 + [long, long]
-    want = run(engines["sync"], prompts[:4], params[:4])
+    want = outcomes(engines["sync"], prompts[:4], params[:4])
     ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
     done = {}
     for victim in ids[4:]:
