@@ -140,36 +140,39 @@ class AheadOfHost:
         in_flight = {id(item.request): (row, item.num_new_tokens)
                      for row, item in enumerate(previous.scheduled)}
         self._sort_running()
-        for request in self.running:
-            if request.external_sampling or request.fork_children:
-                return None
-        self.step_count += 1
         out = SchedulerOutput()
+        scheduled, row_of = out.scheduled, in_flight.get
         budget = self.config.max_num_batched_tokens
         threshold = self.config.long_prefill_token_threshold
         req_to_blocks, block_size = self.kv.req_to_blocks, self.kv.block_size
+        allocate = self.kv.allocate_slots
+        not_in_flight = (-1, 0)
         for request in self.running:
+            if request.external_sampling or request.fork_children:
+                return None  # blocks reserved for earlier rows stay with their requests
             if budget <= 0:
-                break
-            row, ahead = in_flight.get(id(request), (-1, 0))
+                continue  # the rest only needs the check above
+            row, ahead = row_of(id(request), not_in_flight)
             computed = request.num_computed_tokens + ahead
-            emits = ahead > 0 and computed >= len(request.all_token_ids)
-            if emits and request.num_output_tokens + 1 >= request.max_tokens:
+            known = len(request.all_token_ids)
+            emits = ahead > 0 and computed >= known
+            if emits and len(request.output_token_ids) + 1 >= request.max_tokens:
                 continue  # its in-flight token is its last
-            count = len(request.all_token_ids) + emits - computed
+            count = known + emits - computed
             if threshold and count > 1:
                 count = min(count, threshold)
             num_new = min(count, budget)
             if num_new <= 0:
                 continue
-            blocks = req_to_blocks.get(request.request_id, ())
             # A row continuing an in-flight one writes after it: into that row's block
             # (already private) or a later one. Enough blocks held: nothing to allocate.
-            if not (ahead and (computed + num_new - 1) // block_size < len(blocks)) and \
-                    not self.kv.allocate_slots(request, ahead + num_new):
+            if not (ahead and (computed + num_new - 1) // block_size
+                    < len(req_to_blocks.get(request.request_id, ()))) and \
+                    not allocate(request, ahead + num_new):
                 return None  # needs a preemption: only the host's own schedule does that
-            out.scheduled.append(ScheduledRequest(request, num_new, ahead, int(emits),
-                                                  row if emits else -1))
+            scheduled.append(ScheduledRequest(request, num_new, ahead, 1 if emits else 0,
+                                              row if emits else -1))
             budget -= num_new
+        self.step_count += 1
         self._admit(out, budget)
         return out if out.scheduled else None

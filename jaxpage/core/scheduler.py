@@ -292,11 +292,13 @@ class Scheduler(AheadOfHost):
         """
         produced = []
         tokens = sampled_token_ids.tolist()
-        cache_full_blocks = self.kv.cache_full_blocks
+        stops = None if may_stop is None else may_stop.tolist()
+        kv = self.kv
+        cache_full_blocks, block_size = kv.cache_full_blocks, kv.block_size
         for row, item in enumerate(out.scheduled):
             request = item.request
             if request.is_finished:
-                continue  # aborted while the step ran
+                continue  # aborted while the step ran (or a row scheduled ahead of a stop)
             computed = request.num_computed_tokens + item.num_new_tokens
             if computed < len(request.all_token_ids):
                 request.num_computed_tokens = computed
@@ -307,10 +309,18 @@ class Scheduler(AheadOfHost):
                 request.num_computed_tokens = computed
                 cache_full_blocks(request)
                 continue
-            request.num_computed_tokens = computed - 1
-            if item.num_new_tokens > 1:
-                cache_full_blocks(request)  # blocks the chunk filled before its last token
-            self.accept_token(request, tokens[row], may_stop is None or may_stop[row])
+            # ``accept_token`` inlined (the hot path: one row of every step): the token's
+            # predecessor is computed now, and blocks it completes go to the prefix cache.
+            request.num_computed_tokens = computed
+            if item.num_new_tokens > 1 or computed % block_size == 0:
+                cache_full_blocks(request)
+            token = tokens[row]
+            request.output_token_ids.append(token)
+            request.all_token_ids.append(token)
+            if stops is None or stops[row] or request.has_many_stop_ids:
+                status = request.check_token_stop()
+                if status is not None:
+                    self.finish_request(request.request_id, status)
         return produced
 
     def accept_token(self, request: Request, token: int, may_stop: bool = True) -> bool:
