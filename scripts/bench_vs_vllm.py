@@ -53,7 +53,9 @@ if __name__ == "__main__":
         return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
     run(spec["warmup"])
     wall, tokens = run(spec["requests"])
-    print("RESULT " + json.dumps({"wall_s": wall, "output_tokens": tokens}), flush=True)
+    import vllm
+    print("RESULT " + json.dumps({"wall_s": wall, "output_tokens": tokens,
+                                  "version": vllm.__version__}), flush=True)
 '''
 
 
@@ -182,12 +184,12 @@ def main(argv: list[str] | None = None) -> dict:
                               max_model_len, args.vllm_kv_space_gib)
         else:
             raise SystemExit(f"--systems: unknown system {system!r} (jaxpage, vllm)")
-        result["system"] = system
+        result["system"] = system if "version" not in result else f"{system} {result['version']}"
         result["output_tokens_per_s"] = result["output_tokens"] / result["wall_s"]
         rows.append(result)
         print(f"{system}: {result['output_tokens_per_s']:.1f} output tok/s "
               f"({result['wall_s']:.1f} s)", flush=True)
-    base = next((r for r in rows if r["system"] == "vllm"), rows[-1])
+    base = next((r for r in rows if r["system"].startswith("vllm")), rows[-1])
     for row in rows:
         row["vs_vllm"] = row["output_tokens_per_s"] / base["output_tokens_per_s"]
     table = markdown_table(rows, [("system", "system"), ("output_tokens", "output tokens"),
