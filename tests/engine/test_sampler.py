@@ -47,3 +47,50 @@ def test_greedy_rows_and_suppressed_tokens():
     assert out[0] == 0 and out[2] == 1  # greedy, with token 0 masked in row 2
     assert out[4] == 0  # row 4 lists token 0 as a stop token but is past min_tokens
     assert out[3] != 0
+
+
+def test_first_argmax_is_argmax_with_ties_and_masked_rows():
+    from jaxpage.runtime.sampler import first_argmax
+
+    rng = np.random.default_rng(0)
+    values = rng.integers(0, 4, (64, 37)).astype(np.float32)  # many ties
+    values[3] = -np.inf                                         # a fully masked row
+    values[5, 10:] = -np.inf
+    np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(values))),
+                                  values.argmax(axis=-1))
+
+
+def test_gumbel_noise_depends_on_seed_index_and_token_only():
+    from jaxpage.runtime.sampler import gumbel_noise
+
+    seeds = np.array([7, 7, 8, 7], np.uint32)
+    index = np.array([0, 1, 0, 0], np.int32)
+    noise = np.asarray(gumbel_noise(jnp.asarray(seeds), jnp.asarray(index), 4096))  # [4, V]
+    np.testing.assert_array_equal(noise[0], noise[3])        # same draw, another row
+    alone = np.asarray(gumbel_noise(jnp.asarray(seeds[2:3]), jnp.asarray(index[2:3]), 4096))
+    np.testing.assert_array_equal(alone[0], noise[2])         # same draw, another batch
+    assert not np.array_equal(noise[0], noise[1]) and not np.array_equal(noise[0], noise[2])
+    # Standard Gumbel: mean = Euler's gamma, variance = pi^2 / 6, over 4 x 4096 draws.
+    assert abs(noise.mean() - 0.5772) < 0.03 and abs(noise.var() - np.pi ** 2 / 6) < 0.1
+    # Neighbouring token ids are not correlated.
+    assert abs(np.corrcoef(noise[0, :-1], noise[0, 1:])[0, 1]) < 0.05
+
+
+def test_skipping_the_sort_keeps_every_token_of_unfiltered_rows():
+    """Rows without top-k / top-p keep their whole distribution (min-p alone included)
+    whether or not another row of the batch makes the sampler sort."""
+    from jaxpage.runtime.sampler import _filtered_logits
+
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.standard_normal((3, 64)).astype(np.float32))
+    temperature = jnp.asarray([1.0, 0.7, 1.0], jnp.float32)
+    min_p = jnp.asarray([0.0, 0.0, 0.2], jnp.float32)
+    alone = _filtered_logits(logits, temperature, jnp.zeros(3, jnp.int32),
+                             jnp.ones(3, jnp.float32), min_p)
+    sorted_too = _filtered_logits(jnp.concatenate([logits, logits[:1]]),
+                                  jnp.concatenate([temperature, temperature[:1]]),
+                                  jnp.asarray([0, 0, 0, 5], jnp.int32),
+                                  jnp.ones(4, jnp.float32), jnp.concatenate([min_p, min_p[:1]]))
+    np.testing.assert_array_equal(np.asarray(alone), np.asarray(sorted_too)[:3])
+    assert np.isfinite(np.asarray(alone)[:2]).all()             # nothing dropped
+    assert np.isinf(np.asarray(sorted_too)[3]).sum() == 64 - 5  # top-k 5 kept 5
