@@ -74,7 +74,7 @@ class BatchMetadata:
     """Numpy arrays for one model step (see the module docstring for padding rules)."""
 
     input_ids: np.ndarray        # int32 [T]
-    input_src: np.ndarray        # int32 [T]  -1, or the previous call's row whose sampled token this is
+    input_src: np.ndarray        # int32 [T]  -1, or the previous call's row that sampled it
     positions: np.ndarray        # int32 [T]
     slot_mapping: np.ndarray     # int32 [T]  flat slot block_id * block_size + offset, -1 = skip
     block_tables: np.ndarray     # int32 [S, M]
@@ -203,7 +203,8 @@ class BatchBuilder:
         """A batch of the given shape holding no sequence (for compiling ahead of time)."""
         zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
         return BatchMetadata(
-            input_ids=zeros(T), input_src=np.full(T, -1, np.int32), positions=zeros(T), slot_mapping=np.full(T, -1, np.int32),
+            input_ids=zeros(T), input_src=np.full(T, -1, np.int32), positions=zeros(T),
+            slot_mapping=np.full(T, -1, np.int32),
             block_tables=zeros(S, M), kv_lens=zeros(S), cu_q_lens=zeros(S + 1),
             num_seqs=zeros(1), logits_indices=zeros(S), temperature=np.zeros(S, np.float32),
             top_k=zeros(S), top_p=np.ones(S, np.float32), min_p=np.zeros(S, np.float32),

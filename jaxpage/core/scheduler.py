@@ -293,8 +293,7 @@ class Scheduler(AheadOfHost):
         produced = []
         tokens = sampled_token_ids.tolist()
         stops = None if may_stop is None else may_stop.tolist()
-        kv = self.kv
-        cache_full_blocks, block_size = kv.cache_full_blocks, kv.block_size
+        cache_full_blocks = self.kv.cache_full_blocks
         for row, item in enumerate(out.scheduled):
             request = item.request
             if request.is_finished:
@@ -309,18 +308,10 @@ class Scheduler(AheadOfHost):
                 request.num_computed_tokens = computed
                 cache_full_blocks(request)
                 continue
-            # ``accept_token`` inlined (the hot path: one row of every step): the token's
-            # predecessor is computed now, and blocks it completes go to the prefix cache.
-            request.num_computed_tokens = computed
-            if item.num_new_tokens > 1 or computed % block_size == 0:
-                cache_full_blocks(request)
-            token = tokens[row]
-            request.output_token_ids.append(token)
-            request.all_token_ids.append(token)
-            if stops is None or stops[row] or request.has_many_stop_ids:
-                status = request.check_token_stop()
-                if status is not None:
-                    self.finish_request(request.request_id, status)
+            request.num_computed_tokens = computed - 1
+            if item.num_new_tokens > 1:
+                cache_full_blocks(request)  # blocks the chunk filled before its last token
+            self.accept_token(request, tokens[row], stops is None or stops[row])
         return produced
 
     def accept_token(self, request: Request, token: int, may_stop: bool = True) -> bool:
