@@ -86,5 +86,17 @@ def _track_llm_instances() -> None:
     llm_module.LLM.__init__ = tracking_init
 
 
+def _check_fast_paths() -> None:
+    """The host loop's shortcuts for steady decoding (``Scheduler.schedule_ahead``'s and
+    ``BatchBuilder.build``'s) are checked against the paths they shortcut at every step
+    of the suite."""
+    from jaxpage.core.batch import BatchBuilder
+    from jaxpage.core.scheduler import Scheduler
+
+    Scheduler.check_fast_paths = True
+    BatchBuilder.check_fast_paths = True
+
+
 def pytest_sessionstart(session):
     _track_llm_instances()
+    _check_fast_paths()

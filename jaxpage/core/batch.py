@@ -22,7 +22,7 @@ A penalized batch therefore has the same shapes as any other.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -96,6 +96,25 @@ class BatchMetadata:
     frequency_penalty: np.ndarray  # float32 [S]  0 = off
     repetition_penalty: np.ndarray  # float32 [S]  1 = off
     penalty_slot: np.ndarray     # int32 [S]  row of the device's penalty table, -1 = none
+    # ``packed()``'s arrays, once made (or given: ``from_packed``). Never modified.
+    _packed: tuple[np.ndarray, np.ndarray, np.ndarray] | None = field(
+        default=None, repr=False, compare=False)
+
+    @classmethod
+    def from_packed(cls, tokens: np.ndarray, rows: np.ndarray,
+                    floats: np.ndarray) -> "BatchMetadata":
+        """The batch whose ``packed()`` arrays these are; its fields are views of them."""
+        values = unpack_batch(tokens, rows, floats)
+        values["sample_seeds"] = values["sample_seeds"].view(np.uint32)
+        return cls(**values, _packed=(tokens, rows, floats))
+
+    def replaced(self, **changes) -> "BatchMetadata":
+        """A copy with ``changes`` (fields, ``_packed``) and every other field shared.
+        Skips ``__init__``: on the hot path ``dataclasses.replace`` costs ~20 us."""
+        copy = object.__new__(BatchMetadata)
+        copy.__dict__.update(self.__dict__)
+        copy.__dict__.update(changes)
+        return copy
 
     @property
     def shape_key(self) -> tuple[int, int, int]:
@@ -103,7 +122,7 @@ class BatchMetadata:
         return (self.input_ids.shape[0], self.block_tables.shape[0], self.block_tables.shape[1])
 
     def as_dict(self) -> dict[str, np.ndarray]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_packed"}
 
     def packed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The batch as three arrays, what actually crosses to the device (one transfer
@@ -114,6 +133,8 @@ class BatchMetadata:
         table; ``cu_q_lens[1:]`` and ``num_seqs`` ride as columns) and floats float32
         [S, len(ROW_FLOAT_FIELDS)].
         """
+        if self._packed is not None:
+            return self._packed
         S = self.block_tables.shape[0]
         ints = [getattr(self, name) for name in ROW_INT_FIELDS[:-3]]
         ints += [self.sample_seeds.view(np.int32), self.cu_q_lens[1:],
@@ -122,7 +143,8 @@ class BatchMetadata:
                               axis=1)
         tokens = np.stack([self.input_ids, self.positions, self.slot_mapping, self.input_src])
         floats = np.stack([getattr(self, name) for name in ROW_FLOAT_FIELDS], axis=1)
-        return tokens, rows, floats
+        object.__setattr__(self, "_packed", (tokens, rows, floats))
+        return self._packed
 
 
 # Column order of ``BatchMetadata.packed``'s per-row arrays.
@@ -131,6 +153,12 @@ ROW_INT_FIELDS = ("kv_lens", "logits_indices", "top_k", "sample_index", "min_tok
                   "num_seqs")
 ROW_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                     "repetition_penalty")
+
+
+# Columns of the packed per-row ints that a continuing build touches.
+_KV_LENS = ROW_INT_FIELDS.index("kv_lens")
+_SAMPLE_INDEX = ROW_INT_FIELDS.index("sample_index")
+_TABLES = len(ROW_INT_FIELDS) + MAX_STOP_TOKENS
 
 
 def unpack_batch(tokens, rows, floats) -> dict:
@@ -161,6 +189,9 @@ def _prepend_zero(values):
 class BatchBuilder:
     """Turns a SchedulerOutput into a padded BatchMetadata."""
 
+    # Tests set this: every continuing build is checked against a build from the requests.
+    check_fast_paths = False
+
     def __init__(self, kv_cache_manager: KVCacheManager, *, max_num_batched_tokens: int,
                  max_num_seqs: int, max_model_len: int, num_penalty_slots: int | None = None,
                  bucket_growth: int = 2) -> None:
@@ -173,6 +204,7 @@ class BatchBuilder:
         self.block_ladder = BucketLadder(min(8, max_blocks), max_blocks, bucket_growth)
         self.penalty_slots = PenaltySlots(num_penalty_slots or max_num_seqs)
         self.rows = BatchRows(max_num_seqs, max_blocks)
+        self._last: tuple[SchedulerOutput, BatchMetadata] | None = None  # the latest build
 
     def decode_tokens(self, num_seqs: int) -> int:
         """T of a batch of ``num_seqs`` decodes: the sequence rung, capped by the token rung."""
@@ -227,11 +259,23 @@ class BatchBuilder:
         from the previous build for requests that stay and rewritten only for those that
         join or whose blocks changed.
         """
+        last = self._last
+        if not ahead and last is not None and out.continues is last[0]:
+            batch = self._build_continuing(out, last[1])
+            if self.check_fast_paths:
+                _assert_same_batch(batch, self._build_rows(out, 0))
+        else:
+            batch = self._build_rows(out, ahead)
+        self._last = (out, batch)
+        return batch
+
+    def _build_rows(self, out: SchedulerOutput, ahead: int) -> BatchMetadata:
+        """``build`` from each request's state."""
         items = out.scheduled
         n = len(items)
         if ahead and out.num_batched_tokens != n:
             raise ValueError("only decodes can be built ahead of the host")
-        requests = [item.request for item in items]
+        requests = out.requests
         rows = self.rows.update(requests, self.kv)
         num_new = np.fromiter((item.num_new_tokens for item in items), np.int32, n)   # [n]
         computed = np.fromiter((r.num_computed_tokens for r in requests), np.int32, n)  # [n]
@@ -293,12 +337,50 @@ class BatchBuilder:
         sample_index = np.zeros(S, np.int32)
         sample_index[:n] = sampled
         emits = computed + num_new >= known  # the row's sampled token is kept (not a chunk)
+        out.all_decodes = bool(decodes_only and not ahead and emits.all()
+                               and not rows.external[:n].any())
         return BatchMetadata(
             input_ids=input_ids, input_src=input_src, positions=positions,
             slot_mapping=slot_mapping, block_tables=rows.tables[:S, :M].copy(),
             kv_lens=kv_lens, cu_q_lens=cu_q_lens, num_seqs=np.array([n], np.int32),
             logits_indices=logits_indices, sample_index=sample_index, **rows.fields(S),
             **self._penalties(requests, S, emits, bool(ahead), rows.has_penalties[:n]))
+
+    def _build_continuing(self, out: SchedulerOutput, last: BatchMetadata) -> BatchMetadata:
+        """``build`` for ``out.continues`` built just before (``last``): row i is row i of
+        ``last`` one token further, its input token the one row i samples on the device.
+
+        Made from ``last``'s packed arrays: the per-row ints are copied and two columns
+        advanced, block tables rewritten only where they changed, the floats shared
+        (nothing in them changes). Nothing is read from the requests. A change of the
+        block-table bucket or a penalized row takes the row by row build instead.
+        """
+        requests = out.requests
+        n = len(requests)
+        rows = self.rows.update(requests, self.kv)
+        tokens, ints, floats = last.packed()
+        M = last.block_tables.shape[1]
+        if rows.longest_table > M or rows.reordered or rows.any_penalties:
+            return self._build_rows(out, 0)
+        first = np.arange(n, dtype=np.int32)                                  # [n]
+        ints = ints.copy()                                                    # [S, C]
+        position = ints[:n, _KV_LENS].copy()  # the new token: right after the last  [n]
+        ints[:n, _KV_LENS] += 1
+        ints[:n, _SAMPLE_INDEX] += 1
+        if rows.rewritten:
+            ints[rows.rewritten, _TABLES:] = rows.tables[rows.rewritten, :M]
+        tokens = tokens.copy()  # [4, T]: padding as in ``last``; input ids from the device
+        tokens[0, :n] = 0
+        tokens[1, :n] = position
+        tokens[2, :n] = (ints[first, _TABLES + position // self.block_size] * self.block_size
+                         + position % self.block_size)
+        tokens[3, :n] = first
+        out.all_decodes = True  # as ``last``: the same requests, each one token further
+        # The fields that changed are views of the new arrays; the others are ``last``'s.
+        return last.replaced(
+            _packed=(tokens, ints, floats), input_ids=tokens[0], positions=tokens[1],
+            slot_mapping=tokens[2], input_src=tokens[3], kv_lens=ints[:, _KV_LENS],
+            sample_index=ints[:, _SAMPLE_INDEX], block_tables=ints[:, _TABLES:])
 
     def _penalties(self, requests: list, S: int, emits: np.ndarray, chained: bool,
                    penalized: np.ndarray) -> dict[str, np.ndarray]:
@@ -323,6 +405,15 @@ class BatchBuilder:
     def take_penalty_fills(self) -> list[PenaltyFill]:
         """Rows of the device's penalty table to fill before the batch just built runs."""
         return self.penalty_slots.take_fills()
+
+
+def _assert_same_batch(got: BatchMetadata, expected: BatchMetadata) -> None:
+    for name, value in expected.as_dict().items():
+        if name == "input_ids":  # rows reading their token on the device: any value
+            value = np.where(expected.input_src >= 0, 0, value)
+        if not np.array_equal(getattr(got, name), value):
+            raise AssertionError(f"continuing build differs in {name}: "
+                                 f"{getattr(got, name)} != {value}")
 
 
 def _no_penalties(S: int) -> dict[str, np.ndarray]:

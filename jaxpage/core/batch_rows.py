@@ -33,6 +33,8 @@ class BatchRows:
         self.capacity = capacity
         self.max_blocks = max_blocks
         self.requests: list[Request] = []
+        self.reordered = False
+        self.rewritten: list[int] = []
         self._row_of: dict[int, int] = {}       # id(request) -> row
         self._row_of_id: dict[str, int] = {}    # request_id -> row
         self._reset()
@@ -42,23 +44,32 @@ class BatchRows:
         self.settings = {name: np.full(R, pad, dtype) for name, (dtype, pad) in SETTINGS.items()}
         self.stop_token_ids = np.full((R, MAX_STOP_TOKENS), -1, np.int32)  # [R, MAX_STOP]
         self.has_penalties = np.zeros(R, bool)                             # [R]
+        self.external = np.zeros(R, bool)                                  # [R] beam search
         self.tables = np.zeros((R, self.max_blocks), np.int32)             # [R, max_blocks]
         self.table_len = np.zeros(R, np.int32)                             # [R]
+        self.longest_table = 0     # an upper bound of table_len[:len(requests)], >= 0
+        self.any_penalties = False  # has_penalties[:len(requests)].any()
 
     def update(self, requests: list[Request], kv: KVCacheManager) -> "BatchRows":
-        """Make the rows describe ``requests`` in this order; returns self."""
+        """Make the rows describe ``requests`` in this order; returns self. Afterwards
+        ``reordered`` says whether the set or order of requests changed, and, when it did
+        not, ``rewritten`` lists the rows whose block table was rewritten."""
         if len(requests) > self.capacity:
             raise ValueError(f"{len(requests)} sequences exceed the batch's "
                              f"{self.capacity} rows (max_num_seqs)")
         changed = kv.take_changed()
-        if requests != self.requests:  # list equality compares identities first
+        self.reordered = requests != self.requests  # list equality compares identities first
+        self.rewritten = []
+        blocks = kv.req_to_blocks
+        if self.reordered:
             for row in self._reorder(requests):
-                self._write_table(row, kv.block_ids(requests[row].request_id))
+                self._write_table(row, blocks.get(requests[row].request_id, ()), 0)
         row_of_id = self._row_of_id
-        for request_id in changed:
+        for request_id, first in changed.items():
             row = row_of_id.get(request_id)
             if row is not None:
-                self._write_table(row, kv.block_ids(request_id))
+                self._write_table(row, blocks.get(request_id, ()), first)
+                self.rewritten.append(row)
         return self
 
     def _reorder(self, requests: list[Request]) -> list[int]:
@@ -70,7 +81,7 @@ class BatchRows:
             if row is not None and old_requests[row] is request:
                 old_rows[i] = row
         old = (self.settings, self.stop_token_ids, self.has_penalties, self.tables,
-               self.table_len)
+               self.table_len, self.external)
         self._reset()
         kept = np.flatnonzero(old_rows >= 0)
         source = old_rows[kept]
@@ -80,7 +91,10 @@ class BatchRows:
         self.has_penalties[kept] = old[2][source]
         self.tables[kept] = old[3][source]
         self.table_len[kept] = old[4][source]
+        self.external[kept] = old[5][source]
         self.requests = list(requests)
+        self.longest_table = int(self.table_len.max())
+        self.any_penalties = bool(self.has_penalties.any())
         self._row_of = {id(r): i for i, r in enumerate(requests)}
         self._row_of_id = {r.request_id: i for i, r in enumerate(requests)}
         joined = np.flatnonzero(old_rows < 0).tolist()
@@ -102,14 +116,26 @@ class BatchRows:
         ids = request.stop_token_ids_to_suppress[:MAX_STOP_TOKENS]
         self.stop_token_ids[row, :len(ids)] = ids
         self.has_penalties[row] = params.has_penalties and not request.external_sampling
+        self.any_penalties = self.any_penalties or bool(self.has_penalties[row])
+        self.external[row] = request.external_sampling
 
-    def _write_table(self, row: int, block_ids: list[int]) -> None:
-        if len(block_ids) > self.max_blocks:
-            raise ValueError(f"a request holds {len(block_ids)} blocks, more than the "
+    def _write_table(self, row: int, blocks, first: int) -> None:
+        """Make row ``row``'s table ``blocks`` (KVBlocks), of which those before ``first``
+        are already there (usually one block was appended: one element is written)."""
+        count = len(blocks)
+        if count > self.max_blocks:
+            raise ValueError(f"a request holds {count} blocks, more than the "
                              f"{self.max_blocks} of max_model_len")
-        self.tables[row, :len(block_ids)] = block_ids
-        self.tables[row, len(block_ids):] = 0
-        self.table_len[row] = len(block_ids)
+        table = self.tables[row]
+        if count - first == 1:
+            table[first] = blocks[first].block_id
+        elif count > first:
+            table[first:count] = [b.block_id for b in blocks[first:]]
+        old = self.table_len[row]
+        if count < old:
+            table[count:old] = 0
+        self.table_len[row] = count
+        self.longest_table = max(self.longest_table, count)
 
     def fields(self, S: int) -> dict[str, np.ndarray]:
         """The per-row settings of a batch of ``S`` rows (fresh arrays: the device may

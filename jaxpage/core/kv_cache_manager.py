@@ -58,9 +58,10 @@ class KVCacheManager:
         self.pending_swap_in: list[tuple[int, int]] = []    # (host block, device block)
         self.num_prefix_queried_tokens = 0
         self.num_prefix_hit_tokens = 0
-        # Requests whose block list changed since the batch builder last looked: it keeps
-        # block tables row by row and rewrites only these (``take_changed``).
-        self.changed: set[str] = set()
+        # Requests whose block list changed since the batch builder last looked, each with
+        # the index of its first block that may differ: the builder keeps block tables row
+        # by row and rewrites only from there (``take_changed``).
+        self.changed: dict[str, int] = {}
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -132,8 +133,10 @@ class KVCacheManager:
         if max(num_new_blocks, 0) + needs_copy + num_revived > self.block_pool.num_free_blocks:
             return False
         blocks = self.req_to_blocks.setdefault(request.request_id, blocks)
-        if computed_blocks or needs_copy or num_new_blocks > 0:
-            self.changed.add(request.request_id)
+        if computed_blocks or num_new_blocks > 0:
+            self._changed_from(request.request_id, len(blocks))
+        if needs_copy:
+            self._changed_from(request.request_id, cow_index)
         if computed_blocks:
             self.block_pool.touch(computed_blocks)
             blocks.extend(computed_blocks)
@@ -155,13 +158,13 @@ class KVCacheManager:
         blocks = list(self.req_to_blocks.get(parent.request_id, []))
         self.block_pool.touch(blocks)
         self.req_to_blocks[child.request_id] = blocks
-        self.changed.add(child.request_id)
+        self._changed_from(child.request_id, 0)
         self.num_hashed_blocks[child.request_id] = self.num_hashed_blocks.get(parent.request_id, 0)
 
     def free(self, request: Request) -> None:
         """Release all blocks of a request, last block first (so its tail is evicted first)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.changed.add(request.request_id)
+        self._changed_from(request.request_id, 0)
         self.num_hashed_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(list(reversed(blocks)))
         self.host_pool.give_back(self.req_to_host_blocks.pop(request.request_id, []))
@@ -174,7 +177,7 @@ class KVCacheManager:
     def swap_out(self, request: Request) -> None:
         """Move a request's blocks to host memory; its device blocks are released."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.changed.add(request.request_id)
+        self._changed_from(request.request_id, 0)
         host = self.host_pool.take(len(blocks))
         self.pending_swap_out.extend((b.block_id, h) for b, h in zip(blocks, host))
         self.req_to_host_blocks[request.request_id] = host
@@ -190,7 +193,7 @@ class KVCacheManager:
         blocks = self.block_pool.get_new_blocks(len(host))
         self.pending_swap_in.extend((h, b.block_id) for h, b in zip(host, blocks))
         self.req_to_blocks[request.request_id] = blocks
-        self.changed.add(request.request_id)
+        self._changed_from(request.request_id, 0)
         self.host_pool.give_back(host)
 
     def take_pending_block_ops(self) -> tuple[list, list, list]:
@@ -199,10 +202,16 @@ class KVCacheManager:
         self.pending_swap_out, self.pending_swap_in, self.pending_copies = [], [], []
         return ops
 
-    def take_changed(self) -> set[str]:
-        """Ids of requests whose block list changed since the last call; clears them."""
-        changed, self.changed = self.changed, set()
+    def take_changed(self) -> dict[str, int]:
+        """Request id -> index of the first block that may have changed, for the requests
+        whose block list changed since the last call; clears them."""
+        changed, self.changed = self.changed, {}
         return changed
+
+    def _changed_from(self, request_id: str, index: int) -> None:
+        first = self.changed.get(request_id)
+        if first is None or index < first:
+            self.changed[request_id] = index
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]

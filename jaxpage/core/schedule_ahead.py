@@ -45,10 +45,33 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    """What runs in one step. The i-th scheduled request is sequence i of the batch."""
+    """What runs in one step. The i-th scheduled request is sequence i of the batch.
+
+    Facts that let the next step skip per-row work (all False / None by default):
+
+    * ``all_decodes``, set by ``BatchBuilder.build``: every row is one token that completes
+      its request's known tokens, so each row emits a token; none is beam search.
+    * ``planned_ahead``: made by ``schedule_ahead``, which checked that no running request
+      needs the host's view (beam search, a fork); ``min_room`` is then the least
+      ``max_tokens - len(output_token_ids)`` over its rows when it was made.
+    * ``continues``: row ``i`` is the decode that follows row ``i`` of that output, one
+      token further, its input token on the device (``schedule_ahead``'s steady state).
+    """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    all_decodes: bool = False
+    planned_ahead: bool = False
+    min_room: int = 0
+    continues: "SchedulerOutput | None" = None
+    _requests: list[Request] | None = None
+
+    @property
+    def requests(self) -> list[Request]:
+        """The scheduled requests in row order (computed once; do not modify)."""
+        if self._requests is None:
+            self._requests = [item.request for item in self.scheduled]
+        return self._requests
 
     @property
     def num_batched_tokens(self) -> int:
@@ -67,6 +90,8 @@ class AheadOfHost:
     kv: "KVCacheManager"
     running: list[Request]
     step_count: int
+    # Tests set this: every fast path is checked against the path it shortcuts.
+    check_fast_paths = False
 
     def reserve_multi_step(self, out: SchedulerOutput, num_steps: int) -> int:
         """How many decode iterations the device may run for ``out``: ``num_steps`` or 1.
@@ -137,10 +162,19 @@ class AheadOfHost:
         """
         if self.swapped or not previous.scheduled:
             return None
+        self._sort_running()
+        steady = self._continue_decodes(previous)
+        if steady is not None:
+            if self.check_fast_paths:
+                self._check_continued(previous, steady)
+            return steady or None
+        return self._schedule_ahead_rows(previous)
+
+    def _schedule_ahead_rows(self, previous: SchedulerOutput) -> SchedulerOutput | None:
+        """``schedule_ahead`` request by request (any mix of prefills and decodes)."""
         in_flight = {id(item.request): (row, item.num_new_tokens)
                      for row, item in enumerate(previous.scheduled)}
-        self._sort_running()
-        out = SchedulerOutput()
+        out = SchedulerOutput(planned_ahead=True)
         scheduled, row_of = out.scheduled, in_flight.get
         budget = self.config.max_num_batched_tokens
         threshold = self.config.long_prefill_token_threshold
@@ -175,4 +209,58 @@ class AheadOfHost:
             budget -= num_new
         self.step_count += 1
         self._admit(out, budget)
-        return out if out.scheduled else None
+        if not out.scheduled:
+            return None
+        out.min_room = min(item.request.max_tokens - len(item.request.output_token_ids)
+                           for item in out.scheduled)
+        return out
+
+    def _continue_decodes(self, previous: SchedulerOutput) -> SchedulerOutput | bool | None:
+        """The steady state of overlapped decoding, without a pass over the rows' state.
+
+        When ``previous`` (in flight) is all decodes of exactly the running requests,
+        planned ahead, and nothing can change the batch (no request reaches
+        ``max_tokens`` with its in-flight token, none can be admitted), the next step is
+        each row again, one token further, its input token on the device: what
+        ``_schedule_ahead_rows`` would make, at the cost of checking the rows whose next
+        token starts a block. Returns that output; False when such a row's block cannot
+        be had (``schedule_ahead`` refuses); None when the state is not steady.
+        """
+        running = self.running
+        n = len(running)
+        if (not previous.all_decodes or not previous.planned_ahead or previous.min_room <= 2
+                or n != len(previous.scheduled) or n > self.config.max_num_batched_tokens
+                or running != previous.requests):  # list equality: identities first
+            return None
+        # Every running request is plain (planned_ahead), so each holds one seat.
+        if (self.waiting and n < self.config.max_num_batched_tokens
+                and n + self._best_waiting().num_seats <= self.config.max_num_seqs):
+            return None  # a waiting request could be admitted: the row by row path does it
+        # Row i computes the token after the one in flight: position num_computed + 1
+        # (the in-flight row writes num_computed, so only a block's first slot is new).
+        block_size, blocks = self.kv.block_size, self.kv.req_to_blocks
+        for request in [r for r in running if (r.num_computed_tokens + 1) % block_size == 0]:
+            needed = (request.num_computed_tokens + 1) // block_size + 1
+            if (needed > len(blocks.get(request.request_id, ()))
+                    and not self.kv.allocate_slots(request, 2)):
+                return False  # needs a preemption; blocks taken so far stay (as above)
+        self.step_count += 1
+        scheduled = (previous.scheduled if previous.continues is not None
+                     else [ScheduledRequest(r, 1, 1, 1, row) for row, r in enumerate(running)])
+        return SchedulerOutput(scheduled, planned_ahead=True, min_room=previous.min_room - 1,
+                               continues=previous, _requests=previous.requests)
+
+    def _check_continued(self, previous: SchedulerOutput, steady: SchedulerOutput | bool) -> None:
+        """``check_fast_paths``: the row by row path must agree with ``_continue_decodes``
+        (blocks it allocated are already held, so only the step count is undone)."""
+        rows = self._schedule_ahead_rows(previous)
+        self.step_count -= 1
+        if steady is False:
+            assert rows is None, "steady path refused a step the row by row path made"
+            return
+        expected = [(i.request, i.num_new_tokens, i.ahead, i.sampled_ahead, i.source_row)
+                    for i in rows.scheduled] if rows is not None else None
+        got = [(i.request, i.num_new_tokens, i.ahead, i.sampled_ahead, i.source_row)
+               for i in steady.scheduled]
+        assert expected == got, "steady path disagrees with the row by row path"
+        assert steady.min_room <= rows.min_room

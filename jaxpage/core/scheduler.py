@@ -286,13 +286,22 @@ class Scheduler(AheadOfHost):
 
         A row is only a real token when that request's step reached its last known token
         (no partial prefill). Tokens of ``external_sampling`` requests (beam search) are
-        chosen by the engine instead of appended here. ``may_stop`` (bool [S], optional)
+        chosen by the engine instead of appended here. ``may_stop`` (int or bool [S], optional)
         marks the rows whose token could end their request; the others skip the stop
         check (the caller guarantees it would find nothing).
         """
         produced = []
         tokens = sampled_token_ids.tolist()
         stops = None if may_stop is None else may_stop.tolist()
+        if out.all_decodes:
+            # Every row is one token completing its request's known tokens (so it emits),
+            # none is beam search: the loop below without its prefill and beam cases.
+            accept = self.accept_token
+            for row, request in enumerate(out.requests):
+                if not request.is_finished:  # else aborted or stopped while it ran
+                    produced.append((request, row))
+                    accept(request, tokens[row], stops is None or stops[row])
+            return produced
         cache_full_blocks = self.kv.cache_full_blocks
         for row, item in enumerate(out.scheduled):
             request = item.request

@@ -38,8 +38,10 @@ Invariants:
 
 ``step_profile`` splits ``step()``'s wall time: ``device_s`` (waiting for results),
 ``host_s`` (the host's own work), ``idle_s`` (the device had nothing dispatched, counted
-from when the host saw the last results: an upper bound) and ``chained`` (calls
-dispatched before the previous call's tokens were processed).
+from when the host saw the last results: an upper bound), ``chained`` (calls
+dispatched before the previous call's tokens were processed) and ``steady`` (those of
+them scheduled and built in the steady state of decoding, from the call before alone:
+``Scheduler.schedule_ahead``, ``BatchBuilder.build``).
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ class DeviceCalls:
         self.output_processor = output_processor
         self.collect = collect  # touched requests -> the outputs users should see
         self.step_profile = {"calls": 0, "device_s": 0.0, "host_s": 0.0, "idle_s": 0.0,
-                             "chained": 0, "phases": dict.fromkeys(PHASES, 0.0)}
+                             "chained": 0, "steady": 0, "phases": dict.fromkeys(PHASES, 0.0)}
         self._phases = self.step_profile["phases"]
         self.inflight: DeviceCall | None = None  # a chained call whose tokens wait
         self._idle_since: float | None = None
@@ -184,8 +186,12 @@ class DeviceCalls:
         if out is None:
             return None
         num_steps = self.scheduler.reserve_multi_step(out, self.config.num_scheduler_steps)
-        row_map = np.fromiter((item.source_row for item in out.scheduled), np.int32,
-                              len(out.scheduled))
+        if out.continues is not None:  # the steady state: row i continues row i
+            self.step_profile["steady"] += 1
+            row_map = np.arange(len(out.scheduled), dtype=np.int32)
+        else:
+            row_map = np.fromiter((item.source_row for item in out.scheduled), np.int32,
+                                  len(out.scheduled))
         return self._launch(out, num_steps, began, row_map=row_map)
 
     def _launch(self, out: SchedulerOutput, num_steps: int, began: float, *,
@@ -234,9 +240,9 @@ class DeviceCalls:
             return self._accept_multi_step(call.out, result)
         result = call.pending.fetch()
         self._results_arrived()
-        self._observe_step(call.out, self._results_at - call.dispatched_at)
-        produced = self.scheduler.update_from_output(call.out, result.tokens,
-                                                     may_stop(call.batch, result.tokens))
+        if not call.out.all_decodes:
+            self._observe_step(call.out, self._results_at - call.dispatched_at)
+        produced = self.scheduler.update_from_output(call.out, result.tokens, result.may_stop)
         touched = []
         with_logprobs = result.top_ids is not None
         for request, row in produced:
@@ -288,11 +294,3 @@ class DeviceCalls:
             model.prefill_tokens_per_s = (0.8 * model.prefill_tokens_per_s
                                           + 0.2 * num_prefill / seconds)
 
-
-def may_stop(batch: BatchMetadata, tokens: np.ndarray) -> np.ndarray:
-    """bool [S]: rows whose sampled token could end their request, from the batch's own
-    stop lists and lengths (a superset of the rows that stop: ``min_tokens`` is left to
-    the exact check). Requests with more stop ids than the list holds are checked
-    exactly regardless (``Request.has_many_stop_ids``)."""
-    hits = (tokens[:, None] == batch.stop_token_ids).any(axis=1)          # [S]
-    return hits | (batch.sample_index + 1 >= batch.max_output)

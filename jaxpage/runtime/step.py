@@ -31,13 +31,14 @@ def unpack(packed: Packed) -> dict[str, jax.Array]:
 
 
 def make_step(graphdef: Any, jit: Callable = jax.jit) -> Callable:
-    """Jitted ``step(state, caches, packed, prev_tokens) -> (caches, (tokens, top_ids,
+    """Jitted ``step(params, caches, packed, prev_tokens) -> (caches, (sampled, top_ids,
     top_logprobs, token_logprobs, token_ranks), last_tokens)``.
 
     ``packed`` is ``BatchMetadata.packed()``. A token whose ``input_src`` is ``i >= 0``
     takes ``prev_tokens[i]`` (int32 [R]: the previous call's ``last_tokens``, still on the
     device) instead of its ``input_ids``: that is how a step scheduled ahead of the host
-    continues the previous one. tokens: int32 [S]; top_ids, top_logprobs: [S,
+    continues the previous one. sampled: int32 [2, S], the tokens and their ``may_stop``
+    flags (one array: one transfer); top_ids, top_logprobs: [S,
     MAX_TOP_LOGPROBS]; token_logprobs float32 [S] and token_ranks int32 [S] of the sampled
     tokens (all zeros unless some row has ``want_logprobs``); last_tokens int32 [R]: tokens
     padded to R rows, for the next call.
@@ -58,9 +59,20 @@ def make_step(graphdef: Any, jit: Callable = jax.jit) -> Callable:
             logits, tokens, batch["want_logprobs"], MAX_TOP_LOGPROBS)
         kept = min(rows, tokens.shape[0])
         last_tokens = jax.numpy.zeros(rows, jax.numpy.int32).at[:kept].set(tokens[:kept])
-        return (kv_cache, penalty_table), (tokens, top_ids, top_values, chosen, rank), last_tokens
+        sampled = jax.numpy.stack([tokens, may_stop(tokens, batch)])         # [2, S]
+        return (kv_cache, penalty_table), (sampled, top_ids, top_values, chosen, rank), last_tokens
 
     return jit(step, donate_argnums=(1,))  # jit: a Placement.jit under tensor parallelism
+
+
+def may_stop(tokens: jax.Array, batch: dict) -> jax.Array:
+    """int32 [S]: 1 where a row's token could end its request (one of its stop ids, or
+    its ``max_tokens``-th token), else 0. A superset of the rows that stop (``min_tokens``
+    and stop ids past the batch's list are left to the host's exact check): the host
+    checks only these rows."""
+    hit = jax.numpy.any(tokens[:, None] == batch["stop_token_ids"], axis=1)       # [S]
+    last = batch["sample_index"] + 1 >= batch["max_output"]                       # [S]
+    return (hit | last).astype(jax.numpy.int32)
 
 
 def make_penalty_fill(jit: Callable = jax.jit) -> Callable:

@@ -125,3 +125,24 @@ def test_aborts_while_a_call_is_queued(engines, name):
     assert sorted(done) == sorted(ids[:4])
     assert summary(done[i] for i in ids[:4]) == want
     assert engine.num_used_blocks() == 0
+
+
+def test_steady_decoding_is_scheduled_from_the_call_before(engines):
+    """Decoding the same requests step after step (K=1) is scheduled and built from the
+    call in flight alone; every such step is checked against the row by row scheduler
+    and batch build (the suite's ``check_fast_paths``), block boundaries (block size 8)
+    and requests finishing, joining from the queue (more than ``max_num_seqs``) and
+    stopping on ids and strings included, with exactly the waiting engine's tokens."""
+    free = outcomes(engines["sync"], BASE[:12], SamplingParams(temperature=0, max_tokens=40))
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+              for n in (40, 17, 33, 9, 40, 25, 12, 40, 31, 40, 8, 22)]
+    params[2] = SamplingParams(temperature=0.8, seed=9, max_tokens=33, ignore_eos=True)
+    params[5] = SamplingParams(temperature=0, max_tokens=25, stop_token_ids=[free[5][0][0][19]])
+    params[8] = SamplingParams(temperature=0, max_tokens=31, stop=[free[8][0][1][30:33]])
+    params[9] = SamplingParams(temperature=1.0, top_p=0.9, seed=4, max_tokens=40,
+                               ignore_eos=True, logprobs=1)
+    want = outcomes(engines["sync"], BASE[:12], params)
+    profile = engines["k1"].llm_engine.step_profile
+    steady = profile["steady"]
+    assert outcomes(engines["k1"], BASE[:12], params) == want
+    assert profile["steady"] - steady >= 20
