@@ -62,6 +62,9 @@ class Scheduler(AheadOfHost):
         self.waiting: deque[Request] = deque()
         self.swapped: list[Request] = []
         self.running: list[Request] = []
+        # Set when a request joins ``running`` (appended or inserted): under FCFS the
+        # list is sorted by arrival otherwise (removals keep the order).
+        self._running_unsorted = False
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_swap_preemptions = 0
@@ -110,7 +113,9 @@ class Scheduler(AheadOfHost):
 
     def _sort_running(self) -> None:
         if self.config.scheduling_policy == "fcfs":
-            self.running.sort(key=_ARRIVAL)  # C-level key; nearly sorted already: O(n)
+            if self._running_unsorted:  # the key reads every request: skip it when sorted
+                self.running.sort(key=_ARRIVAL)  # C-level key; nearly sorted already: O(n)
+                self._running_unsorted = False
         else:
             self.running.sort(key=self._priority_key)
 
@@ -182,6 +187,7 @@ class Scheduler(AheadOfHost):
             child.added_step = request.added_step
             child.fork_leader = None
             self.running.insert(index + offset, child)
+            self._running_unsorted = True
         request.fork_children = []
 
     def fork_running(self, parent: Request, child_id: str) -> Request:
@@ -199,6 +205,7 @@ class Scheduler(AheadOfHost):
             self.kv.fork(parent, child)
             child.status = RequestStatus.RUNNING
             self.running.insert(self.running.index(parent) + 1, child)
+            self._running_unsorted = True
         else:
             child.num_computed_tokens = 0
             child.status = RequestStatus.PREEMPTED
@@ -218,6 +225,7 @@ class Scheduler(AheadOfHost):
             self.swapped.pop(0)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            self._running_unsorted = True
             num_new = self._num_new_tokens(request, budget, request.num_computed_tokens)
             if num_new and self.kv.allocate_slots(request, num_new):
                 out.scheduled.append(ScheduledRequest(request, num_new))
@@ -249,6 +257,7 @@ class Scheduler(AheadOfHost):
             seats += request.num_seats
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            self._running_unsorted = True
             if num_new:
                 out.scheduled.append(ScheduledRequest(request, num_new))
                 budget -= num_new
