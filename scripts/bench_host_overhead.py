@@ -13,7 +13,8 @@ queued) and every ``num_scheduler_steps`` (``--steps``), it reports per engine c
   time: the device waiting for the host; an upper bound, see ``engine.device_calls``).
 
 Each engine runs the whole measurement once untimed first (every program it needs is
-compiled then), then once per waiting count, timed. ``--profile FILE`` then measures the
+compiled then), then ``--repeats`` times per waiting count, timed; the run with the median
+host time is the row (the range over the runs beside it). ``--profile FILE`` then measures the
 first configuration once more under cProfile (not a row of the table: the profiler slows
 the host), writes the profile to FILE and prints its top functions.
 
@@ -145,6 +146,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="num_scheduler_steps values (8 is the engine's default)")
     parser.add_argument("--calls", type=int, default=60, help="timed engine calls at K=1 "
                         "(at K > 1: calls / K * 2, at least 6)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per configuration; "
+                        "the run with the median host time is reported (this 2-core machine's "
+                        "timings drift by 20-30%% between runs)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--out", default="docs/benchmarks/results")
     parser.add_argument("--stem", default="host_overhead")
@@ -160,7 +164,11 @@ def main(argv: list[str] | None = None) -> dict:
             engine = make_engine(running, steps, max_tokens, args.block_size)
             measure(engine, running, 0, calls, max_tokens)  # untimed: compiles every shape
             for waiting in args.waiting:
-                row = measure(engine, running, waiting, calls, max_tokens)
+                runs = sorted((measure(engine, running, waiting, calls, max_tokens)
+                               for _ in range(max(1, args.repeats))),
+                              key=lambda r: r["host_us_per_call"])
+                row = runs[len(runs) // 2]
+                row["host_us_range"] = [runs[0]["host_us_per_call"], runs[-1]["host_us_per_call"]]
                 row["K"] = steps
                 rows.append(row)
                 print(f"K={steps} running={running:5d} waiting={waiting:6d}: host "
@@ -175,11 +183,14 @@ def main(argv: list[str] | None = None) -> dict:
                 pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(25)
             del engine
     columns = [("K", "K"), ("running", "running"), ("waiting", "waiting"),
-               ("host_us_per_call", "host us/call")]
+               ("host_us_per_call", "host us/call"), ("host_range", "range over runs")]
     columns += [(f"{p}_us", f"{p} us") for p in PHASES]
     columns += [("device_wait_us_per_call", "wait for results us/call"),
                 ("idle_fraction", "device idle fraction"), ("overlapped_calls", "overlapped calls"),
                 ("calls", "calls"), ("tokens_per_s", "output tok/s")]
+    for row in rows:
+        low, high = row["host_us_range"]
+        row["host_range"] = f"{low:,.0f}-{high:,.0f}"
     table = markdown_table(rows, columns)
     print(table)
     payload = {"environment": environment(), "command": " ".join(sys.argv), "rows": rows}

@@ -20,12 +20,15 @@ def test_ten_thousand_waiting_cost_no_more_host_time_than_none(tmp_path):
 
 def test_the_script_writes_its_table(tmp_path):
     payload = bench_host_overhead.main(["--running", "4,8", "--waiting", "0,20", "--steps",
-                                        "1,4", "--calls", "8", "--out", str(tmp_path)])
+                                        "1,4", "--calls", "8", "--repeats", "2",
+                                        "--out", str(tmp_path)])
     rows = payload["rows"]
     assert [(r["K"], r["running"], r["waiting"]) for r in rows] == [
         (k, r, w) for k in (1, 4) for r in (4, 8) for w in (0, 20)]
     for row in rows:
         assert row["host_us_per_call"] > 0 and 0 <= row["idle_fraction"] < 1
         assert row["tokens"] > 0
+        low, high = row["host_us_range"]
+        assert low <= row["host_us_per_call"] <= high
     assert (tmp_path / "host_overhead.md").read_text().count("\n| ") >= len(rows)
     assert (tmp_path / "host_overhead.png").exists()
