@@ -252,9 +252,10 @@ class AheadOfHost:
 
     def _check_continued(self, previous: SchedulerOutput, steady: SchedulerOutput | bool) -> None:
         """``check_fast_paths``: the row by row path must agree with ``_continue_decodes``
-        (blocks it allocated are already held, so only the step count is undone)."""
+        (blocks it allocated are already held, so only the step count is restored)."""
+        step_count = self.step_count
         rows = self._schedule_ahead_rows(previous)
-        self.step_count -= 1
+        self.step_count = step_count
         if steady is False:
             assert rows is None, "steady path refused a step the row by row path made"
             return
