@@ -1,4 +1,5 @@
-"""BatchMetadata, the one host-to-device contract, and the bucket ladders that pad it.
+"""BatchMetadata, the one host-to-device contract, and BatchBuilder, which pads it to
+the rungs of the bucket ladders (``jaxpage.core.bucket_ladder``).
 
 Every array has a fixed, bucketed shape so the jitted step compiles a small set of
 programs: ``T`` (tokens), ``S`` (sequences) and ``M`` (blocks per sequence) are each
@@ -21,12 +22,12 @@ A penalized batch therefore has the same shapes as any other.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field, fields
 
 import numpy as np
 
 from jaxpage.core.batch_rows import BatchRows
+from jaxpage.core.bucket_ladder import BucketLadder  # noqa: F401 (re-exported)
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.penalty_slots import PenaltyFill, PenaltySlots
 from jaxpage.core.request import MAX_STOP_TOKENS
@@ -36,37 +37,6 @@ from jaxpage.sampling_params import MAX_LOGPROBS
 # Top log-probabilities the step returns per sequence when any sequence asks for them: as
 # many as a request may ask for.
 MAX_TOP_LOGPROBS = MAX_LOGPROBS
-
-
-class BucketLadder:
-    """Powers of ``growth`` from ``minimum`` up to ``maximum`` (always the top rung).
-
-    The first rung is ``minimum`` itself when it is not a power of ``growth``.
-    """
-
-    def __init__(self, minimum: int, maximum: int, growth: int = 2) -> None:
-        if minimum < 1 or maximum < 1:
-            raise ValueError(f"bucket bounds must be >= 1, got {minimum}..{maximum}")
-        if growth < 2:
-            raise ValueError(f"bucket growth must be >= 2, got {growth}")
-        rungs = []
-        size = 1
-        while size < minimum:
-            size *= growth
-        if size > minimum and minimum < maximum:
-            rungs.append(minimum)
-        while size < maximum:
-            rungs.append(size)
-            size *= growth
-        rungs.append(maximum)
-        self.rungs = tuple(rungs)
-
-    def fit(self, size: int) -> int:
-        """Smallest rung >= size."""
-        i = bisect.bisect_left(self.rungs, size)
-        if i == len(self.rungs):
-            raise ValueError(f"size {size} exceeds the largest bucket {self.rungs[-1]}")
-        return self.rungs[i]
 
 
 @dataclass(frozen=True)
