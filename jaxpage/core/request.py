@@ -27,7 +27,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return id(self) in _FINISHED_IDS
+        return id(self) in FINISHED_IDS
 
     @property
     def finish_reason(self) -> str | None:
@@ -35,9 +35,9 @@ class RequestStatus(enum.Enum):
                 RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
 
 
-# Identities of the finished statuses: ``id(status) in _FINISHED_IDS`` is a C-level check,
+# Identities of the finished statuses: ``id(status) in FINISHED_IDS`` is a C-level check,
 # where an Enum's own hashing and equality run in Python (hot: once per row per step).
-_FINISHED_IDS = frozenset(map(id, (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+FINISHED_IDS = frozenset(map(id, (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
                                    RequestStatus.FINISHED_ABORTED)))
 
 
@@ -60,6 +60,16 @@ class Request:
                  eos_token_ids: frozenset[int] = frozenset(), sample_seed: int = 0,
                  prompt: str | None = None, arrival_time: float | None = None,
                  priority: int = 0, extra_keys: tuple = ()) -> None:
+        # The decode hot loop's attributes first: CPython keeps an object's attribute values
+        # in assignment order, so these few share a cache line or two (256 requests a step
+        # are read right after a device step has evicted them from the caches).
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.first_token_time: float | None = None  # monotonic time of its first output token
+        self.has_stop_strings = bool(sampling_params.stop)
+        self.has_many_stop_ids = False  # set below, once the stop ids are known
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -67,14 +77,9 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.sample_seed = sample_seed
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.first_token_time: float | None = None  # monotonic time of its first output token
         room = max_model_len - len(self.prompt_token_ids)
         requested = sampling_params.max_tokens
         self.max_tokens = room if requested is None else min(requested, room)
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(self.prompt_token_ids)
-        self.num_computed_tokens = 0
-        self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.priority = priority
@@ -133,7 +138,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return id(self.status) in _FINISHED_IDS
+        return id(self.status) in FINISHED_IDS
 
     @property
     def stop_token_ids_to_suppress(self) -> tuple[int, ...]:

@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxpage.config import SchedulerConfig
 from jaxpage.core.kv_cache_manager import KVCacheManager
-from jaxpage.core.request import Request, RequestStatus
+from jaxpage.core.request import FINISHED_IDS, Request, RequestStatus
 from jaxpage.core.schedule_ahead import AheadOfHost, ScheduledRequest, SchedulerOutput  # noqa: F401 (re-exported)
 
 
@@ -303,14 +303,8 @@ class Scheduler(AheadOfHost):
         tokens = sampled_token_ids.tolist()
         stops = None if may_stop is None else may_stop.tolist()
         if out.all_decodes:
-            # Every row is one token completing its request's known tokens (so it emits),
-            # none is beam search: the loop below without its prefill and beam cases.
-            accept = self.accept_token
-            for row, request in enumerate(out.requests):
-                if not request.is_finished:  # else aborted or stopped while it ran
-                    produced.append((request, row))
-                    accept(request, tokens[row], stops is None or stops[row])
-            return produced
+            rows = [row for row, request in enumerate(out.requests) if not request.is_finished]
+            return list(zip(self.accept_decodes(out, sampled_token_ids, may_stop), rows))
         cache_full_blocks = self.kv.cache_full_blocks
         for row, item in enumerate(out.scheduled):
             request = item.request
@@ -331,6 +325,36 @@ class Scheduler(AheadOfHost):
                 cache_full_blocks(request)  # blocks the chunk filled before its last token
             self.accept_token(request, tokens[row], stops is None or stops[row])
         return produced
+
+    def accept_decodes(self, out: SchedulerOutput, sampled_token_ids: np.ndarray,
+                       may_stop: np.ndarray | None = None) -> list[Request]:
+        """``update_from_output`` for a step of decodes only (``out.all_decodes``); returns
+        the requests that took their token, in row order.
+
+        Every row is one token completing its request's known tokens, none is beam search,
+        so each unfinished row's request takes ``accept_token``'s steps, inlined: this is
+        the hot loop of decoding (one pass over the requests, no per-row call).
+        """
+        touched = []
+        block_size = self.kv.block_size
+        cache_full_blocks = self.kv.cache_full_blocks
+        finished = FINISHED_IDS
+        stops = itertools.repeat(True) if may_stop is None else may_stop.tolist()
+        for request, token, stop in zip(out.requests, sampled_token_ids.tolist(), stops):
+            if id(request.status) in finished:
+                continue  # aborted, or stopped while it ran
+            computed = request.num_computed_tokens + 1
+            request.num_computed_tokens = computed
+            if computed % block_size == 0:
+                cache_full_blocks(request)
+            request.output_token_ids.append(token)
+            request.all_token_ids.append(token)
+            touched.append(request)
+            if stop or request.has_many_stop_ids:
+                status = request.check_token_stop()
+                if status is not None:
+                    self.finish_request(request.request_id, status)
+        return touched
 
     def accept_token(self, request: Request, token: int, may_stop: bool = True) -> bool:
         """Append a token whose predecessor's K/V the device just wrote; True if it stops.
