@@ -106,8 +106,21 @@ class SchedulerConfig:
     # sequence): 2 pads a batch by less than 2x; a larger factor compiles fewer programs
     # (each ladder keeps its smallest and largest rung) at the cost of more padding.
     bucket_growth: int = 2
+    # vLLM's ``speculative_config`` (a dict, see ``SpeculativeConfig``); None: no speculation.
+    speculative_config: dict | None = None
+
+    @property
+    def speculative(self) -> "SpeculativeConfig | None":
+        """The checked speculative-decoding settings, or None."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     def __post_init__(self) -> None:
+        _require(self.speculative_config is None or isinstance(self.speculative_config, dict),
+                 f"speculative_config={self.speculative_config!r} must be None or a dict "
+                 "such as {'method': 'ngram', 'num_speculative_tokens': 4}")
+        self.speculative  # noqa: B018 (checks the dict: a ValueError names what is wrong)
         _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
                  f"max_num_seqs={self.max_num_seqs!r} must be an integer >= 1")
         _require(isinstance(self.max_num_batched_tokens, int)
@@ -139,6 +152,59 @@ class SchedulerConfig:
                  and self.long_prefill_token_threshold >= 0,
                  f"long_prefill_token_threshold={self.long_prefill_token_threshold!r} must be "
                  "an integer >= 0 (0 disables it)")
+
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, under vLLM's ``speculative_config`` names.
+
+    ``method="ngram"``: prompt lookup (``jaxpage.core.ngram_proposer``): the tokens that
+    followed the first earlier occurrence of the sequence's longest recurring suffix of
+    ``prompt_lookup_min``..``prompt_lookup_max`` tokens. Up to ``num_speculative_tokens``
+    proposals per sequence are verified by the target model in one step. A step with more
+    than ``disable_by_batch_size`` running sequences does not speculate (its verification
+    would cost more than the steps it saves: see docs/speculative_decoding.md).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    disable_by_batch_size: int = 8
+
+    @classmethod
+    def from_dict(cls, options: dict) -> "SpeculativeConfig":
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(names))
+        _require(not unknown, f"unknown speculative_config key(s) {unknown}; accepted: {names}")
+        options = dict(options)
+        # vLLM: one of the lookup bounds alone sets both.
+        if "prompt_lookup_max" in options and "prompt_lookup_min" not in options:
+            options["prompt_lookup_min"] = min(cls.prompt_lookup_min, options["prompt_lookup_max"]) \
+                if isinstance(options["prompt_lookup_max"], int) else options["prompt_lookup_max"]
+        if "prompt_lookup_min" in options and "prompt_lookup_max" not in options:
+            options["prompt_lookup_max"] = max(cls.prompt_lookup_max, options["prompt_lookup_min"]) \
+                if isinstance(options["prompt_lookup_min"], int) else options["prompt_lookup_min"]
+        return cls(**options)
+
+    def __post_init__(self) -> None:
+        _require(self.method in SPECULATIVE_METHODS,
+                 f"speculative_config method={self.method!r} is not supported; choose one of "
+                 f"{SPECULATIVE_METHODS} (a draft model is not implemented yet)")
+        for name, low in (("num_speculative_tokens", 1), ("prompt_lookup_min", 1),
+                          ("prompt_lookup_max", 1), ("disable_by_batch_size", 1)):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool) and value >= low,
+                     f"speculative_config {name}={value!r} must be an integer >= {low}")
+        _require(self.num_speculative_tokens <= 16,
+                 f"speculative_config num_speculative_tokens={self.num_speculative_tokens} "
+                 "must be <= 16")
+        _require(self.prompt_lookup_min <= self.prompt_lookup_max,
+                 f"speculative_config prompt_lookup_min={self.prompt_lookup_min} must be <= "
+                 f"prompt_lookup_max={self.prompt_lookup_max}")
 
 
 @dataclass(frozen=True)

@@ -170,6 +170,8 @@ class BatchBuilder:
         self.token_ladder = BucketLadder(min(16, max_num_batched_tokens), max_num_batched_tokens,
                                          bucket_growth)
         self.seq_ladder = BucketLadder(1, max_num_seqs, bucket_growth)
+        # Verify steps (decodes with speculative proposals) pad their tokens from 1 up.
+        self.verify_ladder = BucketLadder(1, max_num_batched_tokens, bucket_growth)
         max_blocks = kv_cache_manager.num_blocks_for(max_model_len)
         self.block_ladder = BucketLadder(min(8, max_blocks), max_blocks, bucket_growth)
         self.penalty_slots = PenaltySlots(num_penalty_slots or max_num_seqs)
@@ -264,7 +266,10 @@ class BatchBuilder:
             known += sampled_ahead
         num_tokens = int(num_new.sum())
         decodes_only = num_tokens == n
-        T = self.decode_tokens(n) if decodes_only else self.token_ladder.fit(num_tokens)
+        if out.num_draft_tokens:
+            T = self.verify_ladder.fit(num_tokens)
+        else:
+            T = self.decode_tokens(n) if decodes_only else self.token_ladder.fit(num_tokens)
         S = self.seq_ladder.fit(n)
         M = self.block_ladder.fit(int(rows.table_len[:n].max()))
         bs = self.block_size
@@ -298,8 +303,11 @@ class BatchBuilder:
             else:
                 for i in host:
                     first, start = int(computed[i]), int(cu_q_lens[i])
-                    count = int(num_new[i])
+                    drafts = items[i].draft_token_ids
+                    count = int(num_new[i]) - len(drafts)
                     input_ids[start:start + count] = requests[i].all_token_ids[first:first + count]
+                    if drafts:  # speculative proposals after the row's last token
+                        input_ids[start + count:start + count + len(drafts)] = drafts
         kv_lens = np.zeros(S, np.int32)
         kv_lens[:n] = computed + num_new
         logits_indices = np.zeros(S, np.int32)

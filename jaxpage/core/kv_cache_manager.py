@@ -2,8 +2,10 @@
 
 Invariants:
 
-* A request's block list is append-only while it holds it; block ``j`` holds the K/V of
-  token positions ``[j * block_size, (j + 1) * block_size)``.
+* A request's block list is append-only while it holds it, except that blocks past its
+  known tokens, which only rejected speculative proposals reached, are given back
+  (``free_tail``); block ``j`` holds the K/V of token positions
+  ``[j * block_size, (j + 1) * block_size)``.
 * A block's ``ref_cnt`` equals the number of block lists (over all requests) that hold it.
 * Only positions ``>= num_computed_tokens`` are ever written, so blocks taken from the
   prefix cache (full, below that mark) are never written. A block shared by a fork may
@@ -168,6 +170,19 @@ class KVCacheManager:
         self.num_hashed_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(list(reversed(blocks)))
         self.host_pool.give_back(self.req_to_host_blocks.pop(request.request_id, []))
+
+    def free_tail(self, request: Request) -> None:
+        """Give back the blocks past those that hold the request's known tokens: after a
+        verify step, blocks that only rejected proposals were written into. They were
+        never full of accepted tokens, so none is in the prefix cache."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = self.num_blocks_for(len(request.all_token_ids))
+        if blocks is None or len(blocks) <= keep:
+            return
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self._changed_from(request.request_id, keep)
+        self.block_pool.free_blocks(list(reversed(tail)))
 
     # -- swapping ---------------------------------------------------------------------
 

@@ -41,6 +41,8 @@ class ScheduledRequest:
     ahead: int = 0
     sampled_ahead: int = 0
     source_row: int = -1
+    # Speculative proposals after the row's last token (they count in num_new_tokens).
+    draft_token_ids: list[int] | tuple = ()
 
 
 @dataclass
@@ -64,6 +66,7 @@ class SchedulerOutput:
     planned_ahead: bool = False
     min_room: int = 0
     continues: "SchedulerOutput | None" = None
+    num_draft_tokens: int = 0  # speculative proposals over all rows: > 0 makes a verify step
     _requests: list[Request] | None = None
 
     @property
@@ -101,8 +104,9 @@ class AheadOfHost:
         scheduled ahead of the host at their ahead position; blocks for all of them are
         reserved here, up to each request's remaining ``max_tokens``.
         """
-        if num_steps <= 1 or out.preempted or not out.scheduled:
-            return 1
+        if (num_steps <= 1 or out.preempted or not out.scheduled or out.num_draft_tokens
+                or self.speculating()):
+            return 1  # speculating: the host proposes after every token
         for item in out.scheduled:
             request = item.request
             if (item.num_new_tokens != 1 or request.external_sampling or request.fork_children
@@ -160,8 +164,10 @@ class AheadOfHost:
         requests, or a running request whose blocks no longer fit (that needs a
         preemption). Blocks reserved before such a refusal stay with their request.
         """
-        if self.swapped or not previous.scheduled:
+        if self.swapped or not previous.scheduled or previous.num_draft_tokens:
             return None
+        if self.speculating():
+            return None  # proposals need the host to know every request's last token
         self._sort_running()
         steady = self._continue_decodes(previous)
         if steady is not None:

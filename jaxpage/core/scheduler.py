@@ -30,6 +30,7 @@ import numpy as np
 from jaxpage.config import SchedulerConfig
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.request import FINISHED_IDS, Request, RequestStatus
+from jaxpage.core.speculation import SpecDecodeStats, make_proposer
 from jaxpage.core.schedule_ahead import AheadOfHost, ScheduledRequest, SchedulerOutput  # noqa: F401 (re-exported)
 
 
@@ -70,6 +71,10 @@ class Scheduler(AheadOfHost):
         self.num_swap_preemptions = 0
         self.step_count = 0
         self._arrivals = itertools.count()
+        # Speculative decoding (``jaxpage.core.speculation``): None when off.
+        self.speculation = config.speculative
+        self.proposer = make_proposer(self.speculation)
+        self.spec_stats = SpecDecodeStats()
 
     # -- queue management -------------------------------------------------------------
 
@@ -176,7 +181,43 @@ class Scheduler(AheadOfHost):
         if not out.preempted:
             budget = self._swap_in(out, budget)
             self._admit(out, budget)
+        if out.scheduled and self.speculating():
+            self._propose(out)
         return out
+
+    def speculating(self) -> bool:
+        """Whether steps may carry proposals now: speculation is on and few enough
+        requests run (``disable_by_batch_size``). Such steps are scheduled one at a time
+        by the host, which must know each request's last token to propose after it."""
+        return (self.proposer is not None
+                and len(self.running) <= self.speculation.disable_by_batch_size)
+
+    def _propose(self, out: SchedulerOutput) -> None:
+        """Give the decode rows of ``out`` their proposals (see ``jaxpage.core.speculation``):
+        only when every row is a plain decode, nothing was preempted, and the batch is
+        small enough. A row whose blocks for its proposals cannot be had without a
+        preemption simply carries none."""
+        items = out.scheduled
+        if out.preempted or len(items) > self.speculation.disable_by_batch_size:
+            return
+        for item in items:
+            request = item.request
+            if (item.num_new_tokens != 1 or item.ahead or request.external_sampling
+                    or request.fork_children
+                    or request.num_computed_tokens != len(request.all_token_ids) - 1):
+                return  # a prefill chunk (or a fork) shares the step: no speculation in it
+        budget = self.config.max_num_batched_tokens - len(items)
+        for item in items:
+            request = item.request
+            room = request.max_tokens - len(request.output_token_ids) - 1
+            if budget <= 0 or room <= 0 or request.sampling_params.has_penalties:
+                continue
+            drafts = self.proposer.propose(request, min(room, budget))
+            if drafts and self.kv.allocate_slots(request, 1 + len(drafts)):
+                item.num_new_tokens += len(drafts)
+                item.draft_token_ids = drafts
+                out.num_draft_tokens += len(drafts)
+                budget -= len(drafts)
 
     def _fork(self, request: Request, index: int) -> None:
         for offset, child in enumerate(request.fork_children, start=1):
@@ -382,4 +423,5 @@ class Scheduler(AheadOfHost):
                 "num_swapped": len(self.swapped), "num_preemptions": self.num_preemptions,
                 "num_swap_preemptions": self.num_swap_preemptions,
                 "prefix_cache_hit_rate": self.kv.num_prefix_hit_tokens / queried if queried else 0.0,
-                "num_cached_blocks": len(self.kv.block_pool.cached_blocks)}
+                "num_cached_blocks": len(self.kv.block_pool.cached_blocks),
+                **(self.spec_stats.as_dict() if self.proposer is not None else {})}

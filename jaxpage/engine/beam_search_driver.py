@@ -40,6 +40,10 @@ class BeamSearchDriver:
         self._ids = itertools.count()
 
     def start(self, search_id: str, leader: Request, params: BeamSearchParams) -> None:
+        if self.scheduler.proposer is not None:
+            raise ValueError("beam search is not supported with speculative decoding "
+                             f"(speculative_config={self.scheduler.config.speculative_config!r}); "
+                             "start an engine without it for beam search")
         leader.external_sampling = True
         leader.extra_seats = params.beam_width - 1
         self.scheduler.add_request(leader)

@@ -212,7 +212,8 @@ class DeviceCalls:
         if num_steps > 1:
             pending = self.runner.dispatch_multi_step(batch, num_steps, row_map=row_map)
         else:
-            pending = self.runner.dispatch(batch, chain=row_map is not None)
+            pending = self.runner.dispatch(batch, chain=row_map is not None,
+                                           verify=out.num_draft_tokens > 0)
         self._phases["schedule"] += scheduled - began
         self._phases["batch"] += dispatched_at - scheduled
         self._phases["dispatch"] += time.perf_counter() - dispatched_at
@@ -240,6 +241,8 @@ class DeviceCalls:
             return self._accept_multi_step(call.out, result)
         result = call.pending.fetch()
         self._results_arrived()
+        if call.out.num_draft_tokens:
+            return self._accept_verified(call, result)
         if not call.out.all_decodes:
             self._observe_step(call.out, self._results_at - call.dispatched_at)
         with_logprobs = result.top_ids is not None
@@ -282,6 +285,32 @@ class DeviceCalls:
                 self.scheduler.accept_token(request, token)
                 self.logprobs.record(request, result, row, k)
                 self._after_tokens(request)  # tokens after a stop string are dropped
+            touched.append(request)
+        return touched
+
+    def _accept_verified(self, call: DeviceCall, result) -> list[Request]:
+        """Apply a verify step (``ModelRunner.dispatch(verify=True)``): each row's emitted
+        tokens in order, each checked for stops like any token (tokens past a stop are
+        dropped); then the blocks only rejected proposals reached go back to the pool."""
+        touched = []
+        scheduler = self.scheduler
+        stats = scheduler.spec_stats
+        cu_q_lens = call.batch.cu_q_lens.tolist()
+        tokens, emitted = result.tokens.tolist(), result.emitted.tolist()
+        for row, item in enumerate(call.out.scheduled):
+            request = item.request
+            if request.is_finished:
+                continue  # aborted while the step ran
+            start, end = cu_q_lens[row], cu_q_lens[row + 1]
+            stats.record(len(item.draft_token_ids), sum(emitted[start:end]) - 1)
+            for position in range(start, end):
+                if not emitted[position] or request.is_finished:
+                    break
+                scheduler.accept_token(request, tokens[position])
+                self.logprobs.record(request, result, position)
+                self._after_tokens(request)  # tokens after a stop string are dropped
+            if not request.is_finished:
+                self.kv_cache_manager.free_tail(request)
             touched.append(request)
         return touched
 

@@ -30,6 +30,11 @@ from jaxpage.outputs import RequestOutput
 AFFINITY_CAPACITY = 1 << 16  # block hashes remembered for routing (oldest forgotten first)
 
 
+# Stats that are rates: averaged over replicas, not summed.
+_AVERAGED = ("kv_usage", "prefix_cache_hit_rate", "spec_acceptance_rate",
+             "spec_mean_accepted_length")
+
+
 class _MergedResults:
     """Finished beam searches of every replica, read like one dict."""
 
@@ -187,8 +192,7 @@ class DataParallelEngine:
         total: dict[str, Any] = {}
         for key in per_replica[0]:
             values = [stats[key] for stats in per_replica]
-            total[key] = (sum(values) / len(values) if key in ("kv_usage", "prefix_cache_hit_rate")
-                          else sum(values))
+            total[key] = (sum(values) / len(values) if key in _AVERAGED else sum(values))
         total["num_routed"] = list(self.num_routed)
         return total
 

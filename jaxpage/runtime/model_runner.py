@@ -45,6 +45,8 @@ class PendingStep:
         result = _fetch(sampled[0], self.top_ids, self.top_logprobs, self.token_logprobs,
                         self.token_ranks)
         result.may_stop = sampled[1]
+        if sampled.shape[0] > 2:  # a verify step: per token, with its emitted flags
+            result.emitted = sampled[2]
         return result
 
 
@@ -80,6 +82,7 @@ class StepResult:
     token_logprobs: np.ndarray | None = None  # float32 [S]  logprob of the sampled token
     token_ranks: np.ndarray | None = None     # int32 [S]  its 1-based rank in the vocabulary
     may_stop: np.ndarray | None = None        # int32 [S]  single steps: step.may_stop's flags
+    emitted: np.ndarray | None = None         # int32 [T]  verify steps: the tokens emitted
 
 
 class ModelRunner:
@@ -117,6 +120,7 @@ class ModelRunner:
             if self.placement.mesh is not None else None)
         self._jit_with_caches = caches_jit
         self._step = make_step(graphdef, jit=caches_jit)
+        self._verify_step = make_step(graphdef, jit=caches_jit, verify=True)
         self._fill_penalties = make_penalty_fill(jit=functools.partial(
             self.placement.jit, carry_sharding=self.placement.replicated
             if self.placement.mesh is not None else None))
@@ -221,14 +225,32 @@ class ModelRunner:
             best = min(best, time.perf_counter() - start)
         return num_bytes / best
 
-    def dispatch(self, batch: BatchMetadata, chain: bool = False) -> "PendingStep":
+    def dispatch(self, batch: BatchMetadata, chain: bool = False,
+                 verify: bool = False) -> "PendingStep":
         """Launch one step without waiting; its outputs start moving to the host at once.
 
         ``chain``: the batch continues the call dispatched just before (not yet fetched):
         tokens whose ``input_src`` names one of its rows read that row's sampled token on
         the device. The runner keeps its last call itself, so a mirrored runner on another
         process continues its own (``parallel.distributed``).
+
+        ``verify``: the batch carries speculative proposals; every token is sampled and
+        checked (``step.verify_tokens``), and the result is per token, with ``emitted``.
         """
+        if verify:
+            if chain:
+                raise ValueError("a verify step cannot continue a call on the device")
+            self.compiled_shapes.add(batch.shape_key + ("verify",))
+            args = (self.params, (self.kv_cache, self.penalty_table), batch.packed(),
+                    self._no_carry[0])
+            program = self.executables.get("verify", batch.shape_key, self._verify_step, args)
+            (self.kv_cache, self.penalty_table), (sampled, *logprobs), last_tokens = program(*args)
+            outputs = (sampled, *logprobs) if batch.want_logprobs.any() else (sampled,)
+            if self._copy_outputs_early:
+                for array in outputs:
+                    array.copy_to_host_async()
+            self._last_call = PendingStep(last_tokens, *outputs)
+            return self._last_call
         self.compiled_shapes.add(batch.shape_key)
         prev_tokens = self._carry_of_last_call()[0] if chain else self._no_carry[0]
         # Numpy goes straight to the program: its C++ call path transfers the arrays for

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxpage.core.batch import MAX_TOP_LOGPROBS, unpack_batch
@@ -30,7 +31,7 @@ def unpack(packed: Packed) -> dict[str, jax.Array]:
     return batch
 
 
-def make_step(graphdef: Any, jit: Callable = jax.jit) -> Callable:
+def make_step(graphdef: Any, jit: Callable = jax.jit, verify: bool = False) -> Callable:
     """Jitted ``step(params, caches, packed, prev_tokens) -> (caches, (sampled, top_ids,
     top_logprobs, token_logprobs, token_ranks), last_tokens)``.
 
@@ -42,7 +43,14 @@ def make_step(graphdef: Any, jit: Callable = jax.jit) -> Callable:
     MAX_TOP_LOGPROBS]; token_logprobs float32 [S] and token_ranks int32 [S] of the sampled
     tokens (all zeros unless some row has ``want_logprobs``); last_tokens int32 [R]: tokens
     padded to R rows, for the next call.
+
+    ``verify``: the step checks speculative proposals (``verify_tokens``): every token
+    of the batch is sampled, and ``sampled`` is int32 [3, T] (tokens, may-stop flags,
+    emitted flags); the logprob outputs are per token too.
     """
+    if verify:
+        return jit(_verify_step(graphdef), donate_argnums=(1,))
+
     def step(state: Any, caches: Caches, packed: Packed, prev_tokens: jax.Array):
         batch = unpack(packed)
         kv_cache, penalty_table = caches
@@ -98,3 +106,71 @@ def make_forward_logits(graphdef: Any, jit: Callable = jax.jit) -> Callable:
         return kv_cache, model.compute_logits(hidden)
 
     return jit(forward, donate_argnums=(1,))
+
+
+# The per-row fields the sampler and ``may_stop`` read: a verify step gathers them per token.
+_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "sample_seeds", "sample_index",
+                    "min_tokens", "stop_token_ids", "max_output", "want_logprobs",
+                    "penalty_slot", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty")
+
+
+def verify_tokens(tokens: jax.Array, input_ids: jax.Array, cu_q_lens: jax.Array,
+                  token_row: jax.Array) -> jax.Array:
+    """int32 [T]: 1 where a verify step's sampled token is emitted, else 0.
+
+    A row's tokens are its last accepted token followed by its proposals; the token
+    sampled at a row's ``j``-th position is the target's choice for the token after it,
+    and the ``j``-th proposal is the row's input token ``j + 1``. The row emits its
+    sampled tokens up to and including the first one that differs from the proposal it
+    checks (the correction), or all of them when every proposal matched (the last is
+    the bonus token). Sampling from the target's own distribution and keeping the draw
+    while it equals the proposal is the rejection sampler for a proposal distribution
+    that is a point mass (prompt lookup): accepted with probability p(proposal), else
+    the draw is distributed as the normalised (p - q)+. tokens, input_ids int32 [T];
+    cu_q_lens int32 [S + 1]; token_row int32 [T].
+    """
+    T = tokens.shape[0]
+    index = jnp.arange(T, dtype=jnp.int32)
+    end = cu_q_lens[token_row + 1]                                          # [T]
+    proposal = jnp.concatenate([input_ids[1:], jnp.zeros(1, input_ids.dtype)])
+    rejected = ((index + 1 < end) & (tokens != proposal)).astype(jnp.int32)  # [T]
+    before = jnp.cumsum(rejected) - rejected       # rejections at earlier tokens, any row
+    start = cu_q_lens[token_row]
+    clean = before - before[jnp.clip(start, 0, T - 1)] == 0   # none earlier in this row
+    return (clean & (index < cu_q_lens[-1])).astype(jnp.int32)
+
+
+def _verify_step(graphdef: Any) -> Callable:
+    """``make_step(..., verify=True)``'s function (see there)."""
+    def step(state: Any, caches: Caches, packed: Packed, prev_tokens: jax.Array):
+        batch = unpack(packed)
+        kv_cache, penalty_table = caches
+        model = nnx.merge(graphdef, state)
+        input_ids = batch["input_ids"]                                       # [T]
+        hidden, kv_cache = model(input_ids, batch["positions"], kv_cache, batch)
+        logits = model.compute_logits(hidden)                                # [T, V]
+        T, S = input_ids.shape[0], batch["kv_lens"].shape[0]
+        cu_q_lens = batch["cu_q_lens"]                                       # [S + 1]
+        index = jnp.arange(T, dtype=jnp.int32)
+        token_row = jnp.clip(jnp.searchsorted(cu_q_lens[1:], index, side="right"),
+                             0, S - 1).astype(jnp.int32)                     # [T]
+        per_token = {name: batch[name][token_row] for name in _SAMPLING_FIELDS}
+        # The j-th token of a row samples that row's output number sample_index + j.
+        per_token["sample_index"] = per_token["sample_index"] + index - cu_q_lens[token_row]
+        # Rows with penalties carry no proposals (one token each); padding tokens none.
+        per_token["penalty_slot"] = jnp.where(index < cu_q_lens[-1],
+                                              per_token["penalty_slot"], -1)
+        tokens = sample(logits, per_token, penalty_table)                    # [T]
+        last = tokens[batch["logits_indices"]]                               # [S]
+        penalty_table = record_tokens(penalty_table, batch["penalty_slot"], last)
+        chosen, rank, top_ids, top_values = sampled_logprobs(
+            logits, tokens, per_token["want_logprobs"], MAX_TOP_LOGPROBS)
+        emitted = verify_tokens(tokens, input_ids, cu_q_lens, token_row)
+        sampled = jnp.stack([tokens, may_stop(tokens, per_token), emitted])  # [3, T]
+        rows = prev_tokens.shape[0]
+        kept = min(rows, S)
+        last_tokens = jnp.zeros(rows, jnp.int32).at[:kept].set(last[:kept])
+        return (kv_cache, penalty_table), (sampled, top_ids, top_values, chosen, rank), last_tokens
+
+    return step
