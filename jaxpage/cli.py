@@ -52,6 +52,8 @@ ENGINE_FLAGS = {
     "num_scheduler_steps": (int, "decode iterations per device call when all decode"),
     "bucket_growth": (int, "factor between bucket rungs (2: powers of two; larger: fewer programs)"),
     "hf_overrides": (_json_object, "JSON object of Hugging Face config keys to replace"),
+    "speculative_config": (_json_object, "speculative decoding as a JSON object, e.g. "
+                           "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'"),
     "max_waiting_requests": (int, "server: answer 503 when this many requests wait (default: no cap)"),
     "seed": (int, "engine seed for requests without their own"),
     "attention_backend": (str, "auto, reference, cpu (C++ kernel), gpu or tpu"),

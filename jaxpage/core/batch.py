@@ -203,6 +203,19 @@ class BatchBuilder:
                  for n in range(1, self.seq_ladder.rungs[-1] + 1)}
         return sorted((t, s, m) for t, s in pairs for m in self.block_ladder.rungs)
 
+    def verify_shapes(self, max_rows: int, max_proposals: int) -> list[tuple[int, int, int]]:
+        """Every (T, S, M) of a verify batch (decodes with speculative proposals): up to
+        ``max_rows`` sequences, each with its last token and up to ``max_proposals``
+        proposals, at least one proposal in the batch."""
+        budget = self.verify_ladder.rungs[-1]
+        pairs = set()
+        for n in range(1, min(max_rows, self.seq_ladder.rungs[-1]) + 1):
+            low = self.verify_ladder.fit(min(n + 1, budget))
+            high = self.verify_ladder.fit(min(n * (1 + max_proposals), budget))
+            seats = self.seq_ladder.fit(n)
+            pairs.update((rung, seats) for rung in self.verify_ladder.rungs if low <= rung <= high)
+        return sorted((t, s, m) for t, s in pairs for m in self.block_ladder.rungs)
+
     def empty(self, T: int, S: int, M: int) -> BatchMetadata:
         """A batch of the given shape holding no sequence (for compiling ahead of time)."""
         zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731

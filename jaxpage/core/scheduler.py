@@ -24,6 +24,7 @@ import itertools
 import operator
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -396,6 +397,27 @@ class Scheduler(AheadOfHost):
                 if status is not None:
                     self.finish_request(request.request_id, status)
         return touched
+
+    def accept_verified(self, item: ScheduledRequest, tokens: list[int],
+                        on_token: Callable[[Request, int], None] | None = None) -> int:
+        """Apply one row of a verify step: ``tokens`` are the row's emitted tokens in
+        order (its accepted proposals, then the correction or bonus token). Each is
+        accepted like any token, stops included (tokens past a stop are dropped);
+        ``on_token(request, i)`` runs after the ``i``-th. Then the blocks that only the
+        rejected proposals reached go back to the pool. Returns the tokens applied."""
+        request = item.request
+        applied = 0
+        for token in tokens:
+            if request.is_finished:
+                break
+            self.accept_token(request, token)
+            if on_token is not None:
+                on_token(request, applied)
+            applied += 1
+        if not request.is_finished:
+            self.kv.free_tail(request)
+        self.spec_stats.record(len(item.draft_token_ids), len(tokens) - 1)
+        return applied
 
     def accept_token(self, request: Request, token: int, may_stop: bool = True) -> bool:
         """Append a token whose predecessor's K/V the device just wrote; True if it stops.

@@ -290,28 +290,23 @@ class DeviceCalls:
 
     def _accept_verified(self, call: DeviceCall, result) -> list[Request]:
         """Apply a verify step (``ModelRunner.dispatch(verify=True)``): each row's emitted
-        tokens in order, each checked for stops like any token (tokens past a stop are
-        dropped); then the blocks only rejected proposals reached go back to the pool."""
+        tokens (``Scheduler.accept_verified``), with logprobs and stop strings checked
+        after each one like any token."""
         touched = []
-        scheduler = self.scheduler
-        stats = scheduler.spec_stats
         cu_q_lens = call.batch.cu_q_lens.tolist()
         tokens, emitted = result.tokens.tolist(), result.emitted.tolist()
         for row, item in enumerate(call.out.scheduled):
-            request = item.request
-            if request.is_finished:
+            if item.request.is_finished:
                 continue  # aborted while the step ran
             start, end = cu_q_lens[row], cu_q_lens[row + 1]
-            stats.record(len(item.draft_token_ids), sum(emitted[start:end]) - 1)
-            for position in range(start, end):
-                if not emitted[position] or request.is_finished:
-                    break
-                scheduler.accept_token(request, tokens[position])
-                self.logprobs.record(request, result, position)
+            count = sum(emitted[start:end])  # a prefix of the row: up to its first rejection
+
+            def on_token(request: Request, index: int, start: int = start) -> None:
+                self.logprobs.record(request, result, start + index)
                 self._after_tokens(request)  # tokens after a stop string are dropped
-            if not request.is_finished:
-                self.kv_cache_manager.free_tail(request)
-            touched.append(request)
+
+            self.scheduler.accept_verified(item, tokens[start:start + count], on_token)
+            touched.append(item.request)
         return touched
 
     def _after_tokens(self, request: Request) -> None:

@@ -212,7 +212,8 @@ class LLMEngine:
         """Compile every program the engine can run, so that no workload compiles later.
 
         Steps for every (tokens, sequences, blocks) bucket, the multi-step decode loop for
-        every all-decode bucket, the penalty-table fill, and block copies / swaps for
+        every all-decode bucket, verify steps when speculation is on
+        (``BatchBuilder.verify_shapes``), the penalty-table fill, and block copies / swaps for
         every padded size. Returns
         the number of programs; with the persistent compilation cache warm, a second start
         loads them instead of compiling. ``prompt_logits`` (a diagnostic path) is not covered.
@@ -224,12 +225,16 @@ class LLMEngine:
         jobs = [(shape, 1) for shape in builder.step_shapes()]
         if num_steps > 1:
             jobs += [(shape, num_steps) for shape in builder.decode_shapes()]
+        speculation = self.scheduler.speculation
+        if speculation is not None:  # verify steps: 0 below means "verify"
+            jobs += [(shape, 0) for shape in builder.verify_shapes(
+                speculation.disable_by_batch_size, speculation.num_speculative_tokens)]
         for shape, steps in tqdm(jobs, desc="Compiling buckets", dynamic_ncols=True):
             batch = builder.empty(*shape)
             if steps > 1:
                 self.runner.execute_multi_step(batch, steps)
             else:
-                self.runner.execute(batch)
+                self.runner.dispatch(batch, verify=steps == 0).fetch()
         count = len(jobs) + self.runner.compile_penalty_fill() + self.runner.compile_block_ops(
             max_copies=self.config.scheduler.max_num_seqs, max_swaps=self.num_kv_blocks)
         logger.info("warm-up compiled %d programs", count)

@@ -164,6 +164,13 @@ class AbstractEngine:
                        (self.state, self.caches(num_blocks), self.batch(shape),
                         self._replicated((self.max_num_seqs,), jnp.int32)))
 
+    def verify_program(self, shape, num_blocks: int | None = None) -> Program:
+        """The speculative-decoding verify step (``make_step(verify=True)``)."""
+        run = make_step(self.graphdef, jit=self._jit_with_caches, verify=True)
+        return Program("verify", tuple(shape), run.jitted,
+                       (self.state, self.caches(num_blocks), self.batch(shape),
+                        self._replicated((self.max_num_seqs,), jnp.int32)))
+
     def decode_program(self, shape, num_blocks: int | None = None) -> Program:
         run = make_decode_loop(self.graphdef, self.num_steps, self.block_size,
                                jit=self._jit_with_caches)
@@ -186,6 +193,12 @@ class AbstractEngine:
             yield self.step_program(shape)
         for shape in decodes:
             yield self.decode_program(shape)
+        speculation = self.config.scheduler.speculative
+        if speculation is not None:
+            verifies = self.builder.verify_shapes(speculation.disable_by_batch_size,
+                                                  speculation.num_speculative_tokens)
+            for shape in (verifies[-1:] if buckets == "largest" else verifies):
+                yield self.verify_program(shape)
         kv = self.kv_cache()
         index = lambda n: self._replicated((n,), jnp.int32)  # noqa: E731
         copies = _powers_of_two_upto(self.max_num_seqs)

@@ -48,6 +48,28 @@ class _EngineStateCollector:
                                           labels=labels)
         preemptions.add_metric([self.model_name], float(stats.get("num_preemptions", 0)))
         yield preemptions
+        if "spec_num_drafts" not in stats:
+            return  # no speculative decoding in this engine
+        counters = [
+            ("spec_decode_num_drafts", "Rows verified with speculative proposals", "spec_num_drafts"),
+            ("spec_decode_num_draft_tokens", "Speculative proposals verified",
+             "spec_num_draft_tokens"),
+            ("spec_decode_num_accepted_tokens", "Speculative proposals accepted",
+             "spec_num_accepted_tokens"),
+        ]
+        for name, doc, key in counters:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            family.add_metric([self.model_name], float(stats.get(key, 0)))
+            yield family
+        for name, doc, key in [
+                ("spec_decode_acceptance_rate", "Share of proposals accepted",
+                 "spec_acceptance_rate"),
+                ("spec_decode_mean_accepted_length",
+                 "Tokens a verified row emits on average (accepted proposals + 1)",
+                 "spec_mean_accepted_length")]:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            family.add_metric([self.model_name], float(stats.get(key, 0.0)))
+            yield family
 
 
 class ServerMetrics:

@@ -136,3 +136,17 @@ def test_plan_rejects_unknown_targets_and_options():
         plan(None, "v5e:1x1", max_num_sequences=4)
     with pytest.raises(ValueError, match="buckets='some'"):
         plan(None, "v5e:1x1", buckets="some")
+
+
+@pytest.mark.parametrize("target", ["v5e:1x1", pytest.param("h100", marks=pytest.mark.slow)])
+def test_speculative_verify_step_compiles(target):
+    """The verify step of speculative decoding (every token sampled and checked), for a
+    TPU and a GPU, with the Pallas attention kernels of each."""
+    report = plan(None, target, buckets="largest", hf_overrides=SHALLOW,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                      "disable_by_batch_size": 2},
+                  **_swap_scaled(SMALL_LADDERS, SHALLOW, full_depth=30))
+    _assert_compiled_and_fits(report)
+    labels = [p.label for p in report.programs]
+    # 2 rows with up to 3 proposals each: at most 8 tokens (the 16-token budget allows it)
+    assert "verify[8, 2, 8]" in labels, labels

@@ -41,3 +41,26 @@ def test_nothing_compiles_after_warmup(tiny_checkpoints, compile_events):
     stats = llm.get_stats()
     assert stats["num_preemptions"] > 0 and stats["num_swap_preemptions"] > 0
     assert compile_events == []
+
+
+def test_nothing_compiles_after_warmup_with_speculation(tiny_checkpoints, compile_events):
+    llm = LLM(tiny_checkpoints["llama"], max_model_len=64, max_num_seqs=4,
+              max_num_batched_tokens=32, block_size=8, num_kv_blocks=32, warmup=True,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "disable_by_batch_size": 4})
+
+    class Always:  # proposals of every length on every row
+        count = 0
+
+        def propose(self, request, max_tokens):
+            self.count += 1
+            return [5] * min(1 + self.count % 3, max_tokens)
+
+    llm.llm_engine.scheduler.proposer = Always()
+    compile_events.clear()
+    prompts = [{"prompt_token_ids": [100 + 7 * i + j for j in range(3 + 5 * i)]} for i in range(6)]
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=10 + 3 * i,
+                             logprobs=1 if i == 3 else None) for i in range(6)]
+    llm.generate(prompts, params, use_tqdm=False)
+    assert llm.get_stats()["spec_num_draft_tokens"] > 0
+    assert compile_events == []
