@@ -173,7 +173,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
-    disable_by_batch_size: int = 8
+    disable_by_batch_size: int = 4
 
     @classmethod
     def from_dict(cls, options: dict) -> "SpeculativeConfig":

@@ -64,10 +64,14 @@ def prompts_for(tokenizer, count: int) -> list[dict]:
     return prompts
 
 
-def run(llm, prompts, params) -> tuple[float, list[list[int]]]:
+def run(llm, rounds, params) -> tuple[float, list[list[int]]]:
+    """Each round's prompts in one ``generate`` call, the rounds one after another."""
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
+    tokens = []
+    for prompts in rounds:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        tokens += [list(o.outputs[0].token_ids) for o in outputs]
+    return time.perf_counter() - start, tokens
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -75,7 +79,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
     parser.add_argument("--batches", default="1,4,32")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--min-requests", type=int, default=6,
+                        help="requests per batch size at least (in rounds of the batch size)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--prompt-lookup-min", type=int, default=None,
+                        help="default: the engine's default")
+    parser.add_argument("--prompt-lookup-max", type=int, default=None,
+                        help="default: the engine's default")
     parser.add_argument("--disable-by-batch-size", type=int, default=None,
                         help="default: the engine's default")
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "results"))
@@ -87,21 +97,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model = resolve_model(args.model)
     batches = [int(b) for b in args.batches.split(",")]
     spec_config = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
-    if args.disable_by_batch_size is not None:
-        spec_config["disable_by_batch_size"] = args.disable_by_batch_size
+    for name in ("prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+        if getattr(args, name) is not None:
+            spec_config[name] = getattr(args, name)
     common = dict(max_num_seqs=max(batches), enable_prefix_caching=False)
     plain = LLM(model, **common)
     spec = LLM(model, speculative_config=spec_config, **common)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    all_prompts = prompts_for(plain.get_tokenizer(), max(batches))
+    all_prompts = prompts_for(plain.get_tokenizer(), max(max(batches), args.min_requests))
     rows = []
     for batch in batches:
-        prompts = all_prompts[:batch]
+        # At least --min-requests requests per batch size (one passage alone is noise).
+        count = batch * max(1, -(-args.min_requests // batch))
+        prompts = [all_prompts[i % len(all_prompts)] for i in range(count)]
+        rounds = [prompts[i:i + batch] for i in range(0, count, batch)]
         for llm in (plain, spec):
-            run(llm, prompts, params)  # compiles this batch's shapes
+            run(llm, rounds, params)  # untimed: compiles every shape the rounds need
         before = spec.get_stats()
-        plain_s, plain_out = run(plain, prompts, params)
-        spec_s, spec_out = run(spec, prompts, params)
+        plain_s, plain_out = run(plain, rounds, params)
+        spec_s, spec_out = run(spec, rounds, params)
         after = spec.get_stats()
         if plain_out != spec_out:
             raise SystemExit(f"batch {batch}: speculative outputs differ from plain decoding")
@@ -109,7 +123,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         drafts = after["spec_num_drafts"] - before["spec_num_drafts"]
         proposed = after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
         accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
-        row = {"batch": batch, "output_tokens": tokens,
+        row = {"batch": batch, "requests": count, "output_tokens": tokens,
                "plain_tok_s": tokens / plain_s, "spec_tok_s": tokens / spec_s,
                "speedup": plain_s / spec_s, "proposed": proposed, "accepted": accepted,
                "acceptance_rate": accepted / proposed if proposed else 0.0,
@@ -120,7 +134,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"{row['spec_tok_s']:7.1f} tok/s ({row['speedup']:.2f}x); acceptance "
               f"{row['acceptance_rate']:.2f}, mean accepted length "
               f"{row['mean_accepted_length']:.2f}", flush=True)
-    columns = [("batch", "batch"), ("output_tokens", "output tokens"),
+    columns = [("batch", "batch"), ("requests", "requests"), ("output_tokens", "output tokens"),
                ("plain_tok_s", "plain tok/s"), ("spec_tok_s", "n-gram speculation tok/s"),
                ("speedup", "speed-up"), ("acceptance_rate", "acceptance rate"),
                ("mean_accepted_length", "mean accepted length"),

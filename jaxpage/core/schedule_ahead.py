@@ -132,8 +132,8 @@ class AheadOfHost:
         preemption. Returns None otherwise; blocks reserved before a failure stay with
         their request and are used by its next steps.
         """
-        if num_steps <= 1 or self.swapped:
-            return None
+        if num_steps <= 1 or self.swapped or self.speculating():
+            return None  # speculating: few requests left, each step proposes again
         if self.waiting and (self._seats_in_use() + self._best_waiting().num_seats
                              <= self.config.max_num_seqs):
             return None  # a seat is free: admit the waiting request first
