@@ -55,11 +55,17 @@ def passages(count: int, chars: int = 600) -> list[str]:
 
 
 def prompts_for(tokenizer, count: int) -> list[dict]:
+    """Chat prompts of the tasks over ``count`` passages, as token ids. Without a
+    tokenizer (a preset's random weights) the text's bytes stand in for token ids."""
     prompts = []
     for i, passage in enumerate(passages(count)):
-        messages = [{"role": "user", "content": TASKS[i % len(TASKS)].format(passage)}]
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            add_generation_prompt=True)["input_ids"]
+        text = TASKS[i % len(TASKS)].format(passage)
+        if tokenizer is None:
+            ids = [5 + byte for byte in text.encode()][:512]
+        else:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                tokenize=True, return_dict=True,
+                                                add_generation_prompt=True)["input_ids"]
         prompts.append({"prompt_token_ids": list(ids)})
     return prompts
 
