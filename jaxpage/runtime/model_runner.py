@@ -237,26 +237,15 @@ class ModelRunner:
         ``verify``: the batch carries speculative proposals; every token is sampled and
         checked (``step.verify_tokens``), and the result is per token, with ``emitted``.
         """
-        if verify:
-            if chain:
-                raise ValueError("a verify step cannot continue a call on the device")
-            self.compiled_shapes.add(batch.shape_key + ("verify",))
-            args = (self.params, (self.kv_cache, self.penalty_table), batch.packed(),
-                    self._no_carry[0])
-            program = self.executables.get("verify", batch.shape_key, self._verify_step, args)
-            (self.kv_cache, self.penalty_table), (sampled, *logprobs), last_tokens = program(*args)
-            outputs = (sampled, *logprobs) if batch.want_logprobs.any() else (sampled,)
-            if self._copy_outputs_early:
-                for array in outputs:
-                    array.copy_to_host_async()
-            self._last_call = PendingStep(last_tokens, *outputs)
-            return self._last_call
-        self.compiled_shapes.add(batch.shape_key)
+        if verify and chain:
+            raise ValueError("a verify step cannot continue a call on the device")
+        name, step = ("verify", self._verify_step) if verify else ("step", self._step)
+        self.compiled_shapes.add(batch.shape_key + ((name,) if verify else ()))
         prev_tokens = self._carry_of_last_call()[0] if chain else self._no_carry[0]
         # Numpy goes straight to the program: its C++ call path transfers the arrays for
         # less than half what a separate jax.device_put of them costs (~0.3 ms a step).
         args = (self.params, (self.kv_cache, self.penalty_table), batch.packed(), prev_tokens)
-        program = self.executables.get("step", batch.shape_key, self._step, args)
+        program = self.executables.get(name, batch.shape_key, step, args)
         (self.kv_cache, self.penalty_table), (sampled, *logprobs), last_tokens = program(*args)
         outputs = (sampled, *logprobs) if batch.want_logprobs.any() else (sampled,)
         if self._copy_outputs_early:
