@@ -24,14 +24,13 @@ import itertools
 import operator
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
 from jaxpage.config import SchedulerConfig
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.request import FINISHED_IDS, Request, RequestStatus
-from jaxpage.core.speculation import SpecDecodeStats, make_proposer
+from jaxpage.core.speculation import SpecDecodeStats, SpeculativeScheduling, make_proposer
 from jaxpage.core.schedule_ahead import AheadOfHost, ScheduledRequest, SchedulerOutput  # noqa: F401 (re-exported)
 
 
@@ -55,7 +54,7 @@ class PreemptionCostModel:
 _ARRIVAL = operator.attrgetter("arrival_seq")
 
 
-class Scheduler(AheadOfHost):
+class Scheduler(AheadOfHost, SpeculativeScheduling):
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  cost_model: PreemptionCostModel | None = None) -> None:
         self.config = config
@@ -185,40 +184,6 @@ class Scheduler(AheadOfHost):
         if out.scheduled and self.speculating():
             self._propose(out)
         return out
-
-    def speculating(self) -> bool:
-        """Whether steps may carry proposals now: speculation is on and few enough
-        requests run (``disable_by_batch_size``). Such steps are scheduled one at a time
-        by the host, which must know each request's last token to propose after it."""
-        return (self.proposer is not None
-                and len(self.running) <= self.speculation.disable_by_batch_size)
-
-    def _propose(self, out: SchedulerOutput) -> None:
-        """Give the decode rows of ``out`` their proposals (see ``jaxpage.core.speculation``):
-        only when every row is a plain decode, nothing was preempted, and the batch is
-        small enough. A row whose blocks for its proposals cannot be had without a
-        preemption simply carries none."""
-        items = out.scheduled
-        if out.preempted or len(items) > self.speculation.disable_by_batch_size:
-            return
-        for item in items:
-            request = item.request
-            if (item.num_new_tokens != 1 or item.ahead or request.external_sampling
-                    or request.fork_children
-                    or request.num_computed_tokens != len(request.all_token_ids) - 1):
-                return  # a prefill chunk (or a fork) shares the step: no speculation in it
-        budget = self.config.max_num_batched_tokens - len(items)
-        for item in items:
-            request = item.request
-            room = request.max_tokens - len(request.output_token_ids) - 1
-            if budget <= 0 or room <= 0 or request.sampling_params.has_penalties:
-                continue
-            drafts = self.proposer.propose(request, min(room, budget))
-            if drafts and self.kv.allocate_slots(request, 1 + len(drafts)):
-                item.num_new_tokens += len(drafts)
-                item.draft_token_ids = drafts
-                out.num_draft_tokens += len(drafts)
-                budget -= len(drafts)
 
     def _fork(self, request: Request, index: int) -> None:
         for offset, child in enumerate(request.fork_children, start=1):
@@ -397,27 +362,6 @@ class Scheduler(AheadOfHost):
                 if status is not None:
                     self.finish_request(request.request_id, status)
         return touched
-
-    def accept_verified(self, item: ScheduledRequest, tokens: list[int],
-                        on_token: Callable[[Request, int], None] | None = None) -> int:
-        """Apply one row of a verify step: ``tokens`` are the row's emitted tokens in
-        order (its accepted proposals, then the correction or bonus token). Each is
-        accepted like any token, stops included (tokens past a stop are dropped);
-        ``on_token(request, i)`` runs after the ``i``-th. Then the blocks that only the
-        rejected proposals reached go back to the pool. Returns the tokens applied."""
-        request = item.request
-        applied = 0
-        for token in tokens:
-            if request.is_finished:
-                break
-            self.accept_token(request, token)
-            if on_token is not None:
-                on_token(request, applied)
-            applied += 1
-        if not request.is_finished:
-            self.kv.free_tail(request)
-        self.spec_stats.record(len(item.draft_token_ids), len(tokens) - 1)
-        return applied
 
     def accept_token(self, request: Request, token: int, may_stop: bool = True) -> bool:
         """Append a token whose predecessor's K/V the device just wrote; True if it stops.

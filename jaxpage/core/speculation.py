@@ -17,10 +17,16 @@ of a step that also carries prefill tokens or has more running requests than
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 from jaxpage.config import SpeculativeConfig
 from jaxpage.core.ngram_proposer import propose_ngram
 from jaxpage.core.request import Request
+from jaxpage.core.schedule_ahead import ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:
+    from jaxpage.config import SchedulerConfig
+    from jaxpage.core.kv_cache_manager import KVCacheManager
 
 
 class NgramProposer:
@@ -69,3 +75,72 @@ class SpecDecodeStats:
                 # tokens a verified row emits on average: the accepted ones plus one
                 "spec_mean_accepted_length": (1 + self.num_accepted_tokens / drafts
                                               if drafts else 0.0)}
+
+
+class SpeculativeScheduling:
+    """The speculative-decoding decisions of ``Scheduler`` (which supplies the queues, the
+    KV manager, ``accept_token``, ``proposer``, ``speculation`` and ``spec_stats``)."""
+
+    config: "SchedulerConfig"
+    kv: "KVCacheManager"
+    running: list[Request]
+    proposer: "NgramProposer | None"
+    speculation: SpeculativeConfig | None
+    spec_stats: SpecDecodeStats
+
+    def speculating(self) -> bool:
+        """Whether steps may carry proposals now: speculation is on and few enough
+        requests run (``disable_by_batch_size``). Such steps are scheduled one at a time
+        by the host, which must know each request's last token to propose after it."""
+        return (self.proposer is not None
+                and len(self.running) <= self.speculation.disable_by_batch_size)
+
+    def _propose(self, out: SchedulerOutput) -> None:
+        """Give the decode rows of ``out`` their proposals (see ``jaxpage.core.speculation``):
+        only when every row is a plain decode, nothing was preempted, and the batch is
+        small enough. A row whose blocks for its proposals cannot be had without a
+        preemption simply carries none."""
+        items = out.scheduled
+        if out.preempted or len(items) > self.speculation.disable_by_batch_size:
+            return
+        for item in items:
+            request = item.request
+            if (item.num_new_tokens != 1 or item.ahead or request.external_sampling
+                    or request.fork_children
+                    or request.num_computed_tokens != len(request.all_token_ids) - 1):
+                return  # a prefill chunk (or a fork) shares the step: no speculation in it
+        budget = self.config.max_num_batched_tokens - len(items)
+        for item in items:
+            request = item.request
+            room = request.max_tokens - len(request.output_token_ids) - 1
+            if budget <= 0 or room <= 0 or request.sampling_params.has_penalties:
+                continue
+            drafts = self.proposer.propose(request, min(room, budget))
+            if drafts and self.kv.allocate_slots(request, 1 + len(drafts)):
+                item.num_new_tokens += len(drafts)
+                item.draft_token_ids = drafts
+                out.num_draft_tokens += len(drafts)
+                budget -= len(drafts)
+
+
+    def accept_verified(self, item: ScheduledRequest, tokens: list[int],
+                        on_token: Callable[[Request, int], None] | None = None) -> int:
+        """Apply one row of a verify step: ``tokens`` are the row's emitted tokens in
+        order (its accepted proposals, then the correction or bonus token). Each is
+        accepted like any token, stops included (tokens past a stop are dropped);
+        ``on_token(request, i)`` runs after the ``i``-th. Then the blocks that only the
+        rejected proposals reached go back to the pool. Returns the tokens applied."""
+        request = item.request
+        applied = 0
+        for token in tokens:
+            if request.is_finished:
+                break
+            self.accept_token(request, token)
+            if on_token is not None:
+                on_token(request, applied)
+            applied += 1
+        if not request.is_finished:
+            self.kv.free_tail(request)
+        self.spec_stats.record(len(item.draft_token_ids), len(tokens) - 1)
+        return applied
+

@@ -73,10 +73,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 break
             out = self.s.schedule()
             self.s.kv.take_pending_block_ops()
-            self.s.update_from_output(out, np.full(len(out.scheduled), 7, np.int32))
+            self.apply_drain_step(out)
         assert not self.s.has_unfinished_requests()
         pool = self.s.kv.block_pool
         assert pool.num_free_blocks == pool.num_usable_blocks
+
+    def apply_drain_step(self, out):
+        """``drain``'s step: every row samples token 7."""
+        self.s.update_from_output(out, np.full(len(out.scheduled), 7, np.int32))
 
     @invariant()
     def blocks_are_accounted_for(self):
