@@ -3,26 +3,36 @@
 #
 #   bash scripts/accelerator_check.sh                 # results under docs/benchmarks/accelerator/
 #   RESULTS_DIR=$OUT bash scripts/accelerator_check.sh   # (the device tool: files come back from $OUT)
+#   STEPS="kernel_tests bench_kernels" bash scripts/accelerator_check.sh   # some steps only
 #
-# It runs, on the real device:
-#   1. the Pallas kernel tests compiled for the device (JAXPAGE_KERNELS_ON_DEVICE=1: the
-#      device's own backend, not interpret mode) against the jnp reference;
-#   2. scripts/bench_kernels.py: Llama-3-8B decode attention, batch 64, context 2048, bf16,
-#      against the measured bandwidth (and JAX's shipped kernel on a GPU);
-#   3. scripts/bench_throughput.py on preset:llama3-8b (random weights, token-id prompts),
-#      bfloat16, jaxpage only;
+# It runs, on the real device, each step under a time limit (STEP_TIMEOUT seconds, default
+# 300), a failing or timed-out step recorded and the next one run:
+#   kernel_tests      the Pallas kernel tests compiled for the device (JAXPAGE_KERNELS_ON_DEVICE=1:
+#                     the device's own backend, not interpret mode) against the jnp reference;
+#   bench_kernels     scripts/bench_kernels.py: Llama-3-8B decode attention, batch 64, context
+#                     2048, bf16, against the measured bandwidth (and JAX's shipped kernel on a GPU);
+#   engine_vs_hf      the engine on the device against Hugging Face (PyTorch CPU, float32): greedy
+#                     tokens and logits of the tiny random checkpoints. Needs SmolLM2's tokenizer:
+#                     the embedded GGUF, or a tokenizer directory in JAXPAGE_TEST_TOKENIZER;
+#   bench_throughput  scripts/bench_throughput.py on preset:llama3-8b (random weights, token-id
+#                     prompts), bfloat16, jaxpage only (THROUGHPUT_REQUESTS requests, default 500);
+#   bench_spec_decode scripts/bench_spec_decode.py on preset:llama3-8b, bfloat16, batch 1, 4, 32
+#                     (n-gram speculation against plain decoding);
 # and writes each one's output, plus the device, the date, the versions and the commands,
 # under RESULTS_DIR (default docs/benchmarks/accelerator/<date>-<device>/). Commit that folder.
 #
 # No install happens here (the lent machines have no network): run from the source tree
 # with the machine's jax and PYTHONPATH=. ; a package it lacks (gguf, fastapi, uvicorn,
 # pydantic, prometheus_client) travels as a wheel (the device tool's README says how).
-# Each step's failure is recorded and the script goes on to the next.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$(pwd)"
 export PYTHONUNBUFFERED=1
 PYTHON="${PYTHON:-python3}"
+STEPS="${STEPS:-kernel_tests bench_kernels engine_vs_hf bench_throughput bench_spec_decode}"
+STEP_TIMEOUT="${STEP_TIMEOUT:-300}"
+# The tests and benchmark scripts default to the CPU; here the device's own platform runs.
+if command -v nvidia-smi >/dev/null 2>&1; then export JAX_PLATFORMS=cuda; else export JAX_PLATFORMS=tpu; fi
 
 device=$("$PYTHON" -c 'import jax; d = jax.devices()[0]; print(d.device_kind.replace(" ", "-"))' 2>/dev/null || echo unknown)
 stamp=$(date -u +%Y-%m-%d)
@@ -32,12 +42,16 @@ summary="$dir/README.md"
 
 run_step() {  # name, then the command; output to $dir/<name>.log, status to the summary
     local name=$1; shift
+    case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
     echo "== $name: $*"
     local began=$(date +%s)
-    "$@" > "$dir/$name.log" 2>&1
+    timeout "$STEP_TIMEOUT" "$@" > "$dir/$name.log" 2>&1
     local status=$?
     tail -n 25 "$dir/$name.log"
-    echo "| $name | \`$*\` | $([ $status -eq 0 ] && echo ok || echo "FAILED ($status)") | $(( $(date +%s) - began )) s |" >> "$summary"
+    local result=ok
+    [ $status -eq 124 ] && result="TIMED OUT (${STEP_TIMEOUT} s)"
+    [ $status -ne 0 ] && [ $status -ne 124 ] && result="FAILED ($status)"
+    echo "| $name | \`$*\` | $result | $(( $(date +%s) - began )) s |" >> "$summary"
     return 0
 }
 
@@ -58,9 +72,14 @@ run_step() {  # name, then the command; output to $dir/<name>.log, status to the
 run_step kernel_tests env JAXPAGE_KERNELS_ON_DEVICE=1 "$PYTHON" -m pytest -q -p no:cacheprovider \
     tests/kernels/test_attention_kernels.py tests/kernels/test_kv_cache_update_kernels.py
 run_step bench_kernels "$PYTHON" scripts/bench_kernels.py --markdown --json "$dir/bench_kernels.json"
+run_step engine_vs_hf "$PYTHON" -m pytest -q -p no:cacheprovider -k "tiny" \
+    tests/models/test_logits_match_hf.py tests/engine/test_greedy_matches_hf.py
 run_step bench_throughput "$PYTHON" scripts/bench_throughput.py --model preset:llama3-8b \
     --dtype bfloat16 --systems jaxpage --workload random --max-num-seqs 64 \
-    --out-dir "$dir" --no-progress
+    --num-requests "${THROUGHPUT_REQUESTS:-500}" --out-dir "$dir" --no-progress
+run_step bench_spec_decode "$PYTHON" scripts/bench_spec_decode.py --model preset:llama3-8b \
+    --dtype bfloat16 --num-kv-blocks 4096 --batches "${SPEC_BATCHES:-1,4,32}" --max-tokens 128 --allow-mismatch \
+    --out "$dir" --stem spec_decode_llama3-8b
 
 echo
 cat "$summary"

@@ -94,6 +94,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="default: the engine's default")
     parser.add_argument("--disable-by-batch-size", type=int, default=None,
                         help="default: the engine's default")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="per engine (default: sized from memory; two engines share it)")
+    parser.add_argument("--allow-mismatch", action="store_true",
+                        help="report how many outputs equal plain decoding's instead of failing "
+                             "(bfloat16 on a GPU: a 5-token verify step and a 1-token step may "
+                             "round differently, and random weights make near-ties common)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "results"))
     parser.add_argument("--stem", default="spec_decode")
     args = parser.parse_args(argv)
@@ -106,7 +113,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name in ("prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
         if getattr(args, name) is not None:
             spec_config[name] = getattr(args, name)
-    common = dict(max_num_seqs=max(batches), enable_prefix_caching=False)
+    # warmup=False: the untimed pass compiles the shapes the rounds need, and no more (the
+    # engine's own warm-up compiles every bucket: minutes per shape set on a GPU).
+    common = dict(max_num_seqs=max(batches), enable_prefix_caching=False, dtype=args.dtype,
+                  warmup=False)
+    if args.num_kv_blocks is not None:
+        common["num_kv_blocks"] = args.num_kv_blocks
     plain = LLM(model, **common)
     spec = LLM(model, speculative_config=spec_config, **common)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
@@ -123,7 +135,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         plain_s, plain_out = run(plain, rounds, params)
         spec_s, spec_out = run(spec, rounds, params)
         after = spec.get_stats()
-        if plain_out != spec_out:
+        same = sum(a == b for a, b in zip(plain_out, spec_out))
+        if same != len(plain_out) and not args.allow_mismatch:
             raise SystemExit(f"batch {batch}: speculative outputs differ from plain decoding")
         tokens = sum(len(t) for t in plain_out)
         drafts = after["spec_num_drafts"] - before["spec_num_drafts"]
@@ -134,7 +147,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                "speedup": plain_s / spec_s, "proposed": proposed, "accepted": accepted,
                "acceptance_rate": accepted / proposed if proposed else 0.0,
                "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
-               "identical_outputs": True}
+               "identical_outputs": True if same == len(plain_out) else f"{same}/{len(plain_out)}"}
         rows.append(row)
         print(f"batch {batch:3d}: plain {row['plain_tok_s']:7.1f} tok/s, speculative "
               f"{row['spec_tok_s']:7.1f} tok/s ({row['speedup']:.2f}x); acceptance "
@@ -148,6 +161,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     table = markdown_table(rows, columns)
     print(table)
     payload = {"environment": environment(), "model": model or "SmolLM2-135M-Instruct (GGUF)",
+               "dtype": args.dtype,
                "speculative_config": spec.llm_engine.scheduler.speculation.__dict__,
                "max_tokens": args.max_tokens, "rows": rows}
     paths = write_report(args.out, args.stem, title="Speculative decoding (n-gram) vs plain "

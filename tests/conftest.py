@@ -31,10 +31,18 @@ def smollm2_path() -> str:
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer(smollm2_path):
+def smollm2_tokenizer(request):
+    """SmolLM2's tokenizer, from the embedded GGUF, or from the Hugging Face tokenizer
+    directory ``JAXPAGE_TEST_TOKENIZER`` names (a lent GPU machine, where the 98 MB GGUF
+    package cannot travel: ``scripts/accelerator_check.sh``)."""
     from jaxpage.engine.tokenizer import load_tokenizer
 
-    return load_tokenizer(smollm2_path)
+    directory = os.environ.get("JAXPAGE_TEST_TOKENIZER")
+    if directory:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(directory)
+    return load_tokenizer(request.getfixturevalue("smollm2_path"))
 
 
 @pytest.fixture(scope="session")

@@ -33,9 +33,16 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpage.arch_config import ArchConfig
 from jaxpage.parallel.sharding_rules import TP
+from pallas_kernels.precision import dot_precision
 from pallas_kernels.write_and_attend import write_and_attend
 
 KVCache = tuple[jax.Array, jax.Array]
+
+
+def project(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """``einsum(spec, x, w)``, in true float32 when the operands are float32 (not TF32 on a
+    GPU or bfloat16 passes on a TPU: ``pallas_kernels.precision``)."""
+    return jnp.einsum(spec, x, w, precision=dot_precision(x.dtype))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -108,9 +115,9 @@ class DecoderLayer(nnx.Module):
         """h [T, hidden] -> rotated q [T, Hq, D], rotated k and v [T, Hkv, D]."""
         num_tokens = h.shape[0]
         x = rms_norm(h, self.input_norm[...], cfg.rms_norm_eps)
-        q = jnp.einsum("th,hd->td", x, self.q_proj[...])
-        k = jnp.einsum("th,hd->td", x, self.k_proj[...])
-        v = jnp.einsum("th,hd->td", x, self.v_proj[...])
+        q = project("th,hd->td", x, self.q_proj[...])
+        k = project("th,hd->td", x, self.k_proj[...])
+        v = project("th,hd->td", x, self.v_proj[...])
         if cfg.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         q = apply_rope(q.reshape(num_tokens, cfg.num_heads, cfg.head_dim), positions, inv_freq)
@@ -119,14 +126,14 @@ class DecoderLayer(nnx.Module):
 
     def finish(self, cfg: ArchConfig, h: jax.Array, attn: jax.Array) -> jax.Array:
         """The residual stream after attention (attn [T, Hq, D]) and the MLP: [T, hidden]."""
-        out = jnp.einsum("td,dh->th", attn.reshape(h.shape[0], -1), self.o_proj[...])
+        out = project("td,dh->th", attn.reshape(h.shape[0], -1), self.o_proj[...])
         if cfg.o_bias:
             out = out + self.o_bias[...]
         h = h + out
         x = rms_norm(h, self.post_attention_norm[...], cfg.rms_norm_eps)
-        gate = jnp.einsum("th,hi->ti", x, self.gate_proj[...])
-        up = jnp.einsum("th,hi->ti", x, self.up_proj[...])
-        return h + jnp.einsum("ti,ih->th", jax.nn.silu(gate) * up, self.down_proj[...])
+        gate = project("th,hi->ti", x, self.gate_proj[...])
+        up = project("th,hi->ti", x, self.up_proj[...])
+        return h + project("ti,ih->th", jax.nn.silu(gate) * up, self.down_proj[...])
 
 
 class CausalLM(nnx.Module):
@@ -197,7 +204,7 @@ class CausalLM(nnx.Module):
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
         if self.cfg.tie_word_embeddings:
-            logits = jnp.einsum("nh,vh->nv", hidden, self.embed[...])
+            logits = project("nh,vh->nv", hidden, self.embed[...])
         else:
-            logits = jnp.einsum("nh,hv->nv", hidden, self.lm_head[...])
+            logits = project("nh,hv->nv", hidden, self.lm_head[...])
         return logits.astype(jnp.float32)

@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 import pallas_kernels.ragged_paged_attention.tiling as tiling
+from pallas_kernels.precision import dot_precision
 
 # Programs the grid should have before the KV length is split (H100: 132 SMs; a few
 # programs per SM keep the memory system busy while others wait on loads).
@@ -84,7 +85,7 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # int32 [NT] each
         k = k_ref[pages].reshape(block_kv, head_dim)
         v = v_ref[pages].reshape(block_kv, head_dim)
         col = j * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)   # [K]
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=dot_precision(q.dtype),
                             preferred_element_type=jnp.float32) * sm_scale  # [R, K]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -99,6 +100,7 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # int32 [NT] each
         l_next = alpha * l_prev + jnp.sum(p, axis=1)
         v = jnp.where((col < kv_len)[:, None], v, jnp.zeros_like(v))  # junk past the end
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                             precision=dot_precision(v.dtype),
                              preferred_element_type=jnp.float32)     # [R, D]
         return m_next, l_next, acc_prev * alpha[:, None] + pv
 

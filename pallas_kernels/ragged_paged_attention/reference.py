@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.precision import dot_precision
+
 
 def token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array,
                  num_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -50,7 +52,7 @@ def ragged_paged_attention_reference(
     k = k_cache[pages].reshape(num_tokens, span, num_kv_heads, head_dim)  # [T, L, Hkv, D]
     v = v_cache[pages].reshape(num_tokens, span, num_kv_heads, head_dim)
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)           # [T, Hkv, G, D]
-    scores = jnp.einsum("tkgd,tlkd->tkgl", qg, k,
+    scores = jnp.einsum("tkgd,tlkd->tkgl", qg, k, precision=dot_precision(q.dtype),
                         preferred_element_type=jnp.float32) * sm_scale  # [T, Hkv, G, L]
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
@@ -64,6 +66,6 @@ def ragged_paged_attention_reference(
     probs = jnp.exp(scores - row_max)
     denom = jnp.maximum(jnp.sum(probs, axis=-1, keepdims=True), 1e-30)
     out = jnp.einsum("tkgl,tlkd->tkgd", (probs / denom).astype(v.dtype), v,
-                     preferred_element_type=jnp.float32)
+                     precision=dot_precision(v.dtype), preferred_element_type=jnp.float32)
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
