@@ -154,7 +154,7 @@ class SchedulerConfig:
                  "an integer >= 0 (0 disables it)")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -167,6 +167,11 @@ class SpeculativeConfig:
     proposals per sequence are verified by the target model in one step. A step with more
     than ``disable_by_batch_size`` running sequences does not speculate (its verification
     would cost more than the steps it saves: see docs/speculative_decoding.md).
+
+    ``method="draft_model"``: ``model`` (a path or preset the loader reads, sharing the
+    target's vocabulary) proposes ``num_speculative_tokens`` tokens greedily on the device,
+    from its own paged KV cache addressed by the target's block tables
+    (``jaxpage.runtime.draft_model``). The prompt-lookup bounds do not apply to it.
     """
 
     method: str = "ngram"
@@ -174,6 +179,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     disable_by_batch_size: int = 4
+    model: str | None = None  # the draft model (method "draft_model" only)
 
     @classmethod
     def from_dict(cls, options: dict) -> "SpeculativeConfig":
@@ -193,7 +199,14 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         _require(self.method in SPECULATIVE_METHODS,
                  f"speculative_config method={self.method!r} is not supported; choose one of "
-                 f"{SPECULATIVE_METHODS} (a draft model is not implemented yet)")
+                 f"{SPECULATIVE_METHODS}")
+        if self.method == "draft_model":
+            _require(isinstance(self.model, str) and self.model != "",
+                     f"speculative_config method='draft_model' needs 'model' (a checkpoint "
+                     f"path or preset), got model={self.model!r}")
+        else:
+            _require(self.model is None, f"speculative_config model={self.model!r} is only "
+                     "for method='draft_model'")
         for name, low in (("num_speculative_tokens", 1), ("prompt_lookup_min", 1),
                           ("prompt_lookup_max", 1), ("disable_by_batch_size", 1)):
             value = getattr(self, name)

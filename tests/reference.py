@@ -35,6 +35,36 @@ def make_tiny_checkpoint(kind: str, directory: str, tokenizer, *, seed: int = 0,
     return directory
 
 
+def make_perturbed_checkpoint(source: str, directory: str, *, noise: float, seed: int = 0) -> str:
+    """``source``'s checkpoint with Gaussian noise (``noise`` times each tensor's std)
+    added to every weight: a draft model that agrees with its target only in part."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for tensor in model.parameters():
+            if tensor.ndim > 1:
+                tensor += noise * tensor.std() * torch.randn(tensor.shape, generator=generator)
+    model.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(source).save_pretrained(directory)
+    return directory
+
+
+def make_token_id_checkpoint(directory: str, *, vocab_size: int, seed: int) -> str:
+    """A random tiny Llama over ``vocab_size`` token ids, saved without a tokenizer."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(**TINY_SHAPE, vocab_size=vocab_size, bos_token_id=0,
+                                      eos_token_id=1, initializer_range=0.3,
+                                      tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(config).to(torch.float32).eval().save_pretrained(directory)
+    return directory
+
+
 def load_hf_model(path: str):
     """The reference model for a checkpoint directory or a GGUF file, float32, eval mode."""
     import torch

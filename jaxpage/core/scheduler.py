@@ -390,4 +390,4 @@ class Scheduler(AheadOfHost, SpeculativeScheduling):
                 "num_swap_preemptions": self.num_swap_preemptions,
                 "prefix_cache_hit_rate": self.kv.num_prefix_hit_tokens / queried if queried else 0.0,
                 "num_cached_blocks": len(self.kv.block_pool.cached_blocks),
-                **(self.spec_stats.as_dict() if self.proposer is not None else {})}
+                **(self.spec_stats.as_dict() if self.speculation is not None else {})}

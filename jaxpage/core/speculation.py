@@ -1,7 +1,9 @@
 """Speculative decoding on the host: who proposes, and what was accepted.
 
 A step that speculates (``Scheduler._propose``) gives each eligible decode row its last
-accepted token followed by up to ``num_speculative_tokens`` proposals; the device samples
+accepted token followed by up to ``num_speculative_tokens`` proposals (from the host's
+``NgramProposer``, or, when the proposer has ``propose_batch``, a draft model's on the
+device: ``jaxpage.runtime.draft_model``, whose slots are allocated before it proposes); the device samples
 every position and decides which sampled tokens are emitted
 (``jaxpage.runtime.step.verify_tokens``); the host appends those and releases the blocks
 that only rejected proposals reached (``KVCacheManager.free_tail``).
@@ -46,7 +48,10 @@ class NgramProposer:
 
 
 def make_proposer(config: SpeculativeConfig | None) -> NgramProposer | None:
-    if config is None:
+    """The host-side proposer of ``config``; None when off, and for ``draft_model``, whose
+    proposer runs on the device and is attached by the engine that loads the draft
+    (``jaxpage.runtime.draft_model.DraftModelProposer``)."""
+    if config is None or config.method == "draft_model":
         return None
     if config.method == "ngram":
         return NgramProposer(config)
@@ -110,17 +115,33 @@ class SpeculativeScheduling:
                     or request.num_computed_tokens != len(request.all_token_ids) - 1):
                 return  # a prefill chunk (or a fork) shares the step: no speculation in it
         budget = self.config.max_num_batched_tokens - len(items)
+        on_device = hasattr(self.proposer, "propose_batch")
+        wanted: list[tuple[ScheduledRequest, int]] = []
         for item in items:
             request = item.request
             room = request.max_tokens - len(request.output_token_ids) - 1
             if budget <= 0 or room <= 0 or request.sampling_params.has_penalties:
                 continue
+            if on_device:  # a draft model: slots first, then one device call for all rows
+                k = min(room, budget, self.speculation.num_speculative_tokens)
+                if self.kv.allocate_slots(request, 1 + k):
+                    wanted.append((item, k))
+                    budget -= k
+                continue
             drafts = self.proposer.propose(request, min(room, budget))
             if drafts and self.kv.allocate_slots(request, 1 + len(drafts)):
-                item.num_new_tokens += len(drafts)
-                item.draft_token_ids = drafts
-                out.num_draft_tokens += len(drafts)
+                self._give_drafts(out, item, drafts)
                 budget -= len(drafts)
+        if wanted:
+            proposals = self.proposer.propose_batch([(item.request, k) for item, k in wanted])
+            for (item, _), drafts in zip(wanted, proposals):
+                self._give_drafts(out, item, drafts)
+
+    @staticmethod
+    def _give_drafts(out: SchedulerOutput, item: ScheduledRequest, drafts: list[int]) -> None:
+        item.num_new_tokens += len(drafts)
+        item.draft_token_ids = drafts
+        out.num_draft_tokens += len(drafts)
 
 
     def accept_verified(self, item: ScheduledRequest, tokens: list[int],

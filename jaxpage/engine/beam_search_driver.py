@@ -40,7 +40,7 @@ class BeamSearchDriver:
         self._ids = itertools.count()
 
     def start(self, search_id: str, leader: Request, params: BeamSearchParams) -> None:
-        if self.scheduler.proposer is not None:
+        if self.scheduler.speculation is not None:
             raise ValueError("beam search is not supported with speculative decoding "
                              f"(speculative_config={self.scheduler.config.speculative_config!r}); "
                              "start an engine without it for beam search")

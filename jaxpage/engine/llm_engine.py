@@ -93,8 +93,18 @@ class LLMEngine:
 
         block_size = cc.block_size
         dtype = loaded.model.embed[...].dtype
+        speculation = config.scheduler.speculative
+        draft = None
+        if speculation is not None and speculation.method == "draft_model":
+            if mesh is not None:
+                raise ValueError("speculative_config method='draft_model' is not supported "
+                                 "with tensor_parallel_size > 1")
+            draft = load_model(speculation.model, dtype=mc.dtype,
+                               attention_backend=mc.attention_backend)
+        draft_per_block = 0 if draft is None else bytes_per_block(
+            draft.arch, cc.block_size, draft.model.embed[...].dtype)
         num_kv_blocks = choose_num_kv_blocks(config, loaded, self.max_model_len, dtype,
-                                             num_shards)
+                                             num_shards, extra_bytes_per_block=draft_per_block)
         self.num_kv_blocks = num_kv_blocks
         per_block = bytes_per_block(self.arch, block_size, dtype)
         num_host_blocks = int(cc.swap_space * 2**30) // per_block
@@ -118,6 +128,8 @@ class LLMEngine:
                     block_size, num_kv_blocks * block_size,
                     num_kv_blocks * bytes_per_block(self.arch, block_size, dtype) / 2**20)
         self.tokenizer = tokenizer.result()
+        if draft is not None:
+            self._attach_draft(loaded, draft, speculation, num_kv_blocks)
         eos_token_ids = self._eos_token_ids(loaded.hf_config)
         warmup = mc.warmup if mc.warmup is not None else jax_backend() != "cpu"
         if warmup:
@@ -208,6 +220,20 @@ class LLMEngine:
                              f"{self.config.scheduler.max_num_seqs}")
         self.beam_search.start(search_id, leader, params)
 
+    def _attach_draft(self, loaded: Any, draft: Any, speculation: Any,
+                      num_kv_blocks: int) -> None:
+        """The draft model's proposer, on the target's blocks (``runtime.draft_model``)."""
+        from jaxpage.runtime.draft_model import DraftModelProposer, check_same_vocabulary
+
+        draft_tokenizer = load_tokenizer(draft.path) if draft.path != loaded.path \
+            else self.tokenizer
+        check_same_vocabulary(loaded, draft, self.tokenizer, draft_tokenizer)
+        builder = self.batch_builder
+        self.scheduler.proposer = DraftModelProposer(
+            draft, speculation, self.kv_cache_manager, num_blocks=num_kv_blocks + 1,
+            token_ladder=builder.token_ladder, seq_ladder=builder.seq_ladder,
+            block_ladder=builder.block_ladder)
+
     def warmup(self) -> int:
         """Compile every program the engine can run, so that no workload compiles later.
 
@@ -235,6 +261,9 @@ class LLMEngine:
                 self.runner.execute_multi_step(batch, steps)
             else:
                 self.runner.dispatch(batch, verify=steps == 0).fetch()
+        proposer = self.scheduler.proposer
+        if hasattr(proposer, "warmup"):  # a draft model's fill and propose programs
+            jobs += [None] * proposer.warmup()
         count = len(jobs) + self.runner.compile_penalty_fill() + self.runner.compile_block_ops(
             max_copies=self.config.scheduler.max_num_seqs, max_swaps=self.num_kv_blocks)
         logger.info("warm-up compiled %d programs", count)
