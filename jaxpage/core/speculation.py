@@ -9,11 +9,11 @@ every position and decides which sampled tokens are emitted
 that only rejected proposals reached (``KVCacheManager.free_tail``).
 
 Rows that never carry proposals (they are verified one token at a time, as without
-speculation): requests with presence, frequency or repetition penalties (the penalty of
-a proposal's position would have to count the proposals before it), beam search (refused
-at submission), a row whose request is within one token of ``max_tokens``, and every row
-of a step that also carries prefill tokens or has more running requests than
-``disable_by_batch_size``.
+speculation): beam search (refused at submission), a row whose request is within one
+token of ``max_tokens``, and every row of a step that also carries prefill tokens or has
+more running requests than ``disable_by_batch_size``. Rows with presence, frequency or
+repetition penalties do speculate: the verify step counts a row's proposals before each
+position as output tokens (``sampler.proposals_before``).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class SpeculativeScheduling:
         for item in items:
             request = item.request
             room = request.max_tokens - len(request.output_token_ids) - 1
-            if budget <= 0 or room <= 0 or request.sampling_params.has_penalties:
+            if budget <= 0 or room <= 0:
                 continue
             if on_device:  # a draft model: slots first, then one device call for all rows
                 k = min(room, budget, self.speculation.num_speculative_tokens)

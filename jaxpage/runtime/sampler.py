@@ -110,6 +110,10 @@ def penalize(logits: jax.Array, penalty_table: jax.Array,
 
     def apply(logits: jax.Array) -> jax.Array:
         values = penalty_table[jnp.maximum(slots, 0)]                        # [S, V]
+        if "proposal_ids" in batch:  # a verify step: count the proposals before each token
+            extra = proposals_before(batch["proposal_ids"], batch["row_start"],
+                                     logits.shape[-1])
+            values = jnp.where(extra > 0, (values | SEEN) + extra, values)
         values = jnp.where((slots >= 0)[:, None], values, 0)
         seen = values != 0
         counts = (values & (SEEN - 1)).astype(logits.dtype)
@@ -120,6 +124,32 @@ def penalize(logits: jax.Array, penalty_table: jax.Array,
         return logits - batch["presence_penalty"][:, None] * (counts > 0).astype(logits.dtype)
 
     return jax.lax.cond(jnp.any(slots >= 0), apply, lambda x: x, logits)
+
+
+def proposals_before(proposal_ids: jax.Array, row_start: jax.Array, vocab: int) -> jax.Array:
+    """int32 [T, V]: for each token of a verify step, how often each id occurs among its
+    row's proposals up to and including it: the output tokens that plain decoding would
+    have counted by the time it sampled after this token. ``proposal_ids`` int32 [T]: the
+    token if it is a proposal (not a row's first token, not padding), else -1;
+    ``row_start`` int32 [T]: the index of the token's row's first token."""
+    onehot = jax.nn.one_hot(proposal_ids, vocab, dtype=jnp.int32)            # -1: all zeros
+    running = jnp.cumsum(onehot, axis=0)                                     # [T, V]
+    before_row = jnp.where((row_start > 0)[:, None],
+                           running[jnp.maximum(row_start - 1, 0)], 0)
+    return running - before_row
+
+
+def record_token_runs(penalty_table: jax.Array, slots: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Count new output tokens (int32 [T]) in their rows' slots (int32 [T], -1: none);
+    several tokens may share a slot, and a token id may repeat (a verify step's emitted
+    run)."""
+    rows, vocab = penalty_table.shape
+    keep = (slots >= 0) & (tokens >= 0) & (tokens < vocab)
+    slot = jnp.where(keep, slots, rows)                                      # rows: dropped
+    token = jnp.clip(tokens, 0, vocab - 1)
+    counted = penalty_table.at[slot, token].add(1, mode="drop")
+    seen = counted[jnp.minimum(slot, rows - 1), token] | SEEN
+    return counted.at[slot, token].set(seen, mode="drop")
 
 
 def record_tokens(penalty_table: jax.Array, slots: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -146,7 +176,8 @@ def fill_penalty_row(penalty_table: jax.Array, slot: jax.Array, token_ids: jax.A
 def sample(logits: jax.Array, batch: dict[str, jax.Array],
            penalty_table: jax.Array | None = None) -> jax.Array:
     """logits float32 [S, V] -> token ids int32 [S]. ``penalty_table``: see ``penalize``
-    (None: no penalties)."""
+    (None: no penalties). In a verify step (``jaxpage.runtime.step``) the rows are tokens,
+    and ``batch`` also has ``proposal_ids`` and ``row_start`` (see ``proposals_before``)."""
     too_early = (batch["sample_index"] < batch["min_tokens"])[:, None]
     logits = suppress_tokens(logits, jnp.where(too_early, batch["stop_token_ids"], -1))
     if penalty_table is not None:

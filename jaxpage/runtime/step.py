@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpage.core.batch import MAX_TOP_LOGPROBS, unpack_batch
-from jaxpage.runtime.sampler import fill_penalty_row, record_tokens, sample, sampled_logprobs
+from jaxpage.runtime.sampler import (fill_penalty_row, record_token_runs, record_tokens, sample,
+                                     sampled_logprobs)
 
 KVCache = tuple[jax.Array, jax.Array]
 Caches = tuple[KVCache, jax.Array]  # (kv_cache, penalty_table int32 [R, V])
@@ -158,15 +159,20 @@ def _verify_step(graphdef: Any) -> Callable:
         per_token = {name: batch[name][token_row] for name in _SAMPLING_FIELDS}
         # The j-th token of a row samples that row's output number sample_index + j.
         per_token["sample_index"] = per_token["sample_index"] + index - cu_q_lens[token_row]
-        # Rows with penalties carry no proposals (one token each); padding tokens none.
-        per_token["penalty_slot"] = jnp.where(index < cu_q_lens[-1],
-                                              per_token["penalty_slot"], -1)
+        real = index < cu_q_lens[-1]
+        per_token["penalty_slot"] = jnp.where(real, per_token["penalty_slot"], -1)
+        # Penalties at a row's j-th token count the row's proposals 1..j as output tokens.
+        start = cu_q_lens[token_row]
+        per_token["row_start"] = start
+        per_token["proposal_ids"] = jnp.where(real & (index > start), input_ids, -1)
         tokens = sample(logits, per_token, penalty_table)                    # [T]
         last = tokens[batch["logits_indices"]]                               # [S]
-        penalty_table = record_tokens(penalty_table, batch["penalty_slot"], last)
         chosen, rank, top_ids, top_values = sampled_logprobs(
             logits, tokens, per_token["want_logprobs"], MAX_TOP_LOGPROBS)
         emitted = verify_tokens(tokens, input_ids, cu_q_lens, token_row)
+        # The device keeps the penalty rows current: every emitted token is counted.
+        penalty_table = record_token_runs(
+            penalty_table, jnp.where(emitted > 0, per_token["penalty_slot"], -1), tokens)
         sampled = jnp.stack([tokens, may_stop(tokens, per_token), emitted])  # [3, T]
         rows = prev_tokens.shape[0]
         kept = min(rows, S)

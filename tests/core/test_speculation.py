@@ -63,21 +63,21 @@ def test_decodes_get_proposals_and_their_slots():
     assert s.reserve_multi_step(out, 8) == 1
 
 
-def test_no_proposals_for_penalties_prefill_steps_big_batches_or_the_last_token():
+def test_no_proposals_in_prefill_steps_big_batches_or_for_the_last_token():
     s = make_scheduler(num_blocks=60, block_size=4, speculative_config=SPEC)
     s.proposer = Fixed([7, 8, 9])
-    penalized = make_request("p", 5, presence_penalty=0.5)
+    penalized = make_request("p", 5, presence_penalty=0.5)  # penalties speculate too
     decode_ready(s, penalized)
     out = s.schedule()
-    assert out.num_draft_tokens == 0
-    s.update_from_output(out, np.array([51], np.int32))
+    assert out.num_draft_tokens == 3
+    s.accept_verified(out.scheduled[0], [51])
     s.add_request(make_request("q", 9))  # its prefill shares the next step
     out = s.schedule()
     assert [i.num_new_tokens for i in out.scheduled] == [1, 9] and out.num_draft_tokens == 0
     s.update_from_output(out, np.array([52, 53], np.int32))
     out = s.schedule()
-    assert out.num_draft_tokens == 3  # q decodes now; p still without proposals
-    assert [len(i.draft_token_ids) for i in out.scheduled] == [0, 3]
+    assert out.num_draft_tokens == 6  # both decode now
+    assert [len(i.draft_token_ids) for i in out.scheduled] == [3, 3]
     s.accept_verified(out.scheduled[0], [60])
     s.accept_verified(out.scheduled[1], [61])
     last = make_request("l", 3, max_tokens=2)  # one token from prefill, then its last

@@ -226,3 +226,32 @@ def test_bad_speculative_configs_and_beam_search_are_refused(tiny_checkpoints, l
     with pytest.raises(ValueError, match="beam search is not supported with speculative"):
         llama_engines["spec"].beam_search([BASE[0]], BeamSearchParams(beam_width=2,
                                                                       max_tokens=4))
+
+
+def test_penalized_rows_speculate_and_keep_plain_decoding_tokens(tmp_path):
+    """Presence, frequency and repetition penalties at a proposal's position count the
+    proposals before it: proposals that are plain decoding's own continuation are all
+    accepted (a penalty that missed them would change the target's choice somewhere).
+    A 24-token vocabulary, so that outputs repeat tokens and penalties matter."""
+    from tests.reference import make_token_id_checkpoint
+
+    path = make_token_id_checkpoint(str(tmp_path / "small"), vocab_size=24, seed=5)
+    k = 3
+    plain = LLM(path, **TINY)
+    spec = LLM(path, speculative_config={**NGRAM, "num_speculative_tokens": k}, **TINY)
+    prompts = [{"prompt_token_ids": ids} for ids in ([3, 7, 11, 5], [9, 9, 2, 4, 6],
+                                                      [12, 3, 3, 8], [20, 1, 5, 7, 7, 2])]
+    base = dict(max_tokens=25, ignore_eos=True)
+    params = [SamplingParams(temperature=0, frequency_penalty=1.5, **base),
+              SamplingParams(temperature=0, repetition_penalty=1.8, **base),
+              SamplingParams(temperature=0.9, seed=3, presence_penalty=1.2, **base),
+              SamplingParams(temperature=0, presence_penalty=0.8, frequency_penalty=0.8,
+                             repetition_penalty=1.3, **base)]
+    references = references_of(plain, prompts, params)
+    unpenalized = references_of(plain, prompts, SamplingParams(temperature=0, **base))
+    assert references != unpenalized  # the penalties do change the outputs here
+    spec.llm_engine.scheduler.proposer = ReferenceProposer(references, k, exact=True)
+    assert references_of(spec, prompts, params) == references
+    stats = spec.get_stats()
+    assert stats["spec_num_drafts"] >= 4 * 5
+    assert stats["spec_acceptance_rate"] == 1.0
