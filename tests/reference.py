@@ -48,7 +48,9 @@ def make_perturbed_checkpoint(source: str, directory: str, *, noise: float, seed
             if tensor.ndim > 1:
                 tensor += noise * tensor.std() * torch.randn(tensor.shape, generator=generator)
     model.save_pretrained(directory)
-    AutoTokenizer.from_pretrained(source).save_pretrained(directory)
+    if any(os.path.exists(os.path.join(source, name))
+           for name in ("tokenizer.json", "tokenizer_config.json")):
+        AutoTokenizer.from_pretrained(source).save_pretrained(directory)
     return directory
 
 

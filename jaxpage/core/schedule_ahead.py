@@ -43,6 +43,8 @@ class ScheduledRequest:
     source_row: int = -1
     # Speculative proposals after the row's last token (they count in num_new_tokens).
     draft_token_ids: list[int] | tuple = ()
+    # A draft model's proposals: the row of its last propose call (their q), else -1.
+    draft_q_row: int = -1
 
 
 @dataclass

@@ -134,8 +134,9 @@ class SpeculativeScheduling:
                 budget -= len(drafts)
         if wanted:
             proposals = self.proposer.propose_batch([(item.request, k) for item, k in wanted])
-            for (item, _), drafts in zip(wanted, proposals):
+            for row, ((item, _), drafts) in enumerate(zip(wanted, proposals)):
                 self._give_drafts(out, item, drafts)
+                item.draft_q_row = row
 
     @staticmethod
     def _give_drafts(out: SchedulerOutput, item: ScheduledRequest, drafts: list[int]) -> None:

@@ -213,11 +213,28 @@ class DeviceCalls:
             pending = self.runner.dispatch_multi_step(batch, num_steps, row_map=row_map)
         else:
             pending = self.runner.dispatch(batch, chain=row_map is not None,
-                                           verify=out.num_draft_tokens > 0)
+                                           verify=out.num_draft_tokens > 0,
+                                           draft=self._draft_distributions(out, batch))
         self._phases["schedule"] += scheduled - began
         self._phases["batch"] += dispatched_at - scheduled
         self._phases["dispatch"] += time.perf_counter() - dispatched_at
         return DeviceCall(out, num_steps, pending, dispatched_at, batch)
+
+    def _draft_distributions(self, out: SchedulerOutput, batch) -> tuple | None:
+        """A verify step's (q, q_src) when a draft model sampled some of its proposals
+        (``ModelRunner.dispatch``'s ``draft``), else None."""
+        proposer = self.scheduler.proposer
+        q = getattr(proposer, "last_q", None)
+        if not out.num_draft_tokens or q is None:
+            return None
+        k = self.scheduler.speculation.num_speculative_tokens
+        q_src = np.full(batch.input_ids.shape[0], -1, np.int32)
+        for i, item in enumerate(out.scheduled):
+            if item.draft_q_row >= 0 and item.request.sampling_params.temperature > 0:
+                start = int(batch.cu_q_lens[i])
+                count = len(item.draft_token_ids)
+                q_src[start:start + count] = item.draft_q_row * k + np.arange(count)
+        return q, q_src
 
     def _check_not_stalled(self, out: SchedulerOutput) -> None:
         """An empty schedule can happen once (a fork due at admission, a self-preemption);

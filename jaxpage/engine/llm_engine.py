@@ -229,10 +229,12 @@ class LLMEngine:
             else self.tokenizer
         check_same_vocabulary(loaded, draft, self.tokenizer, draft_tokenizer)
         builder = self.batch_builder
-        self.scheduler.proposer = DraftModelProposer(
+        proposer = DraftModelProposer(
             draft, speculation, self.kv_cache_manager, num_blocks=num_kv_blocks + 1,
             token_ladder=builder.token_ladder, seq_ladder=builder.seq_ladder,
             block_ladder=builder.block_ladder)
+        self.scheduler.proposer = proposer
+        self.runner.use_draft_rows(proposer.q_rows)
 
     def warmup(self) -> int:
         """Compile every program the engine can run, so that no workload compiles later.

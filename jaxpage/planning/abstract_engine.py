@@ -169,7 +169,9 @@ class AbstractEngine:
         run = make_step(self.graphdef, jit=self._jit_with_caches, verify=True)
         return Program("verify", tuple(shape), run.jitted,
                        (self.state, self.caches(num_blocks), self.batch(shape),
-                        self._replicated((self.max_num_seqs,), jnp.int32)))
+                        self._replicated((self.max_num_seqs,), jnp.int32),
+                        self._replicated((1, self.arch.vocab_size), jnp.float32),
+                        self._replicated((shape[0],), jnp.int32)))
 
     def decode_program(self, shape, num_blocks: int | None = None) -> Program:
         run = make_decode_loop(self.graphdef, self.num_steps, self.block_size,

@@ -15,15 +15,18 @@ them. Everything else is recomputed:
   the real tokens at ``[valid, L - 1)`` (``L`` tokens known): a new request's whole prompt,
   or the tokens the target emitted while speculation was off;
 * ``propose`` (all rows together) feeds each row's last real token at ``L - 1`` and then
-  its own greedy choices, ``k`` times, inside one ``fori_loop``: ``k`` proposals per row
-  for one dispatch, written and read through the paged cache like any decode.
+  its own choices, ``k`` times, inside one ``fori_loop``: ``k`` proposals per row for one
+  dispatch, written and read through the paged cache like any decode. A greedy request's
+  proposals are the draft's argmax; a sampled request's are drawn from the draft's
+  distribution at the request's temperature (its own seeded stream, apart from the
+  target's), and those distributions (q) stay on the device for the verify step's
+  rejection sampler (``sampler.rejection_sample``: accept with min(1, p/q), else draw
+  from the normalised (p - q)+).
 
 The draft's state is dropped when the request was preempted since (its blocks were
 freed or swapped, so another request may have written the draft's entries) or when the
-blocks under its valid positions changed. Proposals are greedy; the target's
-verification (``jaxpage.runtime.step.verify_tokens``) keeps every emitted token a draw
-from the target's own distribution whatever is proposed, so outputs equal plain
-decoding's, greedy or seeded.
+blocks under its valid positions changed. Greedy requests' outputs equal plain
+decoding's token for token; sampled requests' are distributed as plain decoding's.
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.request import Request
 from jaxpage.models.loader import LoadedModel
 from jaxpage.runtime.kv_cache import allocate_kv_cache
+from jaxpage.runtime.sampler import first_argmax, gumbel_noise
+
+# Keys the draft's random stream apart from the target's for the same request seed.
+DRAFT_STREAM = 0x0D4AF7ED
 
 
 @dataclass
@@ -94,7 +101,12 @@ class DraftModelProposer:
         self.kv_cache = allocate_kv_cache(draft.arch, num_blocks, self.block_size, dtype)
         self._fill = jax.jit(_fill_program(graphdef), donate_argnums=(1,))
         self._propose = jax.jit(_propose_program(graphdef, config.num_speculative_tokens),
-                                donate_argnums=(1,))
+                                donate_argnums=(1,), static_argnums=(6,))
+        # q of the last propose call, padded to the most rows a speculating step has:
+        # float32 [q_rows, V], row i * k + j for proposal j + 1 of the call's i-th row.
+        self.q_rows = seq_ladder.fit(min(config.disable_by_batch_size, seq_ladder.rungs[-1])) \
+            * config.num_speculative_tokens
+        self.last_q: jax.Array | None = None
         self.compiled_shapes: set[tuple[str, int, int]] = set()
         self._states: "weakref.WeakKeyDictionary[Request, _DraftState]" = (
             weakref.WeakKeyDictionary())
@@ -173,18 +185,21 @@ class DraftModelProposer:
         n = len(rows)
         S = self.seq_ladder.fit(n)
         M = self.block_ladder.fit(max(1, max(len(t) for t in tables)))
-        last_ids = np.zeros(S, np.int32)
-        last_pos = np.zeros(S, np.int32)
-        wanted = np.ones(S, np.int32)
+        ints = np.zeros((5, S), np.int32)  # last token, its position, wanted, seed, index
+        ints[2] = 1
+        temperature = np.zeros(S, np.float32)
         block_tables = np.zeros((S, M), np.int32)
         for i, ((request, k), blocks) in enumerate(zip(rows, tables)):
             tokens = request.all_token_ids
-            last_ids[i], last_pos[i], wanted[i] = tokens[-1], len(tokens) - 1, k
+            ints[:, i] = (tokens[-1], len(tokens) - 1, k,
+                          np.uint32(request.sample_seed).view(np.int32),
+                          len(request.output_token_ids))
+            temperature[i] = request.sampling_params.temperature
             block_tables[i] = self._table(blocks, M)
         self.compiled_shapes.add(("propose", S, M))
-        self.kv_cache, proposals = self._propose(
-            self.params, self.kv_cache, np.stack([last_ids, last_pos, wanted]), block_tables,
-            np.array([n], np.int32))
+        self.kv_cache, proposals, self.last_q = self._propose(
+            self.params, self.kv_cache, ints, temperature, block_tables,
+            np.array([n], np.int32), self.q_rows)
         return np.asarray(proposals)[:n]
 
     def warmup(self) -> int:
@@ -203,11 +218,11 @@ class DraftModelProposer:
                 self.compiled_shapes.add(("fill", T, M))
                 count += 1
             for S in seats:
-                rows = np.stack([np.zeros(S, np.int32), np.zeros(S, np.int32),
-                                 np.ones(S, np.int32)])
-                self.kv_cache, proposals = self._propose(
-                    self.params, self.kv_cache, rows, np.zeros((S, M), np.int32),
-                    np.array([0], np.int32))
+                ints = np.zeros((5, S), np.int32)
+                ints[2] = 1
+                self.kv_cache, proposals, _ = self._propose(
+                    self.params, self.kv_cache, ints, np.zeros(S, np.float32),
+                    np.zeros((S, M), np.int32), np.array([0], np.int32), self.q_rows)
                 self.compiled_shapes.add(("propose", S, M))
                 count += 1
         jax.block_until_ready(self.kv_cache)
@@ -229,16 +244,19 @@ def _fill_program(graphdef: Any):
 
 
 def _propose_program(graphdef: Any, k: int):
-    """``propose(params, kv_cache, rows [3, S] (last token, its position, proposals
-    wanted), block_tables [S, M], num_seqs [1]) -> (kv_cache, proposals int32 [S, k])``.
+    """``propose(params, kv_cache, rows int32 [5, S] (last token, its position, proposals
+    wanted, seed bits, output tokens so far), temperature float32 [S], block_tables
+    [S, M], num_seqs [1], q_rows (static)) -> (kv_cache, proposals int32 [S, k], q float32
+    [q_rows, V])``.
 
     Iteration ``j`` feeds each row the token at position ``last + j`` (its last real token,
-    then its own proposals) and takes the argmax as proposal ``j + 1``. A row writes KV
-    only for the tokens later proposals depend on (``j < wanted``: inside the slots the
-    scheduler allocated); past that it re-reads its last real position, and its extra
-    proposals are dropped by the host.
+    then its own proposals) and takes proposal ``j + 1``: the argmax for a greedy row, a
+    draw from softmax(logits / temperature) for a sampled one, whose distribution is
+    ``q[row * k + j]``. A row writes KV only for the tokens later proposals depend on
+    (``j < wanted``: inside the slots the scheduler allocated); past that it re-reads its
+    last real position, and its extra proposals are dropped by the host.
     """
-    def propose(params, kv_cache, rows, block_tables, num_seqs):
+    def propose(params, kv_cache, rows, temperature, block_tables, num_seqs, q_rows):
         model = nnx.merge(graphdef, params)
         S, M = block_tables.shape
         block_size = kv_cache[0].shape[2]
@@ -247,7 +265,7 @@ def _propose_program(graphdef: Any, k: int):
         cu_q_lens = jnp.minimum(jnp.arange(S + 1, dtype=jnp.int32), num_seqs[0])
 
         def body(j, carry):
-            kv_cache, ids, out = carry
+            kv_cache, ids, out, q = carry
             writes = real & (j < rows[2])                                    # [S]
             pos = jnp.where(writes, rows[1] + j, rows[1])                    # [S]
             block = block_tables[seat, jnp.clip(pos // block_size, 0, M - 1)]
@@ -255,12 +273,21 @@ def _propose_program(graphdef: Any, k: int):
             batch = {"slot_mapping": slots, "kv_lens": jnp.where(real, pos + 1, 0),
                      "block_tables": block_tables, "cu_q_lens": cu_q_lens, "num_seqs": num_seqs}
             hidden, kv_cache = model(ids, jnp.where(real, pos, 0), kv_cache, batch)
-            choice = jnp.argmax(model.compute_logits(hidden), axis=-1).astype(jnp.int32)
+            logits = model.compute_logits(hidden)                            # [S, V]
+            sampled = temperature > 0
+            scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
+            noise = gumbel_noise(seeds, rows[4] + j, logits.shape[-1])
+            choice = jnp.where(sampled, first_argmax(scaled + noise), first_argmax(logits))
             ids = jnp.where(writes, choice, ids)
-            return kv_cache, ids, out.at[:, j].set(choice)
+            q = q.at[:, j].set(jax.nn.softmax(scaled, axis=-1))
+            return kv_cache, ids, out.at[:, j].set(choice), q
 
+        seeds = jax.lax.bitcast_convert_type(rows[3], jnp.uint32) ^ jnp.uint32(DRAFT_STREAM)
+        vocab = model.cfg.vocab_size
         out = jnp.zeros((S, k), jnp.int32)
-        kv_cache, _, out = jax.lax.fori_loop(0, k, body, (kv_cache, rows[0], out))
-        return kv_cache, out
+        q = jnp.zeros((S, k, vocab), jnp.float32)
+        kv_cache, _, out, q = jax.lax.fori_loop(0, k, body, (kv_cache, rows[0], out, q))
+        q = jnp.zeros((q_rows, vocab), jnp.float32).at[:S * k].set(q.reshape(S * k, vocab))
+        return kv_cache, out, q
 
     return propose

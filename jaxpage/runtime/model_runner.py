@@ -133,6 +133,9 @@ class ModelRunner:
         self._no_carry = (jax.numpy.zeros(max_num_seqs, jax.numpy.int32),
                           jax.numpy.ones(max_num_seqs, bool))
         self._all_live = jax.numpy.zeros(max_num_seqs, bool)
+        # A verify step's draft distributions when none are given (point-mass proposals);
+        # ``use_draft_rows`` sizes it for a draft model's (one shape per engine).
+        self._no_draft = jax.numpy.zeros((1, self.arch.vocab_size), jax.numpy.float32)
         self._last_call: PendingStep | PendingMultiStep | None = None  # for chained calls
         # Start each call's outputs on their way to the host as soon as it is dispatched.
         # A CPU device's arrays already live in host memory: there the request would only
@@ -225,8 +228,13 @@ class ModelRunner:
             best = min(best, time.perf_counter() - start)
         return num_bytes / best
 
-    def dispatch(self, batch: BatchMetadata, chain: bool = False,
-                 verify: bool = False) -> "PendingStep":
+    def use_draft_rows(self, rows: int) -> None:
+        """Verify steps take ``rows`` draft distributions (a draft model's ``propose``
+        output, ``[rows, V]``); 1 means point-mass proposals only."""
+        self._no_draft = jax.numpy.zeros((rows, self.arch.vocab_size), jax.numpy.float32)
+
+    def dispatch(self, batch: BatchMetadata, chain: bool = False, verify: bool = False,
+                 draft: "tuple[jax.Array, np.ndarray] | None" = None) -> "PendingStep":
         """Launch one step without waiting; its outputs start moving to the host at once.
 
         ``chain``: the batch continues the call dispatched just before (not yet fetched):
@@ -236,6 +244,8 @@ class ModelRunner:
 
         ``verify``: the batch carries speculative proposals; every token is sampled and
         checked (``step.verify_tokens``), and the result is per token, with ``emitted``.
+        ``draft``: (draft distributions float32 [Q, V] on the device, ``q_src`` int32 [T])
+        for proposals a draft model sampled (``make_step``'s verify arguments).
         """
         if verify and chain:
             raise ValueError("a verify step cannot continue a call on the device")
@@ -245,6 +255,11 @@ class ModelRunner:
         # Numpy goes straight to the program: its C++ call path transfers the arrays for
         # less than half what a separate jax.device_put of them costs (~0.3 ms a step).
         args = (self.params, (self.kv_cache, self.penalty_table), batch.packed(), prev_tokens)
+        if verify:
+            draft_probs, q_src = draft if draft is not None else (
+                self._no_draft, np.full(batch.input_ids.shape[0], -1, np.int32))
+            args += (draft_probs, q_src)
+            name = f"verify-q{draft_probs.shape[0]}"  # the program depends on Q
         program = self.executables.get(name, batch.shape_key, step, args)
         (self.kv_cache, self.penalty_table), (sampled, *logprobs), last_tokens = program(*args)
         outputs = (sampled, *logprobs) if batch.want_logprobs.any() else (sampled,)

@@ -173,15 +173,54 @@ def fill_penalty_row(penalty_table: jax.Array, slot: jax.Array, token_ids: jax.A
     return penalty_table.at[slot].set(row)
 
 
+def adjusted_logits(logits: jax.Array, batch: dict[str, jax.Array],
+                    penalty_table: jax.Array | None = None) -> jax.Array:
+    """logits float32 [S, V] with ``min_tokens``' suppressed stop ids and the penalties
+    applied: what temperature and top-k/p / min-p filtering start from."""
+    too_early = (batch["sample_index"] < batch["min_tokens"])[:, None]
+    logits = suppress_tokens(logits, jnp.where(too_early, batch["stop_token_ids"], -1))
+    if penalty_table is not None:
+        logits = penalize(logits, penalty_table, batch)
+    return logits
+
+
+def sampling_probs(adjusted: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:
+    """float32 [S, V]: the distribution a sampled row (temperature > 0) draws from, after
+    temperature and top-k / top-p / min-p (``adjusted`` from ``adjusted_logits``)."""
+    filtered = _filtered_logits(adjusted, batch["temperature"], batch["top_k"],
+                                batch["top_p"], batch["min_p"])
+    return jax.nn.softmax(filtered, axis=-1)
+
+
+def uniform_noise(seeds: jax.Array, index: jax.Array) -> jax.Array:
+    """float32 [S] in (0, 1), a function of ``seeds[i]`` (uint32) and ``index[i]`` only,
+    independent of ``gumbel_noise``'s draws for the same seed and index."""
+    gumbel = gumbel_noise(seeds.astype(jnp.uint32) ^ jnp.uint32(0x5EC0A11D), index, 1)[:, 0]
+    return jnp.exp(-jnp.exp(-gumbel))
+
+
+def rejection_sample(target_probs: jax.Array, draft_probs: jax.Array, proposal: jax.Array,
+                     seeds: jax.Array, index: jax.Array) -> jax.Array:
+    """int32 [T]: the standard speculative rejection sampler, per token. ``proposal`` [T]
+    was drawn from ``draft_probs`` [T, V]; it is kept with probability min(1, p/q), else
+    replaced by a draw from the normalised (p - q)+ (``target_probs`` [T, V] = p). Either
+    way the result is distributed as p. A kept proposal is the proposal itself; a
+    replacement never is (the residual is zero there)."""
+    p = jnp.take_along_axis(target_probs, proposal[:, None], axis=-1)[:, 0]      # [T]
+    q = jnp.take_along_axis(draft_probs, proposal[:, None], axis=-1)[:, 0]
+    keep = uniform_noise(seeds, index) * q < p
+    residual = jnp.maximum(target_probs - draft_probs, 0.0)
+    noise = gumbel_noise(seeds, index, target_probs.shape[-1])
+    replacement = first_argmax(jnp.where(residual > 0, jnp.log(residual) + noise, -jnp.inf))
+    return jnp.where(keep, proposal, replacement).astype(jnp.int32)
+
+
 def sample(logits: jax.Array, batch: dict[str, jax.Array],
            penalty_table: jax.Array | None = None) -> jax.Array:
     """logits float32 [S, V] -> token ids int32 [S]. ``penalty_table``: see ``penalize``
     (None: no penalties). In a verify step (``jaxpage.runtime.step``) the rows are tokens,
     and ``batch`` also has ``proposal_ids`` and ``row_start`` (see ``proposals_before``)."""
-    too_early = (batch["sample_index"] < batch["min_tokens"])[:, None]
-    logits = suppress_tokens(logits, jnp.where(too_early, batch["stop_token_ids"], -1))
-    if penalty_table is not None:
-        logits = penalize(logits, penalty_table, batch)
+    logits = adjusted_logits(logits, batch, penalty_table)
     temperature = batch["temperature"]
     greedy = first_argmax(logits)
 

@@ -16,8 +16,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpage.core.batch import MAX_TOP_LOGPROBS, unpack_batch
-from jaxpage.runtime.sampler import (fill_penalty_row, record_token_runs, record_tokens, sample,
-                                     sampled_logprobs)
+from jaxpage.runtime.sampler import (adjusted_logits, fill_penalty_row, record_token_runs,
+                                     record_tokens, rejection_sample, sample, sampled_logprobs,
+                                     sampling_probs)
 
 KVCache = tuple[jax.Array, jax.Array]
 Caches = tuple[KVCache, jax.Array]  # (kv_cache, penalty_table int32 [R, V])
@@ -47,7 +48,11 @@ def make_step(graphdef: Any, jit: Callable = jax.jit, verify: bool = False) -> C
 
     ``verify``: the step checks speculative proposals (``verify_tokens``): every token
     of the batch is sampled, and ``sampled`` is int32 [3, T] (tokens, may-stop flags,
-    emitted flags); the logprob outputs are per token too.
+    emitted flags); the logprob outputs are per token too. A verify step takes two more
+    arguments, ``draft_probs`` float32 [Q, V] (a draft model's proposal distributions, on
+    the device) and ``q_src`` int32 [T]: for a token whose next token is a proposal drawn
+    from ``draft_probs[q_src]``, that row (-1: a point-mass proposal, checked by drawing
+    from the target and comparing); see ``rejection_sample``.
     """
     if verify:
         return jit(_verify_step(graphdef), donate_argnums=(1,))
@@ -144,7 +149,8 @@ def verify_tokens(tokens: jax.Array, input_ids: jax.Array, cu_q_lens: jax.Array,
 
 def _verify_step(graphdef: Any) -> Callable:
     """``make_step(..., verify=True)``'s function (see there)."""
-    def step(state: Any, caches: Caches, packed: Packed, prev_tokens: jax.Array):
+    def step(state: Any, caches: Caches, packed: Packed, prev_tokens: jax.Array,
+             draft_probs: jax.Array, q_src: jax.Array):
         batch = unpack(packed)
         kv_cache, penalty_table = caches
         model = nnx.merge(graphdef, state)
@@ -166,6 +172,17 @@ def _verify_step(graphdef: Any) -> Callable:
         per_token["row_start"] = start
         per_token["proposal_ids"] = jnp.where(real & (index > start), input_ids, -1)
         tokens = sample(logits, per_token, penalty_table)                    # [T]
+        if draft_probs.shape[0] > 1:  # a draft model's proposals: min(1, p/q) acceptance
+            has_q = (q_src >= 0) & (per_token["temperature"] > 0) & real     # [T]
+            proposal = jnp.concatenate([input_ids[1:], jnp.zeros(1, input_ids.dtype)])
+
+            def rejection() -> jax.Array:
+                p = sampling_probs(adjusted_logits(logits, per_token, penalty_table), per_token)
+                drawn = rejection_sample(p, draft_probs[jnp.maximum(q_src, 0)], proposal,
+                                         per_token["sample_seeds"], per_token["sample_index"])
+                return jnp.where(has_q, drawn, tokens)
+
+            tokens = jax.lax.cond(jnp.any(has_q), rejection, lambda: tokens)
         last = tokens[batch["logits_indices"]]                               # [S]
         chosen, rank, top_ids, top_values = sampled_logprobs(
             logits, tokens, per_token["want_logprobs"], MAX_TOP_LOGPROBS)
