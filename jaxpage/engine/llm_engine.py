@@ -98,7 +98,9 @@ class LLMEngine:
         if speculation is not None and speculation.method == "draft_model":
             if mesh is not None:
                 raise ValueError("speculative_config method='draft_model' is not supported "
-                                 "with tensor_parallel_size > 1")
+                                 "on a device mesh (tensor_parallel_size > 1, "
+                                 "data_parallel_size > 1 or several processes); use one "
+                                 "device, or method='ngram'")
             draft = load_model(speculation.model, dtype=mc.dtype,
                                attention_backend=mc.attention_backend)
         draft_per_block = 0 if draft is None else bytes_per_block(
