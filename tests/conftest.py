@@ -78,6 +78,25 @@ def _all_kv_blocks_free_after_each_test():
         assert_all_blocks_free(llm)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """XLA:CPU maps each compiled program's code into memory, and the process-wide table
+    of shared programs (``runtime.executable_cache``) kept every program of the suite: the
+    suite ran out of memory maps (``vm.max_map_count``, 65,530 here) and crashed inside a
+    compile. After each test module, programs no live engine holds are let go (a later
+    module recompiles what it needs, mostly from the persistent XLA cache)."""
+    yield
+    import gc
+
+    import jax
+
+    from jaxpage.runtime import executable_cache
+
+    executable_cache._SHARED_PROGRAMS.clear()
+    jax.clear_caches()
+    gc.collect()
+
+
 def _track_llm_instances() -> None:
     global _LLMS
     import weakref

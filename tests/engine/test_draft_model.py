@@ -189,3 +189,16 @@ def test_smollm2_with_itself_as_draft_equals_plain(smollm2_path):
     params = SamplingParams(temperature=0, max_tokens=24)
     assert outcomes(spec, prompts, params) == outcomes(plain, prompts, params)
     assert spec.get_stats()["spec_acceptance_rate"] == 1.0
+
+
+@pytest.mark.slow
+def test_qwen2_noisy_draft_greedy_equals_plain(tiny_checkpoints, tmp_path):
+    """16 prompts in one batch, chunked prefill (64-token budget), greedy, a Qwen2 target
+    with a noisy copy of itself as draft."""
+    path = tiny_checkpoints["qwen2"]
+    draft = make_perturbed_checkpoint(path, str(tmp_path / "draft"), noise=0.01)
+    plain = LLM(path, **TINY)
+    spec = LLM(path, speculative_config=draft_config(draft), **TINY)
+    params = SamplingParams(temperature=0, max_tokens=32)
+    assert outcomes(spec, BASE[:16], params) == outcomes(plain, BASE[:16], params)
+    assert 0.1 < spec.get_stats()["spec_acceptance_rate"] < 1.0
