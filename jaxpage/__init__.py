@@ -15,6 +15,7 @@ _EXPORTS = {
     "LLM": "jaxpage.engine.llm",
     "LLMEngine": "jaxpage.engine.llm_engine",
     "SamplingParams": "jaxpage.sampling_params",
+    "StructuredOutputsParams": "jaxpage.sampling_params",
     "RequestOutput": "jaxpage.outputs",
     "CompletionOutput": "jaxpage.outputs",
     "Logprob": "jaxpage.outputs",

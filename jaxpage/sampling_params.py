@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 
 def _fail(name: str, value: object, rule: str) -> None:
@@ -16,6 +17,102 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Rules the output must follow (vLLM's ``StructuredOutputsParams``): exactly one of
+
+    * ``json``: a JSON schema (a dict, or its JSON text);
+    * ``regex``: a regular expression the whole output must match;
+    * ``choice``: a list of strings, the output is one of them;
+    * ``grammar``: a context-free grammar in Lark (or llama.cpp's GBNF) syntax;
+    * ``json_object=True``: any JSON object.
+
+    ``disable_any_whitespace`` (JSON only): no whitespace between JSON tokens. Otherwise
+    up to ``JSON_MAX_WHITESPACE`` whitespace characters may separate them (vLLM allows
+    any amount; a small model can then fill ``max_tokens`` with newlines, and the output
+    never parses).
+
+    The grammar engine (llguidance, ``jaxpage.engine.structured_outputs``) compiles it once
+    per distinct spec; a spec it rejects is a ``ValueError`` when the request is added.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None]
+        if self.json_object is not False:
+            if self.json_object is not True:
+                _fail_structured("json_object", self.json_object, "must be a bool")
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError("StructuredOutputsParams needs exactly one of json, regex, choice, "
+                             f"grammar, json_object; got {given or 'none'}")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    parsed = json.loads(self.json)
+                except json.JSONDecodeError as error:
+                    _fail_structured("json", self.json, f"is not valid JSON ({error})")
+            else:
+                parsed = self.json
+            if not isinstance(parsed, (dict, bool)):
+                _fail_structured("json", self.json, "must be a JSON schema (an object)")
+        if not isinstance(self.disable_any_whitespace, bool):
+            _fail_structured("disable_any_whitespace", self.disable_any_whitespace,
+                             "must be a bool")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                _fail_structured(name, value, "must be a non-empty string")
+        if self.choice is not None:
+            if (isinstance(self.choice, str) or not isinstance(self.choice, Sequence)
+                    or not self.choice or any(not isinstance(c, str) or not c for c in self.choice)):
+                _fail_structured("choice", self.choice, "must be a non-empty list of non-empty "
+                                 "strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def kind(self) -> str:
+        """Which rule is given: "json", "regex", "choice", "grammar" or "json_object"."""
+        if self.json_object:
+            return "json_object"
+        return next(name for name in ("json", "regex", "choice", "grammar")
+                    if getattr(self, name) is not None)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal for specs that compile to the same grammar."""
+        kind = self.kind
+        value: Any = getattr(self, kind)
+        if kind == "json":
+            value = json.loads(value) if isinstance(value, str) else value
+            value = json.dumps(value, sort_keys=True, separators=(",", ":"))
+        elif kind == "choice":
+            value = json.dumps(list(value))
+        elif kind == "json_object":
+            value = ""
+        if kind in ("json", "json_object") and self.disable_any_whitespace:
+            kind += ":compact"
+        return kind, value
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+
+# Most whitespace characters a JSON output may put between two JSON tokens.
+JSON_MAX_WHITESPACE = 16
+
+
+def _fail_structured(name: str, value: object, rule: str) -> None:
+    raise ValueError(f"StructuredOutputsParams.{name}={value!r} is invalid: {rule}")
 
 
 # Most top log-probabilities a request may ask for per generated token (vLLM's default cap).
@@ -39,7 +136,8 @@ class SamplingParams:
     constant per occurrence, from the logits of tokens in the output. ``logprobs=N``
     returns, per generated token, the log-probabilities of the N most likely tokens of
     the raw model distribution plus the sampled one (``0``: the sampled one only).
-    ``prompt_logprobs`` is not supported.
+    ``prompt_logprobs`` is not supported. ``structured_outputs``: rules the output must
+    follow (``StructuredOutputsParams``); every token is drawn from those the rules allow.
     """
 
     n: int = 1
@@ -61,6 +159,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -108,6 +207,10 @@ class SamplingParams:
             _fail("logprobs", self.logprobs, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         if self.prompt_logprobs is not None:
             _fail("prompt_logprobs", self.prompt_logprobs, "is not supported (leave it None)")
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            _fail("structured_outputs", self.structured_outputs,
+                  "must be a StructuredOutputsParams or None")
         for flag in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, flag), bool):
                 _fail(flag, getattr(self, flag), "must be a bool")

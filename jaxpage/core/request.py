@@ -94,6 +94,10 @@ class Request:
         self.fork_leader: Request | None = None  # set on a sibling until it is born
         # When True the engine chooses each next token (beam search), not the sampler.
         self.external_sampling = False
+        # Structured outputs: the grammar's state for this sequence (the engine's
+        # ``GrammarState``; opaque here). Its mask must be computed on the host before each
+        # token, so while such a request is in the scheduler, calls are single steps.
+        self.grammar = None
         self.extra_seats = 0  # batch rows held for siblings born later (beam search)
         # More stop token ids than the device's list holds: vector pre-checks cannot rule
         # out a stop, so every token of this request is checked exactly.

@@ -107,8 +107,9 @@ class AheadOfHost:
         reserved here, up to each request's remaining ``max_tokens``.
         """
         if (num_steps <= 1 or out.preempted or not out.scheduled or out.num_draft_tokens
-                or self.speculating()):
-            return 1  # speculating: the host proposes after every token
+                or self.speculating() or self.has_constrained):
+            return 1  # speculating: the host proposes after every token; a grammar's
+            # mask for the next token needs the one before
         for item in out.scheduled:
             request = item.request
             if (item.num_new_tokens != 1 or request.external_sampling or request.fork_children
@@ -134,7 +135,7 @@ class AheadOfHost:
         preemption. Returns None otherwise; blocks reserved before a failure stay with
         their request and are used by its next steps.
         """
-        if num_steps <= 1 or self.swapped or self.speculating():
+        if num_steps <= 1 or self.swapped or self.speculating() or self.has_constrained:
             return None  # speculating: few requests left, each step proposes again
         if self.waiting and (self._seats_in_use() + self._best_waiting().num_seats
                              <= self.config.max_num_seqs):
@@ -166,7 +167,8 @@ class AheadOfHost:
         requests, or a running request whose blocks no longer fit (that needs a
         preemption). Blocks reserved before such a refusal stay with their request.
         """
-        if self.swapped or not previous.scheduled or previous.num_draft_tokens:
+        if (self.swapped or not previous.scheduled or previous.num_draft_tokens
+                or self.has_constrained):
             return None
         if self.speculating():
             return None  # proposals need the host to know every request's last token

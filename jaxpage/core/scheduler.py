@@ -67,6 +67,9 @@ class Scheduler(AheadOfHost, SpeculativeScheduling):
         # list is sorted by arrival otherwise (removals keep the order).
         self._running_unsorted = False
         self.requests: dict[str, Request] = {}
+        # Ids of the requests here with a grammar (``Request.grammar``): while any is,
+        # calls are single steps scheduled by the host (see ``has_constrained``).
+        self._constrained: set[str] = set()
         self.num_preemptions = 0
         self.num_swap_preemptions = 0
         self.step_count = 0
@@ -90,9 +93,18 @@ class Scheduler(AheadOfHost, SpeculativeScheduling):
         request.added_step = self.step_count
         for member in family:
             self.requests[member.request_id] = member
+            if member.grammar is not None:
+                self._constrained.add(member.request_id)
         for child in request.fork_children:
             child.status = RequestStatus.FORK_PENDING
         self.waiting.append(request)
+
+    @property
+    def has_constrained(self) -> bool:
+        """Whether a request with a grammar is in the scheduler. Each of its tokens needs
+        a mask the host computes from the token before, so no call may run ahead of the
+        host: no multi-step calls, no steps scheduled ahead, no speculation."""
+        return bool(self._constrained)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -102,6 +114,9 @@ class Scheduler(AheadOfHost, SpeculativeScheduling):
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        if self._constrained:
+            self._constrained.discard(request_id)
+            self._constrained.difference_update(c.request_id for c in request.fork_children)
         for queue in (self.running, self.waiting, self.swapped):
             if request in queue:
                 queue.remove(request)

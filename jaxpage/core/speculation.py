@@ -106,8 +106,9 @@ class SpeculativeScheduling:
         small enough. A row whose blocks for its proposals cannot be had without a
         preemption simply carries none."""
         items = out.scheduled
-        if out.preempted or len(items) > self.speculation.disable_by_batch_size:
-            return
+        if (out.preempted or len(items) > self.speculation.disable_by_batch_size
+                or self.has_constrained):
+            return  # a grammar's rows would need a mask per proposal
         for item in items:
             request = item.request
             if (item.num_new_tokens != 1 or item.ahead or request.external_sampling

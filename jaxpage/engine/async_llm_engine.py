@@ -4,7 +4,9 @@ Invariants:
 
 * Every call into the ``LLMEngine`` (validation, tokenization, add, step, abort, stats)
   happens on the one engine thread; callers submit work through ``run`` and await it.
-  The engine is not thread-safe and never needs to be.
+  The engine is not thread-safe and never needs to be. The one exception is
+  ``compile_grammar`` (thread-safe): structured outputs' grammars compile on a pool
+  thread before the request reaches the engine thread, so a slow compile stalls nobody.
 * Each request has its own ``asyncio.Queue`` of ``RequestOutput``; the engine thread puts
   into it with ``call_soon_threadsafe`` and ends it with ``_END`` (or an exception).
 * ``abort`` is queued ahead of the next step, so an aborted request's KV blocks are freed
@@ -74,6 +76,9 @@ class AsyncLLMEngine:
         self._stopped = False
         self.stats: dict[str, Any] = engine.get_stats()   # snapshot, refreshed every step
         self.errored: BaseException | None = None
+        # Structured outputs' grammars compile here, never on the engine thread.
+        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="jaxpage-grammar")
         self._thread = threading.Thread(target=self._run_loop, name="jaxpage-engine",
                                         daemon=True)
         self._thread.start()
@@ -173,12 +178,18 @@ class AsyncLLMEngine:
         ``ValueError``. Raises ``ValueError`` for bad input and ``QueueFullError`` when
         the waiting queue is full; in both cases nothing is queued.
         """
-        stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        stream = _Stream(asyncio.Queue(), loop)
+        grammar = None
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            # Compiled on a pool thread: a slow grammar delays only its own request.
+            grammar = await loop.run_in_executor(
+                self._grammar_pool, self.engine.compile_grammar, params.structured_outputs)
 
         def do_add():
             engine = self.engine
             rid = engine.next_request_id() if request_id is None else str(request_id)
-            request = engine.make_request(rid, prompt, params)
+            request = engine.make_request(rid, prompt, params, grammar=grammar)
             if validate is not None:
                 validate(request)
             limit = self.max_waiting_requests
@@ -218,6 +229,7 @@ class AsyncLLMEngine:
         except concurrent.futures.TimeoutError:
             self._stopped = True
         self._thread.join(timeout)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
 
 class RequestStream:

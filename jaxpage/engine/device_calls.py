@@ -35,6 +35,12 @@ Invariants:
   scheduler does happens between calls or while one is in flight.
 * Before anything that schedules outside ``step()`` (``prompt_logits``), ``drain()``
   applies the in-flight call; its outputs come back on the next ``step()``.
+* Structured outputs: while a request with a grammar is in the scheduler, every call is
+  a single step dispatched after the call before it was processed (the scheduler refuses
+  multi-step, ahead and speculative calls: ``Scheduler.has_constrained``). Its rows'
+  masks are filled just before dispatch from the grammars' states, and each grammar
+  consumes its request's new tokens when the step is processed
+  (``engine.structured_outputs``); a request whose grammar has ended is finished then.
 
 ``step_profile`` splits ``step()``'s wall time: ``device_s`` (waiting for results),
 ``host_s`` (the host's own work), ``idle_s`` (the device had nothing dispatched, counted
@@ -56,11 +62,12 @@ from jaxpage.config import SchedulerConfig
 from jaxpage.core.batch import BatchBuilder, BatchMetadata
 from jaxpage.core.block_pool import BlockPool
 from jaxpage.core.kv_cache_manager import KVCacheManager
-from jaxpage.core.request import Request
+from jaxpage.core.request import Request, RequestStatus
 from jaxpage.core.scheduler import PreemptionCostModel, Scheduler, SchedulerOutput
 from jaxpage.engine.beam_search_driver import BeamSearchDriver
 from jaxpage.engine.logprobs import LogprobsRecorder
 from jaxpage.engine.output_processor import OutputProcessor
+from jaxpage.engine.structured_outputs import GrammarCompiler, advance
 from jaxpage.outputs import RequestOutput
 from jaxpage.runtime.model_runner import ModelRunner, PendingMultiStep, PendingStep
 
@@ -91,7 +98,8 @@ class DeviceCalls:
                  batch_builder: BatchBuilder, runner: ModelRunner,
                  cost_model: PreemptionCostModel, beam_search: BeamSearchDriver,
                  logprobs: LogprobsRecorder, output_processor: OutputProcessor,
-                 collect: Callable[[list[Request]], list[RequestOutput]]) -> None:
+                 collect: Callable[[list[Request]], list[RequestOutput]],
+                 grammars: GrammarCompiler | None = None) -> None:
         self.config = config
         self.scheduler = scheduler
         self.kv_cache_manager = kv_cache_manager
@@ -103,6 +111,7 @@ class DeviceCalls:
         self.logprobs = logprobs
         self.output_processor = output_processor
         self.collect = collect  # touched requests -> the outputs users should see
+        self.grammars = grammars  # structured outputs' masks (None: no tokenizer)
         self.step_profile = {"calls": 0, "device_s": 0.0, "host_s": 0.0, "idle_s": 0.0,
                              "chained": 0, "steady": 0, "phases": dict.fromkeys(PHASES, 0.0)}
         self._phases = self.step_profile["phases"]
@@ -214,11 +223,23 @@ class DeviceCalls:
         else:
             pending = self.runner.dispatch(batch, chain=row_map is not None,
                                            verify=out.num_draft_tokens > 0,
-                                           draft=self._draft_distributions(out, batch))
+                                           draft=self._draft_distributions(out, batch),
+                                           token_mask=self._grammar_masks(out, batch))
         self._phases["schedule"] += scheduled - began
         self._phases["batch"] += dispatched_at - scheduled
         self._phases["dispatch"] += time.perf_counter() - dispatched_at
         return DeviceCall(out, num_steps, pending, dispatched_at, batch)
+
+    def _grammar_masks(self, out: SchedulerOutput, batch: BatchMetadata) -> np.ndarray | None:
+        """The step's packed grammar masks (int32 [S, ceil(V / 32)]) when some row has a
+        grammar, else None (the plain step program runs)."""
+        if not self.scheduler.has_constrained:
+            return None
+        rows = [(row, item.request.grammar) for row, item in enumerate(out.scheduled)
+                if item.request.grammar is not None]
+        if not rows:
+            return None
+        return self.grammars.fill_masks(rows, batch.block_tables.shape[0])
 
     def _draft_distributions(self, out: SchedulerOutput, batch) -> tuple | None:
         """A verify step's (q, q_src) when a draft model sampled some of its proposals
@@ -252,6 +273,13 @@ class DeviceCalls:
 
     def _process(self, call: DeviceCall) -> list[Request]:
         """Wait for ``call``'s tokens and apply them to the requests; returns those touched."""
+        touched = self._apply_results(call)
+        if self.scheduler.has_constrained:
+            for request in advance(touched):  # grammars that have ended finish their request
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+        return touched
+
+    def _apply_results(self, call: DeviceCall) -> list[Request]:
         if call.num_steps > 1:
             result = call.pending.fetch_result()                            # [K, S]
             self._results_arrived()

@@ -32,13 +32,14 @@ from jaxpage.engine.logprobs import LogprobsRecorder
 from jaxpage.engine.output_processor import OutputProcessor
 from jaxpage.engine.prompt_logits import prompt_logits
 from jaxpage.engine.request_groups import RequestGroups
+from jaxpage.engine.structured_outputs import CompiledGrammar, GrammarCompiler
 from jaxpage.engine.tokenizer import cache_dir, load_tokenizer
 from jaxpage.models.loader import load_model, resolve_model_path
 from jaxpage.outputs import RequestOutput
 from jaxpage.parallel.placement import default_mesh
 from jaxpage.runtime.kv_cache import bytes_per_block
 from jaxpage.runtime.model_runner import ModelRunner
-from jaxpage.sampling_params import SamplingParams
+from jaxpage.sampling_params import SamplingParams, StructuredOutputsParams
 from pallas_kernels.ragged_paged_attention import resolve_backend as resolve_attention_backend
 
 logger = logging.getLogger("jaxpage")
@@ -146,12 +147,14 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self.logprobs = LogprobsRecorder(lambda token: self._decode([token]))
         self.groups = RequestGroups(self.output_processor, self.logprobs)
+        self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
         self.device_calls = DeviceCalls(
             config.scheduler, scheduler=self.scheduler,
             kv_cache_manager=self.kv_cache_manager, block_pool=self.block_pool,
             batch_builder=self.batch_builder, runner=self.runner, cost_model=self.cost_model,
             beam_search=self.beam_search, logprobs=self.logprobs,
-            output_processor=self.output_processor, collect=self.groups.collect)
+            output_processor=self.output_processor, collect=self.groups.collect,
+            grammars=self.grammars)
 
     @property
     def runner(self) -> ModelRunner:
@@ -187,9 +190,24 @@ class LLMEngine:
         self.input_processor.eos_token_ids = frozenset(ids)
 
     def make_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
-                     priority: int = 0) -> Request:
-        """Validate a prompt into a Request (nothing is queued); see InputProcessor."""
-        return self.input_processor.make_request(request_id, prompt, params, priority)
+                     priority: int = 0, grammar: CompiledGrammar | None = None) -> Request:
+        """Validate a prompt into a Request (nothing is queued); see InputProcessor.
+
+        With ``params.structured_outputs`` each sequence gets its own grammar state, from
+        ``grammar`` (compiled beforehand by ``compile_grammar``, off this thread) or
+        compiled here; a spec llguidance rejects is a ``ValueError``."""
+        request = self.input_processor.make_request(request_id, prompt, params, priority)
+        spec = params.structured_outputs
+        if spec is not None:
+            if grammar is None or grammar.spec.key != spec.key:
+                grammar = self.compile_grammar(spec)
+            for sequence in (request, *request.fork_children):
+                sequence.grammar = grammar.new_state()
+        return request
+
+    def compile_grammar(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        """The compiled grammar of a structured-outputs spec (cached; thread-safe)."""
+        return self.grammars.compile(spec)
 
     def next_request_id(self) -> str:
         return str(next(self._ids))

@@ -87,8 +87,12 @@ class DataParallelEngine:
         return str(next(self._ids))
 
     def make_request(self, request_id: str, prompt: Any, params: Any,
-                     priority: int = 0) -> Request:
-        return self.engines[0].make_request(request_id, prompt, params, priority)
+                     priority: int = 0, grammar: Any = None) -> Request:
+        return self.engines[0].make_request(request_id, prompt, params, priority, grammar)
+
+    def compile_grammar(self, spec: Any) -> Any:
+        """A structured-outputs grammar, compiled once for every replica (same tokenizer)."""
+        return self.engines[0].compile_grammar(spec)
 
     def add_request(self, request_id: str | None, prompt: Any, params: Any,
                     priority: int = 0) -> str:

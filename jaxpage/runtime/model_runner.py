@@ -149,6 +149,11 @@ class ModelRunner:
                 extra=f"{graphdef}|{self.arch}|block_size={block_size}"),
                 devices=sorted(self.kv_cache[0].devices(), key=lambda d: d.id))
 
+    @property
+    def mask_words(self) -> int:
+        """Words of a row's packed grammar mask: ceil(vocab / 32)."""
+        return -(-self.arch.vocab_size // 32)
+
     def placement_platform(self) -> str:
         """The platform of the devices the KV cache lives on ("cpu", "gpu", "tpu")."""
         # devices() may be the sharding's own cached set: iterate, never pop.
@@ -234,7 +239,8 @@ class ModelRunner:
         self._no_draft = jax.numpy.zeros((rows, self.arch.vocab_size), jax.numpy.float32)
 
     def dispatch(self, batch: BatchMetadata, chain: bool = False, verify: bool = False,
-                 draft: "tuple[jax.Array, np.ndarray] | None" = None) -> "PendingStep":
+                 draft: "tuple[jax.Array, np.ndarray] | None" = None,
+                 token_mask: np.ndarray | None = None) -> "PendingStep":
         """Launch one step without waiting; its outputs start moving to the host at once.
 
         ``chain``: the batch continues the call dispatched just before (not yet fetched):
@@ -246,11 +252,21 @@ class ModelRunner:
         checked (``step.verify_tokens``), and the result is per token, with ``emitted``.
         ``draft``: (draft distributions float32 [Q, V] on the device, ``q_src`` int32 [T])
         for proposals a draft model sampled (``make_step``'s verify arguments).
+        ``token_mask``: int32 [S, ceil(V / 32)], structured outputs' packed grammar masks
+        (a separate program, ``step-masked``; see ``mask_words``).
         """
         if verify and chain:
             raise ValueError("a verify step cannot continue a call on the device")
+        if token_mask is not None and verify:
+            raise ValueError("a verify step takes no grammar mask")
         name, step = ("verify", self._verify_step) if verify else ("step", self._step)
-        self.compiled_shapes.add(batch.shape_key + ((name,) if verify else ()))
+        if token_mask is not None:
+            expected = (batch.block_tables.shape[0], self.mask_words)
+            if token_mask.shape != expected or token_mask.dtype != np.int32:
+                raise ValueError(f"token_mask has shape {token_mask.shape} "
+                                 f"({token_mask.dtype}); expected int32 {expected}")
+            name = "step-masked"
+        self.compiled_shapes.add(batch.shape_key + ((name,) if name != "step" else ()))
         prev_tokens = self._carry_of_last_call()[0] if chain else self._no_carry[0]
         # Numpy goes straight to the program: its C++ call path transfers the arrays for
         # less than half what a separate jax.device_put of them costs (~0.3 ms a step).
@@ -260,6 +276,8 @@ class ModelRunner:
                 self._no_draft, np.full(batch.input_ids.shape[0], -1, np.int32))
             args += (draft_probs, q_src)
             name = f"verify-q{draft_probs.shape[0]}"  # the program depends on Q
+        elif token_mask is not None:
+            args += (token_mask,)
         program = self.executables.get(name, batch.shape_key, step, args)
         (self.kv_cache, self.penalty_table), (sampled, *logprobs), last_tokens = program(*args)
         outputs = (sampled, *logprobs) if batch.want_logprobs.any() else (sampled,)
@@ -277,9 +295,9 @@ class ModelRunner:
             return last.carry
         return last.last_tokens, self._all_live
 
-    def execute(self, batch: BatchMetadata) -> StepResult:
+    def execute(self, batch: BatchMetadata, token_mask: np.ndarray | None = None) -> StepResult:
         """Run one step and wait for it. Rows past ``num_seqs`` are junk."""
-        return self.dispatch(batch).fetch()
+        return self.dispatch(batch, token_mask=token_mask).fetch()
 
     def dispatch_multi_step(self, batch: BatchMetadata, num_steps: int,
                             row_map: np.ndarray | None = None) -> "PendingMultiStep":

@@ -5,7 +5,8 @@ Each row's randomness is a function of its ``sample_seeds[i]``, ``sample_index[i
 the token id only (``gumbel_noise``), so a request draws the same numbers whether it runs
 alone or in a batch, and after preemption.
 
-Order, as in vLLM: ``min_tokens`` masking, then penalties (repetition over prompt and
+Order, as in vLLM: a structured-output row's grammar mask (``token_mask``: tokens the
+grammar forbids get -inf), then ``min_tokens`` masking, then penalties (repetition over prompt and
 output tokens, presence and frequency over output tokens), then greedy or temperature and
 the top-k / top-p / min-p filters. Log-probabilities are those of the raw model
 distribution (before penalties and temperature), over the whole vocabulary.
@@ -63,6 +64,21 @@ def suppress_tokens(logits: jax.Array, suppressed_ids: jax.Array) -> jax.Array:
     ids = jnp.where(suppressed_ids < 0, vocab, suppressed_ids)  # out of range: dropped
     rows = jnp.arange(logits.shape[0])[:, None]
     return logits.at[rows, ids].set(-jnp.inf, mode="drop")
+
+
+def unpack_token_mask(mask: jax.Array, vocab: int) -> jax.Array:
+    """bool [S, V] from a packed mask int32 [S, ceil(V / 32)]: token ``v`` is allowed
+    when bit ``v % 32`` of word ``v // 32`` is set (llguidance's layout; -1 allows all)."""
+    bits = jnp.arange(32, dtype=jnp.uint32)
+    words = mask.astype(jnp.uint32)[:, :, None] >> bits                         # [S, W, 32]
+    allowed = (words & jnp.uint32(1)).astype(bool).reshape(mask.shape[0], -1)   # [S, W * 32]
+    return allowed[:, :vocab]
+
+
+def apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """logits float32 [S, V] with every token ``mask`` (packed int32 [S, ceil(V / 32)])
+    forbids at -inf."""
+    return jnp.where(unpack_token_mask(mask, logits.shape[-1]), logits, -jnp.inf)
 
 
 def _filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
@@ -175,8 +191,11 @@ def fill_penalty_row(penalty_table: jax.Array, slot: jax.Array, token_ids: jax.A
 
 def adjusted_logits(logits: jax.Array, batch: dict[str, jax.Array],
                     penalty_table: jax.Array | None = None) -> jax.Array:
-    """logits float32 [S, V] with ``min_tokens``' suppressed stop ids and the penalties
-    applied: what temperature and top-k/p / min-p filtering start from."""
+    """logits float32 [S, V] with the grammar mask (when ``batch`` has ``token_mask``),
+    ``min_tokens``' suppressed stop ids and the penalties applied: what temperature and
+    top-k/p / min-p filtering start from."""
+    if "token_mask" in batch:
+        logits = apply_token_mask(logits, batch["token_mask"])
     too_early = (batch["sample_index"] < batch["min_tokens"])[:, None]
     logits = suppress_tokens(logits, jnp.where(too_early, batch["stop_token_ids"], -1))
     if penalty_table is not None:

@@ -53,12 +53,19 @@ def make_step(graphdef: Any, jit: Callable = jax.jit, verify: bool = False) -> C
     the device) and ``q_src`` int32 [T]: for a token whose next token is a proposal drawn
     from ``draft_probs[q_src]``, that row (-1: a point-mass proposal, checked by drawing
     from the target and comparing); see ``rejection_sample``.
+
+    A single step may take one more argument, ``token_mask`` int32 [S, ceil(V / 32)]:
+    structured outputs' packed grammar masks (all ones for a row without a grammar),
+    applied before everything else the sampler does (``sampler.apply_token_mask``).
     """
     if verify:
         return jit(_verify_step(graphdef), donate_argnums=(1,))
 
-    def step(state: Any, caches: Caches, packed: Packed, prev_tokens: jax.Array):
+    def step(state: Any, caches: Caches, packed: Packed, prev_tokens: jax.Array,
+             *token_mask: jax.Array):
         batch = unpack(packed)
+        if token_mask:
+            batch["token_mask"] = token_mask[0]
         kv_cache, penalty_table = caches
         model = nnx.merge(graphdef, state)
         rows = prev_tokens.shape[0]

@@ -25,6 +25,8 @@ from jaxpage.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, ErrorResponse, TokenizeRequest)
 from jaxpage.server.serving import (GenerationJob, chat_logprobs, completion_logprobs,
                                     context_check, sampling_params)
+from jaxpage.server.structured import (ToolCallPlan, new_call_id, structured_outputs_of,
+                                       tool_calls_of)
 
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
 
@@ -224,8 +226,9 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
             prompts = [{"prompt_token_ids": list(prompt)}]
         else:
             prompts = [{"prompt_token_ids": list(p)} for p in prompt]
+        spec, _ = structured_outputs_of(body)
         params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
-                                 stream=body.stream)
+                                 stream=body.stream, structured_outputs=spec)
         job = GenerationJob(engine, metrics, body.n)
         await job.start(prompts, params, context_check(max_model_len, params))
         rid, name = f"cmpl-{job.tracked[0].stream.request_id}", served_model_name
@@ -274,11 +277,14 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         tok = tokenizer()
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        spec, tool_plan = structured_outputs_of(body)
+        messages = [_template_message(m) for m in body.messages]
+        tools = ([t.model_dump(exclude_none=True) for t in body.tools]
+                 if body.tools and body.tool_choice != "none" else None)
         try:
             ids = await engine.run(lambda: _apply_template(
                 tok, messages, add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message))
+                continue_final_message=body.continue_final_message, tools=tools))
         except ValueError:
             raise
         except Exception as error:  # a template that rejects the conversation
@@ -287,7 +293,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
         num_top = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = sampling_params(body, max_tokens=max_tokens, logprobs=num_top,
-                                 stream=body.stream)
+                                 stream=body.stream, structured_outputs=spec)
         job = GenerationJob(engine, metrics, body.n)
         await job.start([{"prompt_token_ids": ids}], params, context_check(max_model_len, params))
         rid, name = f"chatcmpl-{job.tracked[0].stream.request_id}", served_model_name
@@ -296,15 +302,25 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
         def logprobs_of(token_ids, entries):
             return None if num_top is None else chat_logprobs(entries, token_ids, num_top)
 
+        def message_of(choice) -> tuple[dict, str | None]:
+            """The assistant message and finish reason of a finished choice."""
+            calls = tool_calls_of(tool_plan, choice.text) if tool_plan else None
+            if calls is None:
+                return {"role": "assistant", "content": choice.text}, choice.finish_reason
+            # A forced named call finishes with "stop" (as OpenAI and vLLM answer it).
+            reason = "tool_calls" if tool_plan.function is None else choice.finish_reason
+            return {"role": "assistant", "content": None, "tool_calls": calls}, reason
+
         if not body.stream:
             await job.run_to_end()
+            choices = []
+            for c in job.choices:
+                message, reason = message_of(c)
+                choices.append({"index": c.index, "message": message,
+                                "logprobs": logprobs_of(c.token_ids, c.logprobs),
+                                "finish_reason": reason, "stop_reason": c.stop_reason})
             return {"id": rid, "object": "chat.completion", "created": now, "model": name,
-                    "choices": [{"index": c.index,
-                                 "message": {"role": "assistant", "content": c.text},
-                                 "logprobs": logprobs_of(c.token_ids, c.logprobs),
-                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                                for c in job.choices],
-                    "usage": job.usage()}
+                    "choices": choices, "usage": job.usage()}
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -317,8 +333,14 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
                 yield chunk([{"index": choice.index,
                               "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}])
+            call_ids: dict[int, str] = {}
             async for choice, delta, finished in job.events():
                 if not (delta.text or delta.token_ids or finished):
+                    continue
+                if tool_plan is not None:
+                    if tool_plan.function is None and not finished:
+                        continue  # "required": the calls are parsed once the array is whole
+                    yield chunk([_tool_delta(tool_plan, choice, delta, finished, call_ids)])
                     continue
                 yield chunk([{"index": choice.index,
                               "delta": {"content": delta.text} if delta.text else {},
@@ -336,13 +358,51 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
     return app
 
 
+def _template_message(message) -> dict:
+    """A chat message as chat templates read it (tool calls and answers included)."""
+    out = {"role": message.role, "content": message.text()}
+    if message.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": c.type,
+                              "function": {"name": c.function.name,
+                                           "arguments": c.function.arguments}}
+                             for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def _tool_delta(plan: ToolCallPlan, choice, delta, finished: bool,
+                call_ids: dict[int, str]) -> dict:
+    """One streamed chunk's choice for a forced tool call: a named function's arguments
+    stream as they come (the first delta carries the call's id and name); ``"required"``
+    calls come whole with the last chunk."""
+    reason = choice.finish_reason if finished else None
+    if plan.function is None:
+        calls = tool_calls_of(plan, choice.text)
+        if calls is None:
+            return {"index": choice.index, "delta": {"content": choice.text},
+                    "logprobs": None, "finish_reason": reason}
+        return {"index": choice.index,
+                "delta": {"tool_calls": [dict(call, index=i) for i, call in enumerate(calls)]},
+                "logprobs": None, "finish_reason": "tool_calls"}
+    call = {"index": 0, "function": {"arguments": delta.text}}
+    if choice.index not in call_ids:
+        call_ids[choice.index] = new_call_id()
+        call.update(id=call_ids[choice.index], type="function")
+        call["function"]["name"] = plan.function
+    return {"index": choice.index, "delta": {"tool_calls": [call]}, "logprobs": None,
+            "finish_reason": reason}
+
+
 def _apply_template(tok, messages: list[dict], *, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> list[int]:
+                    continue_final_message: bool = False, tools: list | None = None) -> list[int]:
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message=true needs add_generation_prompt=false")
     if getattr(tok, "chat_template", None) is None:
         raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
-    out = tok.apply_chat_template(messages, tokenize=True, return_dict=True,
+    out = tok.apply_chat_template(messages, tokenize=True, return_dict=True, tools=tools,
                                   add_generation_prompt=add_generation_prompt,
                                   continue_final_message=continue_final_message)
     return list(out["input_ids"])

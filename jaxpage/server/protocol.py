@@ -25,6 +25,35 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's ``response_format.json_schema``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: free text, any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Strict):
+    """vLLM's ``structured_outputs`` request field (``StructuredOutputsParams``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Stop = str | Annotated[list[str], Field(max_length=16)] | None
 
@@ -51,6 +80,14 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Structured outputs (``jaxpage.server.structured``): OpenAI's and vLLM's fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted; llguidance is the one backend
 
 
 class CompletionRequest(_SamplingFields):
@@ -68,10 +105,23 @@ class TextContentPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None   # an assistant's earlier calls
+    tool_call_id: str | None = None            # a tool's answer to one of them
 
     def text(self) -> str:
         if self.content is None:
@@ -81,8 +131,32 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
     max_completion_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
     logprobs: bool = False

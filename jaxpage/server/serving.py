@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator
 from jaxpage.engine.async_llm_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError,
                                              RequestStream, supports_delta_outputs)
 from jaxpage.outputs import RequestOutput
-from jaxpage.sampling_params import SamplingParams
+from jaxpage.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxpage.server.errors import APIError, bad_request_from
 from jaxpage.server.metrics import ServerMetrics
 from jaxpage.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -25,7 +25,8 @@ RETRY_AFTER_S = "1"
 
 
 def sampling_params(body: CompletionRequest | ChatCompletionRequest, *, max_tokens: int | None,
-                    logprobs: int | None, stream: bool) -> SamplingParams:
+                    logprobs: int | None, stream: bool,
+                    structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
     """SamplingParams from the request's fields (OpenAI defaults where a field is null)."""
     def pick(value, default):
         return default if value is None else value
@@ -43,7 +44,8 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, *, max_toke
             skip_special_tokens=body.skip_special_tokens,
             presence_penalty=pick(body.presence_penalty, 0.0),
             frequency_penalty=pick(body.frequency_penalty, 0.0),
-            repetition_penalty=pick(body.repetition_penalty, 1.0), logprobs=logprobs, **extra)
+            repetition_penalty=pick(body.repetition_penalty, 1.0), logprobs=logprobs,
+            structured_outputs=structured_outputs, **extra)
     except ValueError as error:
         raise bad_request_from(error) from None
 
