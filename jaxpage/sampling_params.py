@@ -29,10 +29,10 @@ class StructuredOutputsParams:
     * ``grammar``: a context-free grammar in Lark (or llama.cpp's GBNF) syntax;
     * ``json_object=True``: any JSON object.
 
-    ``disable_any_whitespace`` (JSON only): no whitespace between JSON tokens. Otherwise
-    up to ``JSON_MAX_WHITESPACE`` whitespace characters may separate them (vLLM allows
-    any amount; a small model can then fill ``max_tokens`` with newlines, and the output
-    never parses).
+    ``disable_any_whitespace`` (JSON only): no whitespace between JSON tokens but the
+    one space after "," and ":". Otherwise one space, or one line break and an indent,
+    may separate them (vLLM allows any amount; a small model can then fill
+    ``max_tokens`` with blank lines, and the output never parses).
 
     The grammar engine (llguidance, ``jaxpage.engine.structured_outputs``) compiles it once
     per distinct spec; a spec it rejects is a ``ValueError`` when the request is added.
@@ -105,10 +105,6 @@ class StructuredOutputsParams:
 
     def __hash__(self) -> int:
         return hash(self.key)
-
-
-# Most whitespace characters a JSON output may put between two JSON tokens.
-JSON_MAX_WHITESPACE = 16
 
 
 def _fail_structured(name: str, value: object, rule: str) -> None:

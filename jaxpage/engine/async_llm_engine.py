@@ -51,8 +51,14 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     finished: bool = False
 
-    def put(self, item: Any) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def put(self, item: Any) -> bool:
+        """Queue ``item`` for the caller; False when the caller's event loop has closed
+        (nobody will ever read it: the caller's request should be aborted)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # "Event loop is closed"
+            return False
+        return True
 
 
 def supports_delta_outputs() -> bool:
@@ -117,7 +123,11 @@ class AsyncLLMEngine:
                 stream = self._streams.get(output.request_id)
                 if stream is None:
                     continue
-                stream.put(output)
+                if not stream.put(output):  # its caller's loop is gone: nobody is listening
+                    del self._streams[output.request_id]
+                    if not output.finished:
+                        self.engine.abort_request(output.request_id)
+                    continue
                 if output.finished:
                     stream.finished = True
                     stream.put(_END)

@@ -42,7 +42,8 @@ Invariants:
   consumes its request's new tokens when the step is processed
   (``engine.structured_outputs``); a request whose grammar has ended is finished then.
 
-``step_profile`` splits ``step()``'s wall time: ``device_s`` (waiting for results),
+``step_profile`` splits ``step()``'s wall time (``grammar_s``: the part of the host's
+spent filling grammar masks and advancing grammars): ``device_s`` (waiting for results),
 ``host_s`` (the host's own work), ``idle_s`` (the device had nothing dispatched, counted
 from when the host saw the last results: an upper bound), ``chained`` (calls
 dispatched before the previous call's tokens were processed) and ``steady`` (those of
@@ -113,7 +114,8 @@ class DeviceCalls:
         self.collect = collect  # touched requests -> the outputs users should see
         self.grammars = grammars  # structured outputs' masks (None: no tokenizer)
         self.step_profile = {"calls": 0, "device_s": 0.0, "host_s": 0.0, "idle_s": 0.0,
-                             "chained": 0, "steady": 0, "phases": dict.fromkeys(PHASES, 0.0)}
+                             "chained": 0, "steady": 0, "phases": dict.fromkeys(PHASES, 0.0),
+                             "grammar_s": 0.0}
         self._phases = self.step_profile["phases"]
         self.inflight: DeviceCall | None = None  # a chained call whose tokens wait
         self._idle_since: float | None = None
@@ -239,7 +241,10 @@ class DeviceCalls:
                 if item.request.grammar is not None]
         if not rows:
             return None
-        return self.grammars.fill_masks(rows, batch.block_tables.shape[0])
+        began = time.perf_counter()
+        mask = self.grammars.fill_masks(rows, batch.block_tables.shape[0])
+        self.step_profile["grammar_s"] += time.perf_counter() - began
+        return mask
 
     def _draft_distributions(self, out: SchedulerOutput, batch) -> tuple | None:
         """A verify step's (q, q_src) when a draft model sampled some of its proposals
@@ -275,8 +280,10 @@ class DeviceCalls:
         """Wait for ``call``'s tokens and apply them to the requests; returns those touched."""
         touched = self._apply_results(call)
         if self.scheduler.has_constrained:
+            began = time.perf_counter()
             for request in advance(touched):  # grammars that have ended finish their request
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            self.step_profile["grammar_s"] += time.perf_counter() - began
         return touched
 
     def _apply_results(self, call: DeviceCall) -> list[Request]:

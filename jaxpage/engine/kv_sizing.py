@@ -3,7 +3,9 @@
 * ``num_kv_blocks`` in the config wins;
 * on a device that reports memory (GPU, TPU): run the largest step bucket with a 2-block
   cache, read the peak, and give the cache ``memory_utilization`` of the device minus
-  that peak;
+  that peak. The probe runs the step with a structured-outputs mask (int32 [S,
+  ceil(V / 32)], the biggest per-step input, unpacked to [S, V] inside), so the peak
+  includes the mask's buffers: with a large vocabulary the cache leaves room for them;
 * else (the CPU): ``kv_cache_memory`` bytes.
 
 Never more blocks than ``max_num_seqs`` sequences of ``max_model_len`` tokens can use.
@@ -12,6 +14,8 @@ Never more blocks than ``max_num_seqs`` sequences of ``max_model_len`` tokens ca
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 from jaxpage.config import EngineConfig
 from jaxpage.core.batch import BatchBuilder
@@ -55,7 +59,9 @@ def _profile(config: EngineConfig, loaded: Any, max_model_len: int, dtype: Any,
                            max_num_batched_tokens=sched.max_num_batched_tokens,
                            max_num_seqs=sched.max_num_seqs, max_model_len=max_model_len,
                            bucket_growth=sched.bucket_growth)
-    probe.execute(builder.empty(*max(builder.step_shapes())))
+    batch = builder.empty(*max(builder.step_shapes()))
+    mask = np.full((batch.block_tables.shape[0], probe.mask_words), -1, np.int32)
+    probe.execute(batch, token_mask=mask)
     stats = device_memory_stats()
     del probe
     return blocks_from_device_memory(

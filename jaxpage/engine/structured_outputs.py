@@ -27,9 +27,15 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from jaxpage.sampling_params import JSON_MAX_WHITESPACE, StructuredOutputsParams
+from jaxpage.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
+
+# Whitespace allowed between two JSON tokens (unless ``disable_any_whitespace``): one space
+# or tab, or one line break and an indent of up to 40 spaces or tabs. Pretty-printed JSON
+# fits; a model that would fill ``max_tokens`` with blank lines cannot (vLLM allows any
+# amount, and small models then often never close their JSON).
+JSON_WHITESPACE = r"(?:[\x20\x09]|\r?\n[\x20\x09]{0,40})?"
 
 # Distinct specs whose compiled grammars are kept.
 GRAMMAR_CACHE_SIZE = 256
@@ -93,9 +99,11 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
         else:
             schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
             schema = without_unlisted_properties(schema)
-        options = ({"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        # oneOf is compiled as anyOf (llguidance cannot check that exactly one matches).
+        options = ({"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+                    "coerce_one_of": True}
                    if spec.disable_any_whitespace else
-                   {"whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{JSON_MAX_WHITESPACE}}}"})
+                   {"whitespace_pattern": JSON_WHITESPACE, "coerce_one_of": True})
         try:
             return llg.LLMatcher.grammar_from_json_schema(schema, overrides=options)
         except (ValueError, TypeError) as error:

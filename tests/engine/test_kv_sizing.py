@@ -26,3 +26,32 @@ def test_cpu_budget_sizes_the_cache_and_a_request_too_big_is_rejected(tiny_check
     with pytest.raises(ValueError, match="KV blocks"):
         engine.add_request(None, {"prompt_token_ids": [5] * 10},
                            __import__("jaxpage").SamplingParams(max_tokens=500))
+
+
+def test_device_profile_runs_the_step_with_a_grammar_mask(tiny_checkpoints, monkeypatch):
+    """On a device that reports memory the cache is sized after a probe step at the
+    largest bucket; that probe carries a structured-outputs mask, so the peak it measures
+    includes the mask's buffers (a large vocabulary's mask must not take the cache's
+    last bytes at run time)."""
+    from jaxpage.engine import kv_sizing
+    from jaxpage.runtime.model_runner import ModelRunner
+
+    seen = []
+    original = ModelRunner.execute
+
+    def execute(self, batch, token_mask=None):
+        seen.append((batch.block_tables.shape[0], None if token_mask is None
+                     else token_mask.shape))
+        return original(self, batch, token_mask=token_mask)
+
+    monkeypatch.setattr(ModelRunner, "execute", execute)
+    monkeypatch.setattr(kv_sizing, "device_memory_stats",
+                        lambda: {"bytes_limit": 10**9, "peak_bytes_in_use": 10**8})
+    llm = LLM(tiny_checkpoints["llama"], max_model_len=256, block_size=16, max_num_seqs=8,
+              warmup=False)
+    vocab = llm.llm_engine.arch.vocab_size
+    rows, mask_shape = seen[0]
+    assert mask_shape == (rows, -(-vocab // 32))
+    per_block = bytes_per_block(llm.llm_engine.arch, 16, "float32")
+    expected = min((int(0.9 * 10**9) - 10**8) // per_block - 1, 8 * (256 // 16))
+    assert llm.llm_engine.num_kv_blocks == expected
