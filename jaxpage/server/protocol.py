@@ -154,7 +154,7 @@ class NamedToolChoice(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     max_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
