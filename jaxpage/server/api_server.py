@@ -25,8 +25,8 @@ from jaxpage.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, ErrorResponse, TokenizeRequest)
 from jaxpage.server.serving import (GenerationJob, chat_logprobs, completion_logprobs,
                                     context_check, sampling_params)
-from jaxpage.server.structured import (ToolCallPlan, new_call_id, structured_outputs_of,
-                                       tool_calls_of)
+from jaxpage.server.structured import (structured_outputs_of, template_message, tool_calls_of,
+                                       tool_delta)
 
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
 
@@ -278,7 +278,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         tok = tokenizer()
         spec, tool_plan = structured_outputs_of(body)
-        messages = [_template_message(m) for m in body.messages]
+        messages = [template_message(m) for m in body.messages]
         tools = ([t.model_dump(exclude_none=True) for t in body.tools]
                  if body.tools and body.tool_choice != "none" else None)
         try:
@@ -340,7 +340,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
                 if tool_plan is not None:
                     if tool_plan.function is None and not finished:
                         continue  # "required": the calls are parsed once the array is whole
-                    yield chunk([_tool_delta(tool_plan, choice, delta, finished, call_ids)])
+                    yield chunk([tool_delta(tool_plan, choice, delta, finished, call_ids)])
                     continue
                 yield chunk([{"index": choice.index,
                               "delta": {"content": delta.text} if delta.text else {},
@@ -356,44 +356,6 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
     app.add_middleware(_CountResponsesMiddleware, counter=metrics.http_requests,
                        routes={route.path for route in app.routes})
     return app
-
-
-def _template_message(message) -> dict:
-    """A chat message as chat templates read it (tool calls and answers included)."""
-    out = {"role": message.role, "content": message.text()}
-    if message.tool_calls:
-        out["tool_calls"] = [{"id": c.id, "type": c.type,
-                              "function": {"name": c.function.name,
-                                           "arguments": c.function.arguments}}
-                             for c in message.tool_calls]
-    if message.tool_call_id is not None:
-        out["tool_call_id"] = message.tool_call_id
-    if message.name is not None:
-        out["name"] = message.name
-    return out
-
-
-def _tool_delta(plan: ToolCallPlan, choice, delta, finished: bool,
-                call_ids: dict[int, str]) -> dict:
-    """One streamed chunk's choice for a forced tool call: a named function's arguments
-    stream as they come (the first delta carries the call's id and name); ``"required"``
-    calls come whole with the last chunk."""
-    reason = choice.finish_reason if finished else None
-    if plan.function is None:
-        calls = tool_calls_of(plan, choice.text)
-        if calls is None:
-            return {"index": choice.index, "delta": {"content": choice.text},
-                    "logprobs": None, "finish_reason": reason}
-        return {"index": choice.index,
-                "delta": {"tool_calls": [dict(call, index=i) for i, call in enumerate(calls)]},
-                "logprobs": None, "finish_reason": "tool_calls"}
-    call = {"index": 0, "function": {"arguments": delta.text}}
-    if choice.index not in call_ids:
-        call_ids[choice.index] = new_call_id()
-        call.update(id=call_ids[choice.index], type="function")
-        call["function"]["name"] = plan.function
-    return {"index": choice.index, "delta": {"tool_calls": [call]}, "logprobs": None,
-            "finish_reason": reason}
 
 
 def _apply_template(tok, messages: list[dict], *, add_generation_prompt: bool = True,

@@ -136,3 +136,41 @@ def tool_calls_of(plan: ToolCallPlan, text: str) -> list[dict] | None:
     return [{"id": new_call_id(), "type": "function",
              "function": {"name": name, "arguments": arguments}}
             for name, arguments in calls]
+
+
+def template_message(message) -> dict:
+    """A chat message as chat templates read it (tool calls and answers included)."""
+    out = {"role": message.role, "content": message.text()}
+    if message.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": c.type,
+                              "function": {"name": c.function.name,
+                                           "arguments": c.function.arguments}}
+                             for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def tool_delta(plan: ToolCallPlan, choice, delta, finished: bool,
+                call_ids: dict[int, str]) -> dict:
+    """One streamed chunk's choice for a forced tool call: a named function's arguments
+    stream as they come (the first delta carries the call's id and name); ``"required"``
+    calls come whole with the last chunk."""
+    reason = choice.finish_reason if finished else None
+    if plan.function is None:
+        calls = tool_calls_of(plan, choice.text)
+        if calls is None:
+            return {"index": choice.index, "delta": {"content": choice.text},
+                    "logprobs": None, "finish_reason": reason}
+        return {"index": choice.index,
+                "delta": {"tool_calls": [dict(call, index=i) for i, call in enumerate(calls)]},
+                "logprobs": None, "finish_reason": "tool_calls"}
+    call = {"index": 0, "function": {"arguments": delta.text}}
+    if choice.index not in call_ids:
+        call_ids[choice.index] = new_call_id()
+        call.update(id=call_ids[choice.index], type="function")
+        call["function"]["name"] = plan.function
+    return {"index": choice.index, "delta": {"tool_calls": [call]}, "logprobs": None,
+            "finish_reason": reason}
