@@ -56,6 +56,8 @@ ENGINE_FLAGS = {
                            "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'"),
     "max_waiting_requests": (int, "server: answer 503 when this many requests wait (default: no cap)"),
     "seed": (int, "engine seed for requests without their own"),
+    "kv_role": (str, "disaggregated serving: prefill or decode (see `jaxpage proxy`)"),
+    "kv_transfer_timeout": (float, "decode instance: seconds to wait for a request's KV pages"),
     "attention_backend": (str, "auto, reference, cpu (C++ kernel), gpu or tpu"),
     "compilation_cache": (_bool, "save compiled programs for the next start (true/false)"),
     "weight_cache": (_bool, "keep GGUF weights converted for the next start (true/false)"),
@@ -82,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxpage", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True,
-                                     metavar="{serve,generate,plan}")
+                                     metavar="{serve,generate,plan,proxy}")
     serve = commands.add_parser(
         "serve", help="serve the OpenAI-compatible HTTP API",
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, "
@@ -97,7 +99,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None,
                        help="model name clients use (default: the model path's name)")
     serve.add_argument("--log-level", default="info", help="uvicorn log level")
+    serve.add_argument("--disaggregated", default=None, metavar="NPMD",
+                       help="start N prefill and M decode instances of this model on this "
+                            "host (e.g. 1P1D) and serve the proxy on --host/--port")
     _add_engine_flags(serve)
+
+    proxy = commands.add_parser(
+        "proxy", help="one OpenAI front for prefill and decode instances",
+        description="Route each request to a prefill instance (prompt and first token), "
+                    "then to a decode instance that pulls the KV pages and generates the "
+                    "rest (instances started with `jaxpage serve --kv-role ...`).")
+    proxy.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                       help="prefill instances, e.g. http://127.0.0.1:8100")
+    proxy.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                       help="decode instances, e.g. http://127.0.0.1:8200")
+    proxy.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    proxy.add_argument("--port", type=int, default=8000, help="port to listen on")
+    proxy.add_argument("--log-level", default="info", help="uvicorn log level")
 
     gen = commands.add_parser("generate", help="generate a completion for one prompt, streamed",
                               description="Generate for one prompt, printing text as it comes.")
@@ -143,9 +161,31 @@ def _engine_options(args) -> dict:
     return options
 
 
+def _instance_args(args) -> list[str]:
+    """``jaxpage serve`` arguments that start an instance like this command's engine."""
+    out = [args.model or args.model_flag] if (args.model or args.model_flag) else []
+    for name in ENGINE_FLAGS:
+        value = getattr(args, name)
+        if value is not None and name != "kv_role":
+            text = (json.dumps(value) if isinstance(value, dict) else
+                    str(value).lower() if isinstance(value, bool) else str(value))
+            out += ["--" + name.replace("_", "-"), text]
+    for flag in ("tokenizer", "config", "api_key", "served_model_name"):
+        if getattr(args, flag):
+            out += ["--" + flag.replace("_", "-"), getattr(args, flag)]
+    return out
+
+
 def _serve(args) -> int:
     from jaxpage.server.launch import serve
 
+    if args.disaggregated:
+        from jaxpage.server.disaggregated import parse_layout, serve_disaggregated
+
+        parse_layout(args.disaggregated)  # a bad layout fails before anything starts
+        serve_disaggregated(args.disaggregated, _instance_args(args), host=args.host,
+                            port=args.port, log_level=args.log_level)
+        return 0
     model = args.model or args.model_flag
     serve(model, tokenizer=args.tokenizer, host=args.host, port=args.port, api_key=args.api_key,
           served_model_name=args.served_model_name, log_level=args.log_level,
@@ -184,9 +224,17 @@ def _plan(args) -> int:
     return 0 if report.ok else 1
 
 
+def _proxy(args) -> int:
+    from jaxpage.server.disaggregated import run_proxy
+
+    run_proxy(args.prefill, args.decode, host=args.host, port=args.port,
+              log_level=args.log_level)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    commands = {"serve": _serve, "generate": _generate, "plan": _plan}
+    commands = {"serve": _serve, "generate": _generate, "plan": _plan, "proxy": _proxy}
     try:
         return commands[args.command](args)
     except ValueError as error:

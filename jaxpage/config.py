@@ -70,6 +70,12 @@ class CacheConfig:
     memory_utilization: float = 0.9  # share of device memory jaxpage may use (devices with stats)
     enable_prefix_caching: bool = True
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks
+    # Disaggregated serving (``docs/disaggregated.md``): None, "prefill" (offers finished
+    # prompts' KV pages to a decode instance) or "decode" (takes requests whose prompt a
+    # prefill instance ran, pulling their pages); ``kv_transfer_timeout``: seconds a
+    # decode instance waits for one request's pages.
+    kv_role: str | None = None
+    kv_transfer_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         _require(isinstance(self.block_size, int) and self.block_size >= 1
@@ -87,6 +93,11 @@ class CacheConfig:
                  f"enable_prefix_caching={self.enable_prefix_caching!r} must be a bool")
         _require(isinstance(self.swap_space, (int, float)) and self.swap_space >= 0,
                  f"swap_space={self.swap_space!r} must be a number of GiB >= 0")
+        _require(self.kv_role in (None, "prefill", "decode"),
+                 f"kv_role={self.kv_role!r} must be None, 'prefill' or 'decode'")
+        _require(isinstance(self.kv_transfer_timeout, (int, float)) and self.kv_transfer_timeout > 0,
+                 f"kv_transfer_timeout={self.kv_transfer_timeout!r} must be a positive number "
+                 "of seconds")
 
 
 @dataclass(frozen=True)

@@ -50,3 +50,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # Disaggregated serving: a prefill instance's ticket for this request's KV pages
+    # (``runtime.kv_transfer.TransferTicket`` plus the prompt ids and first token).
+    kv_transfer_params: dict | None = None

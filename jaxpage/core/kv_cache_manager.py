@@ -199,6 +199,17 @@ class KVCacheManager:
         self.num_hashed_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(list(reversed(blocks)))
 
+    def adopt_host_blocks(self, request: Request, count: int) -> list[int]:
+        """Host blocks for ``count`` pages of a request prefilled elsewhere, which the
+        caller fills; the request then swaps in like any swapped-out one. ValueError when
+        the host pool lacks room."""
+        if count > self.host_pool.num_free_blocks:
+            raise ValueError(f"the host pool has {self.host_pool.num_free_blocks} free blocks, "
+                             f"the request needs {count} (raise swap_space)")
+        host = self.host_pool.take(count)
+        self.req_to_host_blocks[request.request_id] = host
+        return host
+
     def can_swap_in(self, request: Request) -> bool:
         return len(self.req_to_host_blocks.get(request.request_id, [])) <= self.block_pool.num_free_blocks
 

@@ -98,6 +98,12 @@ class Request:
         # ``GrammarState``; opaque here). Its mask must be computed on the host before each
         # token, so while such a request is in the scheduler, calls are single steps.
         self.grammar = None
+        # Disaggregated serving: a prefill instance offers this request's prompt pages when
+        # it finishes at its token limit (``kv_export``); ``exported_blocks`` are the block
+        # ids holding them, taken as it finishes, and ``kv_transfer_params`` the ticket.
+        self.kv_export = False
+        self.exported_blocks: list[int] | None = None
+        self.kv_transfer_params: dict | None = None
         self.extra_seats = 0  # batch rows held for siblings born later (beam search)
         # More stop token ids than the device's list holds: vector pre-checks cannot rule
         # out a stop, so every token of this request is checked exactly.

@@ -99,6 +99,23 @@ class Scheduler(AheadOfHost, SpeculativeScheduling):
             child.status = RequestStatus.FORK_PENDING
         self.waiting.append(request)
 
+    def add_prefilled(self, request: Request) -> None:
+        """Add a request whose prompt another instance ran (disaggregated serving): its
+        pages already sit in its host blocks (``KVCacheManager.adopt_host_blocks``) and
+        its first token is in its output, so it joins as a swapped-out request and is
+        swapped in, then decoded, when device blocks allow."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id={request.request_id!r} is already in the engine")
+        if request.fork_children:
+            raise ValueError("n > 1 is not supported for a request prefilled elsewhere")
+        request.arrival_seq = next(self._arrivals)
+        request.added_step = self.step_count
+        self.requests[request.request_id] = request
+        if request.grammar is not None:
+            self._constrained.add(request.request_id)
+        request.status = RequestStatus.SWAPPED
+        self.swapped.append(request)
+
     @property
     def has_constrained(self) -> bool:
         """Whether a request with a grammar is in the scheduler. Each of its tokens needs
@@ -117,6 +134,12 @@ class Scheduler(AheadOfHost, SpeculativeScheduling):
         if self._constrained:
             self._constrained.discard(request_id)
             self._constrained.difference_update(c.request_id for c in request.fork_children)
+        if request.kv_export and status is RequestStatus.FINISHED_LENGTH:
+            # The blocks stay untouched until a later step reuses them; the engine gathers
+            # them for the decode instance before dispatching anything else.
+            blocks = self.kv.req_to_blocks.get(request_id, [])
+            keep = self.kv.num_blocks_for(request.num_prompt_tokens)
+            request.exported_blocks = [block.block_id for block in blocks[:keep]]
         for queue in (self.running, self.waiting, self.swapped):
             if request in queue:
                 queue.remove(request)

@@ -28,6 +28,7 @@ import threading
 from typing import Any, AsyncIterator, Callable
 
 from jaxpage.engine.input_processor import PromptInput
+from jaxpage.engine.kv_handoff import NoRoomForPages
 from jaxpage.engine.llm_engine import LLMEngine
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
@@ -82,7 +83,8 @@ class AsyncLLMEngine:
         self._stopped = False
         self.stats: dict[str, Any] = engine.get_stats()   # snapshot, refreshed every step
         self.errored: BaseException | None = None
-        # Structured outputs' grammars compile here, never on the engine thread.
+        # Structured outputs' grammars compile here, and a decode instance's KV pages are
+        # pulled here: never on the engine thread.
         self._grammar_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=2, thread_name_prefix="jaxpage-grammar")
         self._thread = threading.Thread(target=self._run_loop, name="jaxpage-engine",
@@ -181,12 +183,18 @@ class AsyncLLMEngine:
 
     async def add_request(self, prompt: PromptInput, params: SamplingParams, *,
                           request_id: str | None = None,
-                          validate: Callable[[Any], None] | None = None) -> "RequestStream":
+                          validate: Callable[[Any], None] | None = None,
+                          kv_transfer: dict | None = None) -> "RequestStream":
         """Validate and queue a request; returns its stream of outputs.
 
         ``validate(request)`` runs on the engine thread before queueing and may raise
         ``ValueError``. Raises ``ValueError`` for bad input and ``QueueFullError`` when
         the waiting queue is full; in both cases nothing is queued.
+
+        ``kv_transfer``: disaggregated serving's ``kv_transfer_params``
+        (``engine.kv_handoff``). On a decode instance the pages are pulled on a pool thread
+        first (``TimeoutError`` when they do not come); a full host pool is a
+        ``QueueFullError``.
         """
         loop = asyncio.get_running_loop()
         stream = _Stream(asyncio.Queue(), loop)
@@ -195,17 +203,30 @@ class AsyncLLMEngine:
             # Compiled on a pool thread: a slow grammar delays only its own request.
             grammar = await loop.run_in_executor(
                 self._grammar_pool, self.engine.compile_grammar, params.structured_outputs)
+        pages = None
+        if kv_transfer is not None:
+            ticket = self.engine.check_kv_transfer(kv_transfer)
+            if ticket is not None:
+                pages = await loop.run_in_executor(self._grammar_pool, self.engine.pull_kv,
+                                                   ticket)
 
         def do_add():
             engine = self.engine
             rid = engine.next_request_id() if request_id is None else str(request_id)
-            request = engine.make_request(rid, prompt, params, grammar=grammar)
+            request = engine.make_request(rid, prompt, params, grammar=grammar,
+                                          kv_transfer=kv_transfer)
             if validate is not None:
                 validate(request)
             limit = self.max_waiting_requests
             if limit is not None and engine.scheduler.stats()["num_waiting"] >= limit:
                 raise QueueFullError(f"the waiting queue is full ({limit} requests)")
-            engine.add_validated_request(request)
+            if pages is None:
+                engine.add_validated_request(request)
+            else:
+                try:
+                    engine.add_prefilled(request, pages, kv_transfer)
+                except NoRoomForPages as error:
+                    raise QueueFullError(f"no room for the request's KV pages: {error}") from None
             self._streams[rid] = stream
             return RequestStream(self, rid, request, stream)
 

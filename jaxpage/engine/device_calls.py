@@ -100,7 +100,7 @@ class DeviceCalls:
                  cost_model: PreemptionCostModel, beam_search: BeamSearchDriver,
                  logprobs: LogprobsRecorder, output_processor: OutputProcessor,
                  collect: Callable[[list[Request]], list[RequestOutput]],
-                 grammars: GrammarCompiler | None = None) -> None:
+                 grammars: GrammarCompiler | None = None, kv_transfer=None) -> None:
         self.config = config
         self.scheduler = scheduler
         self.kv_cache_manager = kv_cache_manager
@@ -113,6 +113,7 @@ class DeviceCalls:
         self.output_processor = output_processor
         self.collect = collect  # touched requests -> the outputs users should see
         self.grammars = grammars  # structured outputs' masks (None: no tokenizer)
+        self.kv_transfer = kv_transfer  # a prefill instance's transfer server (else None)
         self.step_profile = {"calls": 0, "device_s": 0.0, "host_s": 0.0, "idle_s": 0.0,
                              "chained": 0, "steady": 0, "phases": dict.fromkeys(PHASES, 0.0),
                              "grammar_s": 0.0}
@@ -284,7 +285,22 @@ class DeviceCalls:
             for request in advance(touched):  # grammars that have ended finish their request
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             self.step_profile["grammar_s"] += time.perf_counter() - began
+        if self.kv_transfer is not None:
+            self._offer_pages(touched)
         return touched
+
+    def _offer_pages(self, touched: list[Request]) -> None:
+        """A prefill instance: offer the prompt pages of requests that just finished at
+        their token limit to a decode instance. Their blocks were freed as they finished,
+        but nothing has been dispatched since that could write into them, and the gather
+        runs before anything dispatched later (one device, calls in order)."""
+        for request in touched:
+            if request.exported_blocks and request.kv_transfer_params is None:
+                ticket = self.kv_transfer.offer(self.runner.kv_cache, request.exported_blocks,
+                                                self.runner.executables)
+                request.kv_transfer_params = dict(
+                    ticket.to_dict(), prompt_token_ids=list(request.prompt_token_ids),
+                    output_token_ids=list(request.output_token_ids))
 
     def _apply_results(self, call: DeviceCall) -> list[Request]:
         if call.num_steps > 1:

@@ -26,6 +26,7 @@ from jaxpage.core.request import Request, RequestStatus
 from jaxpage.core.scheduler import PreemptionCostModel, Scheduler
 from jaxpage.engine.beam_search_driver import BeamSearchDriver
 from jaxpage.engine.device_calls import DeviceCalls
+from jaxpage.engine import kv_handoff
 from jaxpage.engine.input_processor import InputProcessor, PromptInput
 from jaxpage.engine.kv_sizing import choose_num_kv_blocks
 from jaxpage.engine.logprobs import LogprobsRecorder
@@ -148,13 +149,15 @@ class LLMEngine:
         self.logprobs = LogprobsRecorder(lambda token: self._decode([token]))
         self.groups = RequestGroups(self.output_processor, self.logprobs)
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
+        self.kv_transfer = kv_handoff.start_kv_transfer(cc.kv_role, self.runner, mesh)
         self.device_calls = DeviceCalls(
             config.scheduler, scheduler=self.scheduler,
             kv_cache_manager=self.kv_cache_manager, block_pool=self.block_pool,
             batch_builder=self.batch_builder, runner=self.runner, cost_model=self.cost_model,
             beam_search=self.beam_search, logprobs=self.logprobs,
             output_processor=self.output_processor, collect=self.groups.collect,
-            grammars=self.grammars)
+            grammars=self.grammars,
+            kv_transfer=self.kv_transfer if cc.kv_role == "prefill" else None)
 
     @property
     def runner(self) -> ModelRunner:
@@ -190,13 +193,18 @@ class LLMEngine:
         self.input_processor.eos_token_ids = frozenset(ids)
 
     def make_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
-                     priority: int = 0, grammar: CompiledGrammar | None = None) -> Request:
+                     priority: int = 0, grammar: CompiledGrammar | None = None,
+                     kv_transfer: dict | None = None) -> Request:
         """Validate a prompt into a Request (nothing is queued); see InputProcessor.
 
         With ``params.structured_outputs`` each sequence gets its own grammar state, from
         ``grammar`` (compiled beforehand by ``compile_grammar``, off this thread) or
         compiled here; a spec llguidance rejects is a ``ValueError``."""
+        ticket = self.check_kv_transfer(kv_transfer)
+        if ticket is not None:  # the prompt is the one the prefill instance ran
+            prompt = {"prompt_token_ids": list(kv_transfer["prompt_token_ids"])}
         request = self.input_processor.make_request(request_id, prompt, params, priority)
+        request.kv_export = kv_transfer is not None and ticket is None
         spec = params.structured_outputs
         if spec is not None:
             if grammar is None or grammar.spec.key != spec.key:
@@ -204,6 +212,23 @@ class LLMEngine:
             for sequence in (request, *request.fork_children):
                 sequence.grammar = grammar.new_state()
         return request
+
+    def check_kv_transfer(self, params: dict | None):
+        """Validate ``kv_transfer_params`` for this instance's ``kv_role``; the ticket to
+        pull (a decode instance), else None (``engine.kv_handoff``)."""
+        return kv_handoff.check_request(self.config.cache.kv_role, params)
+
+    def pull_kv(self, ticket) -> kv_handoff.Pages:
+        """A prefill instance's pages for ``ticket`` (thread-safe; TimeoutError)."""
+        return kv_handoff.pull_pages(self.kv_transfer, ticket,
+                                     self.config.cache.kv_transfer_timeout)
+
+    def add_prefilled(self, request: Request, pages: kv_handoff.Pages,
+                      kv_transfer: dict) -> None:
+        """Queue a request whose prompt a prefill instance ran, with its pulled pages."""
+        if request.request_id in self.groups:
+            raise ValueError(f"request_id={request.request_id!r} is already in the engine")
+        kv_handoff.install(self, request, pages, kv_transfer)
 
     def compile_grammar(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         """The compiled grammar of a structured-outputs spec (cached; thread-safe)."""

@@ -88,4 +88,5 @@ def _request_output(group: list[Request], completions: list[CompletionOutput],
     return RequestOutput(
         request_id=leader.request_id, prompt=leader.prompt,
         prompt_token_ids=list(leader.prompt_token_ids), outputs=completions,
-        finished=finished, num_cached_tokens=leader.num_cached_tokens or 0, metrics=metrics)
+        finished=finished, num_cached_tokens=leader.num_cached_tokens or 0, metrics=metrics,
+        kv_transfer_params=leader.kv_transfer_params if finished else None)

@@ -87,8 +87,12 @@ class DataParallelEngine:
         return str(next(self._ids))
 
     def make_request(self, request_id: str, prompt: Any, params: Any,
-                     priority: int = 0, grammar: Any = None) -> Request:
-        return self.engines[0].make_request(request_id, prompt, params, priority, grammar)
+                     priority: int = 0, grammar: Any = None, kv_transfer: Any = None) -> Request:
+        return self.engines[0].make_request(request_id, prompt, params, priority, grammar,
+                                            kv_transfer)
+
+    def check_kv_transfer(self, params: Any) -> Any:
+        return self.engines[0].check_kv_transfer(params)
 
     def compile_grammar(self, spec: Any) -> Any:
         """A structured-outputs grammar, compiled once for every replica (same tokenizer)."""

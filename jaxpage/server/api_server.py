@@ -230,7 +230,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
         params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
                                  stream=body.stream, structured_outputs=spec)
         job = GenerationJob(engine, metrics, body.n)
-        await job.start(prompts, params, context_check(max_model_len, params))
+        await job.start(prompts, params, context_check(max_model_len, params),
+                        kv_transfer=body.kv_transfer_params)
         rid, name = f"cmpl-{job.tracked[0].stream.request_id}", served_model_name
         now = int(time.time())
 
@@ -246,7 +247,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
                                  "logprobs": logprobs_of(c, c.token_ids, c.logprobs),
                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                                 for c in job.choices],
-                    "usage": job.usage()}
+                    "usage": job.usage(), **_kv_ticket(job)}
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -295,7 +296,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
         params = sampling_params(body, max_tokens=max_tokens, logprobs=num_top,
                                  stream=body.stream, structured_outputs=spec)
         job = GenerationJob(engine, metrics, body.n)
-        await job.start([{"prompt_token_ids": ids}], params, context_check(max_model_len, params))
+        await job.start([{"prompt_token_ids": ids}], params, context_check(max_model_len, params),
+                        kv_transfer=body.kv_transfer_params)
         rid, name = f"chatcmpl-{job.tracked[0].stream.request_id}", served_model_name
         now = int(time.time())
 
@@ -320,7 +322,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
                                 "logprobs": logprobs_of(c.token_ids, c.logprobs),
                                 "finish_reason": reason, "stop_reason": c.stop_reason})
             return {"id": rid, "object": "chat.completion", "created": now, "model": name,
-                    "choices": choices, "usage": job.usage()}
+                    "choices": choices, "usage": job.usage(), **_kv_ticket(job)}
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -356,6 +358,11 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
     app.add_middleware(_CountResponsesMiddleware, counter=metrics.http_requests,
                        routes={route.path for route in app.routes})
     return app
+
+
+def _kv_ticket(job: GenerationJob) -> dict:
+    """A prefill instance's answer carries the ticket for the request's KV pages."""
+    return {} if job.kv_transfer_params is None else {"kv_transfer_params": job.kv_transfer_params}
 
 
 def _apply_template(tok, messages: list[dict], *, add_generation_prompt: bool = True,

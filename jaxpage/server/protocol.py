@@ -88,6 +88,9 @@ class _SamplingFields(_Strict):
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # accepted; llguidance is the one backend
+    # Disaggregated serving (``jaxpage proxy``): {"do_remote_decode": true} to a prefill
+    # instance; the ticket it answered with to a decode instance.
+    kv_transfer_params: dict | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -91,17 +91,27 @@ class GenerationJob:
         self.n = n
         self.tracked: list[_Tracked] = []
         self.choices: list[Choice] = []
+        self.kv_transfer_params: dict | None = None  # a prefill instance's ticket, once finished
 
-    async def start(self, prompts: list[Any], params: SamplingParams, validate=None) -> None:
-        """Queue every prompt; on any failure, abort the ones queued and raise an APIError."""
+    async def start(self, prompts: list[Any], params: SamplingParams, validate=None,
+                    kv_transfer: dict | None = None) -> None:
+        """Queue every prompt; on any failure, abort the ones queued and raise an APIError.
+        ``kv_transfer``: disaggregated serving's ``kv_transfer_params`` (one prompt)."""
+        if kv_transfer is not None and (len(prompts) != 1 or params.n != 1):
+            raise APIError(400, "kv_transfer_params need one prompt and n=1",
+                           param="kv_transfer_params")
         try:
             for prompt in prompts:
                 arrival = time.monotonic()
-                stream = await self.engine.add_request(prompt, params, validate=validate)
+                stream = await self.engine.add_request(prompt, params, validate=validate,
+                                                       kv_transfer=kv_transfer)
                 self.tracked.append(_Tracked(stream, stream.request.num_prompt_tokens, arrival))
         except QueueFullError as error:
             self.close()
             raise APIError(503, str(error), headers={"Retry-After": RETRY_AFTER_S}) from None
+        except TimeoutError as error:  # a decode instance's pages did not arrive
+            self.close()
+            raise APIError(503, str(error)) from None
         except ValueError as error:
             self.close()
             raise bad_request_from(error) from None
@@ -144,6 +154,8 @@ class GenerationJob:
             changes.append((choice, seq, finished))
         if output.finished:
             self._record(which, output.outputs[0].finish_reason)
+            if output.kv_transfer_params is not None:
+                self.kv_transfer_params = output.kv_transfer_params
         return changes
 
     def _record(self, which: int, reason: str | None) -> None:

@@ -1,0 +1,115 @@
+"""Disaggregated serving inside one engine: the prefill side hands a request's prompt
+pages over, the decode side takes them (``docs/disaggregated.md``).
+
+* **Prefill instance** (``kv_role="prefill"``): a request added with
+  ``kv_transfer_params={"do_remote_decode": True}`` runs its prompt and samples its first
+  token as usual (the proxy sends ``max_tokens=1``). When it finishes at that limit its
+  prompt pages are gathered and offered on the transfer server
+  (``DeviceCalls._offer_pages``), and its final output carries the ticket in
+  ``RequestOutput.kv_transfer_params``: address, id, shape, the prompt ids and the tokens
+  sampled so far. Its KV blocks are free at once (the gathered copy is the transfer's).
+* **Decode instance** (``kv_role="decode"``): a request added with that ticket pulls the
+  pages (``pull_pages``, off the engine thread, with a deadline), then ``install``s them
+  as a swapped-out request's host blocks with the first token already in its output; the
+  scheduler swaps it in and decodes it with its own multi-step, prefix caching and
+  preemption, as if it had run the prompt itself. Its random stream continues at output
+  number 1, so a seeded request samples what a colocated engine would.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from jaxpage.core.request import Request
+from jaxpage.engine.structured_outputs import advance
+from jaxpage.runtime.kv_transfer import KVTransfer, TransferTicket
+
+Pages = tuple[np.ndarray, np.ndarray]  # K, V: [layers, num_blocks, block_size, kv_heads, head_dim]
+
+
+class NoRoomForPages(RuntimeError):
+    """The decode instance's host pool cannot hold a request's pages now (try later)."""
+
+
+def start_kv_transfer(role: str | None, runner: Any, mesh: Any) -> KVTransfer | None:
+    """The engine's transfer server for ``role`` (None: not disaggregated)."""
+    if role is None:
+        return None
+    if mesh is not None:
+        raise ValueError(f"kv_role={role!r} is not supported on a device mesh yet "
+                         "(tensor_parallel_size > 1, data_parallel_size > 1 or several "
+                         "processes); run each instance on one device")
+    if role == "decode" and runner.host_pool.k.shape[0] == 0:
+        raise ValueError("kv_role='decode' needs swap_space > 0: pulled pages wait in host "
+                         "blocks until device blocks are free")
+    return KVTransfer(next(iter(runner.kv_cache[0].devices())))
+
+
+def check_request(role: str | None, params: dict | None) -> TransferTicket | None:
+    """Validate a request's ``kv_transfer_params`` for this instance; the ticket to pull
+    on a decode instance, else None."""
+    if params is None:
+        return None
+    if not isinstance(params, dict):
+        raise ValueError(f"kv_transfer_params={params!r} must be an object")
+    if params.get("do_remote_decode"):
+        if role != "prefill":
+            raise ValueError("kv_transfer_params.do_remote_decode needs an instance started "
+                             "with kv_role='prefill'")
+        return None
+    if role != "decode":
+        raise ValueError("kv_transfer_params with a ticket need an instance started with "
+                         "kv_role='decode'")
+    ticket = TransferTicket.from_dict(params)
+    prompt = params.get("prompt_token_ids")
+    outputs = params.get("output_token_ids")
+    if (not isinstance(prompt, list) or not prompt or not isinstance(outputs, list)
+            or not outputs or any(not isinstance(t, int) for t in prompt + outputs)):
+        raise ValueError("kv_transfer_params need prompt_token_ids and output_token_ids "
+                         "(lists of token ids)")
+    return ticket
+
+
+def pull_pages(kv_transfer: KVTransfer, ticket: TransferTicket, timeout_s: float) -> Pages:
+    """The pages of ``ticket`` (thread-safe; TimeoutError when they do not come)."""
+    return kv_transfer.pull(ticket, timeout_s)
+
+
+def install(engine: Any, request: Request, pages: Pages, params: dict) -> None:
+    """Add ``request`` (made from the ticket's prompt ids) to ``engine`` with its prompt
+    pages in host blocks and the tokens the prefill instance sampled in its output."""
+    k, v = pages
+    if len(params["output_token_ids"]) >= request.max_tokens:
+        raise ValueError(f"max_tokens={request.max_tokens} leaves nothing to decode after the "
+                         f"{len(params['output_token_ids'])} token(s) the prefill instance sampled")
+    block_size = engine.kv_cache_manager.block_size
+    needed = engine.kv_cache_manager.num_blocks_for(request.num_prompt_tokens)
+    if k.shape[1] != needed or k.shape[2] != block_size:
+        raise ValueError(f"the pulled pages ({k.shape[1]} blocks of {k.shape[2]} tokens) do "
+                         f"not fit a {request.num_prompt_tokens}-token prompt in blocks of "
+                         f"{block_size}: the instances' block sizes differ")
+    pool = engine.runner.host_pool
+    if k.shape[0] != pool.k.shape[1] or k.shape[3:] != pool.k.shape[3:]:
+        raise ValueError(f"the pulled pages have shape {k.shape[:1] + k.shape[3:]} per token "
+                         f"(layers, kv heads, head dim), this model {pool.k.shape[1:2]}"
+                         f"{pool.k.shape[3:]}: the instances serve different models")
+    try:
+        host = engine.kv_cache_manager.adopt_host_blocks(request, needed)
+    except ValueError as error:
+        raise NoRoomForPages(str(error)) from None
+    pool.k[host] = np.moveaxis(k, 1, 0).astype(pool.k.dtype)
+    pool.v[host] = np.moveaxis(v, 1, 0).astype(pool.v.dtype)
+    request.num_computed_tokens = request.num_prompt_tokens
+    for token in params["output_token_ids"]:
+        request.append_output_token(int(token))
+    request.first_token_time = time.monotonic()
+    try:
+        engine.scheduler.add_prefilled(request)
+    except ValueError:
+        engine.kv_cache_manager.free(request)  # gives the host blocks back
+        raise
+    engine.groups.add(request)
+    advance([request])  # a grammar consumes the tokens sampled on the prefill instance

@@ -1,0 +1,112 @@
+"""Moving a request's KV pages between processes with JAX's transfer server
+(``jax.experimental.transfer``), for disaggregated prefill and decode.
+
+* The sending side (a prefill instance) gathers the request's blocks into one array per
+  K and V (``block_ops.gather_blocks``: ``[layers, P, block_size, kv_heads, head_dim]``, P
+  the block count padded to a power of two) and offers them under a fresh id
+  (``await_pull``): one transfer per request, never one per block. The gathered copy is
+  the transfer server's from then on; the request's KV blocks are free at once.
+* The receiving side (a decode instance) pulls that id into arrays of the same shape
+  (``pull``, with a deadline: a prefill instance that died cannot hang it) and hands them
+  to the engine, which installs them as a swapped-out request's host blocks.
+
+Only the handshake (``TransferTicket``: address, id, shape, dtype) travels as JSON; the
+pages never do. The server listens on explicit loopback or host addresses (jax 0.10's
+default addresses abort).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from dataclasses import asdict, dataclass
+
+import jax
+import numpy as np
+
+from jaxpage.runtime.block_ops import gather_blocks, padded, run_program
+
+
+@dataclass(frozen=True)
+class TransferTicket:
+    """What a decode instance needs to pull one request's pages (JSON-safe)."""
+
+    address: str           # the sending transfer server
+    uuid: int              # the transfer's id there
+    shape: tuple[int, ...]  # of K and of V: [layers, P, block_size, kv_heads, head_dim]
+    dtype: str
+    num_blocks: int        # real blocks among the P
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), shape=list(self.shape))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TransferTicket":
+        try:
+            ticket = cls(address=str(data["address"]), uuid=int(data["uuid"]),
+                         shape=tuple(int(x) for x in data["shape"]), dtype=str(data["dtype"]),
+                         num_blocks=int(data["num_blocks"]))
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"kv_transfer_params={data!r} is not a KV transfer ticket "
+                             f"({error})") from None
+        if len(ticket.shape) != 5 or not 0 < ticket.num_blocks <= ticket.shape[1]:
+            raise ValueError(f"kv_transfer_params={data!r} has an invalid shape or block count")
+        return ticket
+
+
+class KVTransfer:
+    """One process's transfer server: offers gathered pages and pulls others' pages."""
+
+    def __init__(self, device: jax.Device, host: str = "127.0.0.1") -> None:
+        from jax.experimental import transfer
+
+        self.device = device
+        self.server = transfer.start_transfer_server(device.client, f"{host}:0", [f"{host}:0"])
+        self.address = self.server.address()
+        # Ids unique across processes that may offer to the same puller.
+        self._ids = itertools.count(int.from_bytes(os.urandom(6), "little") << 16)
+        self._connections: dict[str, object] = {}
+        self._lock = threading.Lock()
+        self.num_exported = 0
+        self.num_imported = 0
+
+    def offer(self, kv_cache, block_ids: list[int], programs=None) -> TransferTicket:
+        """Gather ``block_ids`` of ``kv_cache`` and offer them for one pull."""
+        k, v = run_program(programs, gather_blocks, kv_cache, jax.device_put(padded(block_ids)))
+        uuid = next(self._ids)
+        self.server.await_pull(uuid, (k, v))
+        self.num_exported += 1
+        return TransferTicket(self.address, uuid, tuple(k.shape), str(k.dtype), len(block_ids))
+
+    def pull(self, ticket: TransferTicket, timeout_s: float) -> tuple[np.ndarray, np.ndarray]:
+        """The pages of ``ticket`` on the host, K and V each ``[layers, num_blocks, ...]``.
+        Raises ``TimeoutError`` when they do not arrive within ``timeout_s``."""
+        with self._lock:
+            connection = self._connections.get(ticket.address)
+            if connection is None:
+                connection = self._connections[ticket.address] = self.server.connect(
+                    ticket.address)
+        sharding = jax.sharding.SingleDeviceSharding(self.device)
+        spec = jax.ShapeDtypeStruct(ticket.shape, np.dtype(ticket.dtype), sharding=sharding)
+        result: list = []
+
+        def pull() -> None:
+            try:
+                k, v = connection.pull(ticket.uuid, (spec, spec))
+                result.append((np.asarray(k), np.asarray(v)))
+            except Exception as error:  # noqa: BLE001 - reported below
+                result.append(error)
+
+        # jax 0.10's pull blocks until the pages arrive and ignores its own timeout, so it
+        # runs on a daemon thread: a sender that died leaves that thread waiting, never us.
+        worker = threading.Thread(target=pull, name=f"kv-pull-{ticket.uuid}", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        if not result or isinstance(result[0], Exception):
+            reason = result[0] if result else f"nothing arrived in {timeout_s:.0f} s"
+            raise TimeoutError(f"KV transfer {ticket.uuid} from {ticket.address} failed: "
+                               f"{reason}")
+        k, v = result[0]
+        self.num_imported += 1
+        return k[:, :ticket.num_blocks], v[:, :ticket.num_blocks]

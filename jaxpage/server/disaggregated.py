@@ -1,0 +1,81 @@
+"""Running disaggregated serving: the proxy alone, or ``--disaggregated NPMD`` (N prefill
+and M decode ``jaxpage serve`` processes on this host plus the proxy, for trying it)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+import uvicorn
+
+from jaxpage.server.launch import free_port
+from jaxpage.server.proxy import build_proxy_app
+
+
+def run_proxy(prefill: list[str], decode: list[str], *, host: str = "127.0.0.1",
+              port: int = 8000, log_level: str = "info") -> None:
+    """Serve the proxy until interrupted."""
+    uvicorn.run(build_proxy_app(prefill, decode), host=host, port=port, log_level=log_level)
+
+
+def parse_layout(text: str) -> tuple[int, int]:
+    """"1P1D" -> (1, 1): prefill and decode instances to start."""
+    match = re.fullmatch(r"(\d+)P(\d+)D", text.strip(), re.IGNORECASE)
+    if not match or int(match.group(1)) < 1 or int(match.group(2)) < 1:
+        raise ValueError(f"--disaggregated={text!r} must look like 1P1D (>= 1 of each)")
+    return int(match.group(1)), int(match.group(2))
+
+
+def start_instance(args: list[str], role: str, port: int, env: dict | None = None
+                   ) -> subprocess.Popen:
+    """``jaxpage serve <args> --kv-role role --port port`` as a child process."""
+    command = [sys.executable, "-m", "jaxpage.cli", "serve", *args, "--kv-role", role,
+               "--port", str(port), "--log-level", "warning"]
+    return subprocess.Popen(command, env={**os.environ, **(env or {})})
+
+
+def wait_healthy(urls: list[str], processes: list[subprocess.Popen], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = list(urls)
+    while pending:
+        if any(p.poll() is not None for p in processes):
+            raise RuntimeError("an instance exited during start-up")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"instances not healthy after {timeout_s:.0f} s: {pending}")
+        try:
+            if httpx.get(pending[0] + "/health", timeout=2).status_code == 200:
+                pending.pop(0)
+                continue
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+
+
+def serve_disaggregated(layout: str, instance_args: list[str], *, host: str, port: int,
+                        log_level: str = "info", start_timeout_s: float = 600.0,
+                        **_: Any) -> None:
+    """Start the instances of ``layout`` on free loopback ports, then the proxy on
+    ``host:port``; stop the instances when the proxy stops."""
+    num_prefill, num_decode = parse_layout(layout)
+    processes, prefill, decode = [], [], []
+    try:
+        for role, count, urls in (("prefill", num_prefill, prefill), ("decode", num_decode, decode)):
+            for _ in range(count):
+                instance_port = free_port()
+                processes.append(start_instance(instance_args, role, instance_port))
+                urls.append(f"http://127.0.0.1:{instance_port}")
+        wait_healthy(prefill + decode, processes, start_timeout_s)
+        run_proxy(prefill, decode, host=host, port=port, log_level=log_level)
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()

@@ -1,0 +1,218 @@
+"""``jaxpage proxy``: one OpenAI-compatible front for prefill and decode instances.
+
+For each completion or chat request the proxy
+
+1. sends it to the least loaded prefill instance with ``max_tokens=1``, ``stream=false``
+   and ``kv_transfer_params={"do_remote_decode": true}``: that instance runs the prompt,
+   samples the first token and answers with a ticket for the prompt's KV pages;
+2. sends the original request plus the ticket to the least loaded decode instance, which
+   pulls the pages (one transfer, ``jax.experimental.transfer``) and decodes the rest;
+3. streams the decode instance's answer back unchanged.
+
+Requests that gain nothing from the split go to a prefill instance whole (it serves them
+colocated): ``max_tokens=1``, ``n > 1``, log-probabilities (the decode instance has none
+for the first token), ``echo``. A request the first token finishes (a stop token or
+string) is answered from the prefill instance's result. Errors of an instance (400s)
+pass through unchanged; an instance that cannot be reached, or a transfer that fails, is a
+503 with an OpenAI error body; a decode instance that is full (503) is retried with a fresh
+prefill a few times, then the 503 and its ``Retry-After`` reach the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from typing import Any, AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from jaxpage.server.errors import error_response
+
+DECODE_ATTEMPTS = 3        # prefill + decode rounds before a full decode instance's 503 is final
+RETRY_AFTER_S = 1.0
+
+
+class _Pool:
+    """Instances of one role; ``pick`` takes the one with the fewest requests in flight."""
+
+    def __init__(self, urls: list[str]) -> None:
+        if not urls:
+            raise ValueError("the proxy needs at least one instance of each role")
+        self.in_flight = {url.rstrip("/"): 0 for url in urls}
+
+    def pick(self) -> str:
+        return min(self.in_flight, key=self.in_flight.get)
+
+
+def _answer(response: httpx.Response) -> Response:
+    """An instance's (error) answer, passed through."""
+    headers = {k: v for k, v in response.headers.items()
+               if k.lower() in ("retry-after", "content-type")}
+    return Response(response.content, status_code=response.status_code, headers=headers)
+
+
+def _unavailable(role: str, url: str, error: Exception) -> Response:
+    return error_response(503, f"the {role} instance {url} is unavailable: {error}",
+                          headers={"Retry-After": str(int(RETRY_AFTER_S))})
+
+
+def _as_events(route: str, data: dict, include_usage: bool) -> AsyncIterator[bytes]:
+    """A whole (non-streamed) answer as the server-sent events a streamed one would be."""
+    async def events():
+        base = {k: data[k] for k in ("id", "created", "model") if k in data}
+        for choice in data.get("choices", []):
+            if route.endswith("chat/completions"):
+                message = choice.get("message") or {}
+                delta = {"role": "assistant", "content": message.get("content") or ""}
+                chunk = {"index": choice["index"], "delta": delta, "logprobs": None,
+                         "finish_reason": choice.get("finish_reason")}
+                obj = "chat.completion.chunk"
+            else:
+                chunk = {"index": choice["index"], "text": choice.get("text", ""),
+                         "logprobs": choice.get("logprobs"),
+                         "finish_reason": choice.get("finish_reason")}
+                obj = "text_completion"
+            yield f"data: {json.dumps(dict(base, object=obj, choices=[chunk]))}\n\n".encode()
+        if include_usage:
+            obj = "chat.completion.chunk" if route.endswith("chat/completions") else "text_completion"
+            yield (f"data: {json.dumps(dict(base, object=obj, choices=[], usage=data.get('usage')))}"
+                   "\n\n").encode()
+        yield b"data: [DONE]\n\n"
+    return events()
+
+
+def _whole_on_prefill(body: dict) -> bool:
+    """Requests a prefill instance serves entirely (see the module docstring)."""
+    limit = body.get("max_completion_tokens") or body.get("max_tokens")
+    return (body.get("n", 1) != 1 or limit == 1 or bool(body.get("logprobs"))
+            or body.get("top_logprobs") is not None or bool(body.get("echo"))
+            or "kv_transfer_params" in body)
+
+
+def build_proxy_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0) -> FastAPI:
+    prefills, decodes = _Pool(prefill), _Pool(decode)
+    client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=512))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        await client.aclose()
+
+    app = FastAPI(title="jaxpage proxy", lifespan=lifespan)
+
+    def forward_headers(request: Request) -> dict:
+        auth = request.headers.get("authorization")
+        return {"Authorization": auth} if auth else {}
+
+    async def send(pool: _Pool, url: str, route: str, body: dict, headers: dict,
+                   stream: bool) -> httpx.Response:
+        pool.in_flight[url] += 1
+        try:
+            request = client.build_request("POST", url + route, json=body, headers=headers)
+            return await client.send(request, stream=stream)
+        finally:
+            if not stream:
+                pool.in_flight[url] -= 1
+
+    def relay(pool: _Pool, url: str, response: httpx.Response) -> StreamingResponse:
+        """Stream an instance's answer; closing it (a client that left) closes ours."""
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for piece in response.aiter_raw():
+                    yield piece
+            finally:
+                await response.aclose()
+                pool.in_flight[url] -= 1
+        return StreamingResponse(body(), status_code=response.status_code,
+                                 media_type=response.headers.get("content-type"))
+
+    async def whole(pool: _Pool, route: str, body: dict, headers: dict) -> Response:
+        url = pool.pick()
+        try:
+            response = await send(pool, url, route, body, headers, stream=True)
+        except httpx.HTTPError as error:
+            pool.in_flight[url] -= 1
+            return _unavailable("prefill" if pool is prefills else "decode", url, error)
+        if response.status_code != 200:
+            await response.aread()
+            await response.aclose()
+            pool.in_flight[url] -= 1
+            return _answer(response)
+        return relay(pool, url, response)
+
+    async def generate(route: str, request: Request) -> Response:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error_response(400, "the request body is not valid JSON")
+        if not isinstance(body, dict):
+            return error_response(400, "the request body must be a JSON object")
+        headers = forward_headers(request)
+        if _whole_on_prefill(body):
+            return await whole(prefills, route, body, headers)
+        first = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")}
+        first.update(max_tokens=1, stream=False, min_tokens=min(body.get("min_tokens") or 0, 1),
+                     kv_transfer_params={"do_remote_decode": True})
+        for attempt in range(DECODE_ATTEMPTS):
+            url = prefills.pick()
+            try:
+                answer = await send(prefills, url, route, first, headers, stream=False)
+            except httpx.HTTPError as error:
+                return _unavailable("prefill", url, error)
+            if answer.status_code != 200:
+                return _answer(answer)
+            data = answer.json()
+            ticket = data.pop("kv_transfer_params", None)
+            if ticket is None:  # finished at its first token
+                if body.get("stream"):
+                    usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                    return StreamingResponse(_as_events(route, data, usage),
+                                             media_type="text/event-stream")
+                return JSONResponse(data)
+            response = await whole(decodes, route, dict(body, kv_transfer_params=ticket), headers)
+            if response.status_code != 503 or "retry-after" not in response.headers \
+                    or attempt == DECODE_ATTEMPTS - 1:
+                return response
+            await asyncio.sleep(RETRY_AFTER_S)  # a full decode instance: try again later
+        return response
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate("/v1/completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate("/v1/chat/completions", request)
+
+    async def get(url: str, path: str, headers: dict) -> Response:
+        try:
+            return _answer(await client.get(url + path, headers=headers))
+        except httpx.HTTPError as error:
+            return _unavailable("decode", url, error)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        return await get(decodes.pick(), "/v1/models", forward_headers(request))
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        return await get(decodes.pick(), "/metrics", forward_headers(request))
+
+    @app.get("/health")
+    async def health():
+        down = []
+        for url in list(prefills.in_flight) + list(decodes.in_flight):
+            try:
+                if (await client.get(url + "/health", timeout=5)).status_code != 200:
+                    down.append(url)
+            except httpx.HTTPError:
+                down.append(url)
+        if down:
+            return error_response(503, f"instances down: {down}")
+        return {"status": "ok", "time": time.time()}
+
+    return app

@@ -1,0 +1,169 @@
+"""Disaggregated serving end to end: a prefill and a decode instance (separate
+``jaxpage serve`` processes, the tiny Llama) behind ``jaxpage proxy``'s app. Outputs
+through the proxy equal the same model served colocated (the prefill instance answers
+requests without ``kv_transfer_params`` itself), greedy and seeded, streamed and not;
+clients that leave and a prefill instance that dies leave both instances' blocks free."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from jaxpage.server.disaggregated import start_instance, wait_healthy
+from jaxpage.server.launch import BackgroundServer, free_port
+from jaxpage.server.proxy import build_proxy_app
+from tests.engine.prompts import BASE
+from tests.server.conftest import API_KEY, MODEL_NAME
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+ARGS = ["--max-model-len", "256", "--max-num-seqs", "16", "--max-num-batched-tokens", "128",
+        "--block-size", "8", "--num-kv-blocks", "256", "--bucket-growth", "4096",
+        "--swap-space", "0.05", "--api-key", API_KEY, "--served-model-name", MODEL_NAME]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_checkpoints):
+    env = {"JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": os.environ.get(
+        "JAXPAGE_TEST_XLA_CACHE", os.path.expanduser("~/.cache/jaxpage/xla-tests"))}
+    ports = {"prefill": free_port(), "decode": free_port()}
+    processes = {role: start_instance([tiny_checkpoints["llama"], *ARGS], role, port, env)
+                 for role, port in ports.items()}
+    urls = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
+    try:
+        wait_healthy(list(urls.values()), list(processes.values()), 300)
+        proxy = BackgroundServer(build_proxy_app([urls["prefill"]], [urls["decode"]])).start()
+        yield {"proxy": proxy.url, **urls, "processes": processes}
+        proxy.stop()
+    finally:
+        for process in processes.values():
+            process.terminate()
+            process.wait(20)
+
+
+def _prompts() -> list[str]:
+    """32 prompts of mixed lengths (short to ~100 tokens)."""
+    rng = random.Random(0)
+    return [BASE[i % len(BASE)] + " " * (i % 3) + " ".join(rng.sample(BASE, i % 4))
+            for i in range(32)]
+
+
+def _free_blocks(url: str) -> tuple[float, float, float]:
+    families = {f.name: f.samples[0].value
+                for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
+    return (families["jaxpage:num_free_kv_blocks"], families["jaxpage:num_kv_blocks"],
+            families["jaxpage:num_requests_running"] + families["jaxpage:num_requests_waiting"]
+            + families["jaxpage:num_requests_swapped"])
+
+
+def _finished_requests(url: str) -> float:
+    return sum(s.value for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)
+               if f.name == "jaxpage:request_success" for s in f.samples
+               if s.name.endswith("_total"))
+
+
+def _assert_all_free(cluster) -> None:
+    for role in ("prefill", "decode"):
+        for _ in range(50):  # aborts are applied before the engine's next step
+            free, total, busy = _free_blocks(cluster[role])
+            if free == total and busy == 0:
+                break
+            asyncio.run(asyncio.sleep(0.1))
+        assert (free, busy) == (total, 0), (role, free, total, busy)
+
+
+def test_outputs_equal_colocated_greedy_seeded_and_streamed(cluster):
+    prompts = _prompts()
+
+    async def run(base, body):
+        async with httpx.AsyncClient(base_url=base, headers=AUTH, timeout=300) as http:
+            async def one(i, prompt):
+                fields = dict(body(i), model=MODEL_NAME, prompt=prompt)
+                r = await http.post("/v1/completions", json=fields)
+                assert r.status_code == 200, r.text
+                choice = r.json()["choices"][0]
+                return choice["text"], choice["finish_reason"]
+            return await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
+
+    greedy = lambda i: {"max_tokens": 8 + i % 17, "temperature": 0}  # noqa: E731
+    seeded = lambda i: {"max_tokens": 12, "temperature": 1.0, "seed": i, "top_p": 0.9}  # noqa: E731
+    decoded_before = _finished_requests(cluster["decode"])
+    for body in (greedy, seeded):
+        want = asyncio.run(run(cluster["prefill"], body))
+        got = asyncio.run(run(cluster["proxy"], body))
+        assert got == want
+    # Every proxied request was decoded by the decode instance (none ended at its first
+    # token: max_tokens >= 8 and no EOS in this random model's first few tokens here).
+    assert _finished_requests(cluster["decode"]) - decoded_before == 2 * len(prompts)
+
+    # Streamed through the proxy: the same text, in pieces, ending in [DONE].
+    for prompt in prompts[:4]:
+        fields = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 10, "temperature": 0}
+        want = httpx.post(cluster["prefill"] + "/v1/completions", json=fields, headers=AUTH,
+                          timeout=120).json()["choices"][0]["text"]
+        pieces, done = [], False
+        with httpx.stream("POST", cluster["proxy"] + "/v1/completions", headers=AUTH,
+                          json=dict(fields, stream=True), timeout=120) as r:
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    pieces.append(json.loads(line[6:])["choices"][0]["text"])
+        assert done and "".join(pieces) == want
+
+    # Chat goes the same way.
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi there"}],
+            "max_tokens": 9, "temperature": 0}
+    want = httpx.post(cluster["prefill"] + "/v1/chat/completions", json=chat, headers=AUTH,
+                      timeout=120).json()["choices"][0]["message"]["content"]
+    got = httpx.post(cluster["proxy"] + "/v1/chat/completions", json=chat, headers=AUTH,
+                     timeout=120).json()["choices"][0]["message"]["content"]
+    assert got == want
+    _assert_all_free(cluster)
+
+
+def test_errors_pass_through_and_leaving_clients_free_blocks(cluster):
+    r = httpx.post(cluster["proxy"] + "/v1/completions", headers=AUTH, timeout=60,
+                   json={"model": MODEL_NAME, "prompt": "x", "temperature": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    r = httpx.post(cluster["proxy"] + "/v1/completions", timeout=60,
+                   json={"model": MODEL_NAME, "prompt": "x"})
+    assert r.status_code == 401
+
+    async def leave_early(i, http):
+        fields = {"model": MODEL_NAME, "prompt": BASE[i % len(BASE)], "max_tokens": 60,
+                  "temperature": 0, "stream": True, "ignore_eos": True}
+        async with http.stream("POST", "/v1/completions", json=fields) as r:
+            count = 0
+            async for line in r.aiter_lines():
+                count += line.startswith("data: ")
+                if i % 4 == 0 and count >= 1 + i % 5:
+                    return "left"
+        return "done"
+
+    async def main():
+        async with httpx.AsyncClient(base_url=cluster["proxy"], headers=AUTH,
+                                     timeout=300) as http:
+            return await asyncio.gather(*[leave_early(i, http) for i in range(16)])
+
+    results = asyncio.run(main())
+    assert results.count("left") == 4
+    _assert_all_free(cluster)
+
+
+def test_a_dead_prefill_instance_is_a_503(cluster):
+    # Last in the module: it stops the prefill instance.
+    process = cluster["processes"]["prefill"]
+    process.kill()
+    process.wait(20)
+    r = httpx.post(cluster["proxy"] + "/v1/completions", headers=AUTH, timeout=60,
+                   json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 5})
+    assert r.status_code == 503 and "prefill" in r.json()["error"]["message"]
+    free, total, busy = _free_blocks(cluster["decode"])
+    assert (free, busy) == (total, 0)
+    assert httpx.get(cluster["decode"] + "/health", timeout=10).status_code == 200
