@@ -3,8 +3,10 @@ and M decode ``jaxpage serve`` processes on this host plus the proxy, for trying
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -31,12 +33,23 @@ def parse_layout(text: str) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the parent dies (Linux), so instances
+    never outlive a proxy stopped by a signal (uvicorn re-raises it after shutting down,
+    before any ``finally`` of ours runs)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def start_instance(args: list[str], role: str, port: int, env: dict | None = None
                    ) -> subprocess.Popen:
     """``jaxpage serve <args> --kv-role role --port port`` as a child process."""
     command = [sys.executable, "-m", "jaxpage.cli", "serve", *args, "--kv-role", role,
                "--port", str(port), "--log-level", "warning"]
-    return subprocess.Popen(command, env={**os.environ, **(env or {})})
+    return subprocess.Popen(command, env={**os.environ, **(env or {})},
+                            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
 
 
 def wait_healthy(urls: list[str], processes: list[subprocess.Popen], timeout_s: float) -> None:
