@@ -156,14 +156,59 @@ def test_errors_pass_through_and_leaving_clients_free_blocks(cluster):
     _assert_all_free(cluster)
 
 
-def test_a_dead_prefill_instance_is_a_503(cluster):
-    # Last in the module: it stops the prefill instance.
+def test_a_prefill_instance_killed_mid_run(cluster):
+    # Last in the module: it kills the prefill instance while requests are under way.
     process = cluster["processes"]["prefill"]
-    process.kill()
-    process.wait(20)
+
+    async def one(http, i):
+        r = await http.post("/v1/completions", json={
+            "model": MODEL_NAME, "prompt": BASE[i % len(BASE)] * (1 + i % 3),
+            "max_tokens": 40, "temperature": 0, "ignore_eos": True})
+        return r.status_code, r.json()
+
+    async def main():
+        async with httpx.AsyncClient(base_url=cluster["proxy"], headers=AUTH,
+                                     timeout=120) as http:
+            tasks = [asyncio.create_task(one(http, i)) for i in range(24)]
+            await asyncio.sleep(0.3)
+            process.kill()
+            return await asyncio.gather(*tasks)
+
+    results = asyncio.run(main())
+    for status, body in results:
+        assert status in (200, 503), (status, body)
+        if status == 503:
+            assert body["error"]["type"] == "ServiceUnavailableError"
     r = httpx.post(cluster["proxy"] + "/v1/completions", headers=AUTH, timeout=60,
                    json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 5})
     assert r.status_code == 503 and "prefill" in r.json()["error"]["message"]
-    free, total, busy = _free_blocks(cluster["decode"])
+    for _ in range(100):  # requests already handed over finish on the decode instance
+        free, total, busy = _free_blocks(cluster["decode"])
+        if busy == 0:
+            break
+        asyncio.run(asyncio.sleep(0.1))
     assert (free, busy) == (total, 0)
     assert httpx.get(cluster["decode"] + "/health", timeout=10).status_code == 200
+
+
+def test_layouts_and_what_stays_whole_on_prefill():
+    from jaxpage.cli import _instance_args, build_parser
+    from jaxpage.server.disaggregated import parse_layout
+    from jaxpage.server.proxy import _whole_on_prefill
+
+    assert parse_layout("1P1D") == (1, 1) and parse_layout("2p3d") == (2, 3)
+    for bad in ("1P", "0P1D", "PD", "1P1D2"):
+        with pytest.raises(ValueError, match="1P1D"):
+            parse_layout(bad)
+    assert not _whole_on_prefill({"prompt": "x", "max_tokens": 5})
+    for body in ({"max_tokens": 1}, {"n": 2}, {"logprobs": 0}, {"logprobs": True},
+                 {"top_logprobs": 2}, {"echo": True}, {"kv_transfer_params": {}},
+                 {"max_completion_tokens": 1}):
+        assert _whole_on_prefill(body), body
+    args = build_parser().parse_args(["serve", "m.gguf", "--disaggregated", "1P1D",
+                                      "--max-num-seqs", "4", "--enable-prefix-caching", "false",
+                                      "--speculative-config", '{"method": "ngram"}',
+                                      "--api-key", "k", "--port", "9"])
+    assert _instance_args(args) == ["m.gguf", "--max-num-seqs", "4", "--enable-prefix-caching",
+                                    "false", "--speculative-config", '{"method": "ngram"}',
+                                    "--api-key", "k"]
