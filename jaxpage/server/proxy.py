@@ -88,7 +88,8 @@ def _as_events(route: str, data: dict, include_usage: bool) -> AsyncIterator[byt
 def _whole_on_prefill(body: dict) -> bool:
     """Requests a prefill instance serves entirely (see the module docstring)."""
     limit = body.get("max_completion_tokens") or body.get("max_tokens")
-    return (body.get("n", 1) != 1 or limit == 1 or body.get("logprobs") not in (None, False)
+    logprobs = body.get("logprobs")  # completions: 0 asks for the sampled token's
+    return (body.get("n", 1) != 1 or limit == 1 or (logprobs is not None and logprobs is not False)
             or body.get("top_logprobs") is not None or bool(body.get("echo"))
             or "kv_transfer_params" in body)
 
