@@ -100,11 +100,12 @@ class GenerationJob:
         if kv_transfer is not None and (len(prompts) != 1 or params.n != 1):
             raise APIError(400, "kv_transfer_params need one prompt and n=1",
                            param="kv_transfer_params")
+        extra = {} if kv_transfer is None else {"kv_transfer": kv_transfer}
         try:
             for prompt in prompts:
                 arrival = time.monotonic()
                 stream = await self.engine.add_request(prompt, params, validate=validate,
-                                                       kv_transfer=kv_transfer)
+                                                       **extra)
                 self.tracked.append(_Tracked(stream, stream.request.num_prompt_tokens, arrival))
         except QueueFullError as error:
             self.close()
