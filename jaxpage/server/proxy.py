@@ -56,7 +56,8 @@ def _answer(response: httpx.Response) -> Response:
 
 
 def _unavailable(role: str, url: str, error: Exception) -> Response:
-    return error_response(503, f"the {role} instance {url} is unavailable: {error}",
+    return error_response(503, f"the {role} instance {url} is unavailable: "
+                               f"{type(error).__name__}: {error}",
                           headers={"Retry-After": str(int(RETRY_AFTER_S))})
 
 
@@ -96,7 +97,10 @@ def _whole_on_prefill(body: dict) -> bool:
 
 def build_proxy_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0) -> FastAPI:
     prefills, decodes = _Pool(prefill), _Pool(decode)
-    client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=512))
+    # Idle connections are dropped before uvicorn's own 5 s keep-alive ends, so a request
+    # is rarely sent on a connection the instance is closing (see ``send``).
+    client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(
+        max_connections=512, keepalive_expiry=2.0))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -114,7 +118,14 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout_s: float =
         pool.in_flight[url] += 1
         try:
             request = client.build_request("POST", url + route, json=body, headers=headers)
-            return await client.send(request, stream=stream)
+            try:
+                return await client.send(request, stream=stream)
+            except (httpx.RemoteProtocolError, httpx.ReadError):
+                # The instance closed (or reset) a kept-alive connection as we sent on it:
+                # send once more on a new connection. At worst an instance runs the request
+                # twice and drops the first answer (its pages are offered but never pulled).
+                request = client.build_request("POST", url + route, json=body, headers=headers)
+                return await client.send(request, stream=stream)
         finally:
             if not stream:
                 pool.in_flight[url] -= 1
