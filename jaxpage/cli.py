@@ -177,8 +177,10 @@ def _instance_args(args) -> list[str]:
 
 
 def _serve(args) -> int:
+    from jaxpage.server.disaggregated import die_with_parent
     from jaxpage.server.launch import serve
 
+    die_with_parent()  # an instance that `serve --disaggregated` started
     if args.disaggregated:
         from jaxpage.server.disaggregated import parse_layout, serve_disaggregated
 

@@ -33,14 +33,23 @@ def parse_layout(text: str) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the parent dies (Linux), so instances
-    never outlive a proxy stopped by a signal (uvicorn re-raises it after shutting down,
-    before any ``finally`` of ours runs)."""
+PARENT_ENV = "JAXPAGE_DIE_WITH_PARENT"  # the pid whose death stops this instance
+
+
+def die_with_parent() -> None:
+    """In an instance started by ``start_instance``: get SIGTERM when the starting process
+    dies (Linux), so instances never outlive a proxy stopped by a signal (uvicorn re-raises
+    it after shutting down, before any ``finally`` of ours runs). Called by the instance
+    itself at start-up: a ``preexec_fn`` would run in a fork of a multithreaded process."""
+    parent = os.environ.get(PARENT_ENV)
+    if parent is None or sys.platform != "linux":
+        return
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
-        pass
+        return
+    if os.getppid() != int(parent):  # the parent died before the call above
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def start_instance(args: list[str], role: str, port: int, env: dict | None = None
@@ -48,8 +57,8 @@ def start_instance(args: list[str], role: str, port: int, env: dict | None = Non
     """``jaxpage serve <args> --kv-role role --port port`` as a child process."""
     command = [sys.executable, "-m", "jaxpage.cli", "serve", *args, "--kv-role", role,
                "--port", str(port), "--log-level", "warning"]
-    return subprocess.Popen(command, env={**os.environ, **(env or {})},
-                            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    return subprocess.Popen(command, env={**os.environ, **(env or {}),
+                                          PARENT_ENV: str(os.getpid())})
 
 
 def wait_healthy(urls: list[str], processes: list[subprocess.Popen], timeout_s: float) -> None:
