@@ -9,7 +9,7 @@ pages over, the decode side takes them (``docs/disaggregated.md``).
   ``RequestOutput.kv_transfer_params``: address, id, shape, the prompt ids and the tokens
   sampled so far. Its KV blocks are free at once (the gathered copy is the transfer's).
 * **Decode instance** (``kv_role="decode"``): a request added with that ticket pulls the
-  pages (``pull_pages``, off the engine thread, with a deadline), then ``install``s them
+  pages (``LLMEngine.pull_kv``, off the engine thread, with a deadline), then ``install``s them
   as a swapped-out request's host blocks with the first token already in its output; the
   scheduler swaps it in and decodes it with its own multi-step, prefix caching and
   preemption, as if it had run the prompt itself. Its random stream continues at output
@@ -71,11 +71,6 @@ def check_request(role: str | None, params: dict | None) -> TransferTicket | Non
         raise ValueError("kv_transfer_params need prompt_token_ids and output_token_ids "
                          "(lists of token ids)")
     return ticket
-
-
-def pull_pages(kv_transfer: KVTransfer, ticket: TransferTicket, timeout_s: float) -> Pages:
-    """The pages of ``ticket`` (thread-safe; TimeoutError when they do not come)."""
-    return kv_transfer.pull(ticket, timeout_s)
 
 
 def install(engine: Any, request: Request, pages: Pages, params: dict) -> None:

@@ -220,8 +220,7 @@ class LLMEngine:
 
     def pull_kv(self, ticket) -> kv_handoff.Pages:
         """A prefill instance's pages for ``ticket`` (thread-safe; TimeoutError)."""
-        return kv_handoff.pull_pages(self.kv_transfer, ticket,
-                                     self.config.cache.kv_transfer_timeout)
+        return self.kv_transfer.pull(ticket, self.config.cache.kv_transfer_timeout)
 
     def add_prefilled(self, request: Request, pages: kv_handoff.Pages,
                       kv_transfer: dict) -> None:

@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import json
 import time
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
