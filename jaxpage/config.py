@@ -21,6 +21,9 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+SUPPORTED_QUANTIZATION = (None, "int8", "int4", "gguf")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What to load and how to run it numerically."""
@@ -37,8 +40,20 @@ class ModelConfig:
     # Keys replaced in the model's Hugging Face config before it is built (vLLM's name), e.g.
     # {"num_hidden_layers": 2} for a shallow copy of a model; not for orbax checkpoints.
     hf_overrides: dict | None = None
+    # Weight-only quantization: None (as stored, dequantized), "int8" (per output channel),
+    # "int4" (grouped), "gguf" (a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks kept as stored)
+    quantization: str | None = None
+    quantization_group_size: int = 128  # int4: input rows per scale
 
     def __post_init__(self) -> None:
+        _require(self.quantization in SUPPORTED_QUANTIZATION,
+                 f"quantization={self.quantization!r} is not supported; choose one of "
+                 f"{SUPPORTED_QUANTIZATION}")
+        _require(isinstance(self.quantization_group_size, int)
+                 and not isinstance(self.quantization_group_size, bool)
+                 and self.quantization_group_size >= 2,
+                 f"quantization_group_size={self.quantization_group_size!r} must be an "
+                 "integer >= 2")
         _require(self.hf_overrides is None or (isinstance(self.hf_overrides, dict)
                                                and all(isinstance(k, str)
                                                        for k in self.hf_overrides)),

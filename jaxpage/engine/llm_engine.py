@@ -85,7 +85,9 @@ class LLMEngine:
         loaded = load_model(mc.model, dtype=mc.dtype, attention_backend=mc.attention_backend,
                             mesh=mesh, hf_overrides=mc.hf_overrides,
                             cache_dir=(os.path.join(cache_dir(), "weights")
-                                       if mc.weight_cache else None))
+                                       if mc.weight_cache else None),
+                            quantization=mc.quantization,
+                            quantization_group_size=mc.quantization_group_size)
         self.arch = loaded.arch
         limit = self.arch.max_position_embeddings
         if mc.max_model_len is not None and mc.max_model_len > limit:
@@ -94,7 +96,7 @@ class LLMEngine:
         self.max_model_len = mc.max_model_len or limit
 
         block_size = cc.block_size
-        dtype = loaded.model.embed[...].dtype
+        dtype = loaded.model.final_norm[...].dtype
         speculation = config.scheduler.speculative
         draft = None
         if speculation is not None and speculation.method == "draft_model":
@@ -106,7 +108,7 @@ class LLMEngine:
             draft = load_model(speculation.model, dtype=mc.dtype,
                                attention_backend=mc.attention_backend)
         draft_per_block = 0 if draft is None else bytes_per_block(
-            draft.arch, cc.block_size, draft.model.embed[...].dtype)
+            draft.arch, cc.block_size, draft.model.final_norm[...].dtype)
         num_kv_blocks = choose_num_kv_blocks(config, loaded, self.max_model_len, dtype,
                                              num_shards, extra_bytes_per_block=draft_per_block)
         self.num_kv_blocks = num_kv_blocks

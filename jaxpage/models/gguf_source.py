@@ -23,7 +23,8 @@ from gguf.quants import dequantize
 
 from jaxpage.arch_config import ArchConfig
 from jaxpage.models.converted_cache import ConvertedCache, StaleEntry
-from jaxpage.models.hf_layout import HFTensorSource
+from jaxpage.models.hf_layout import LAYER_TENSORS, HFTensorSource
+from jaxpage.models.quantize import GGUF_KEPT, QuantFormat, gguf_parts
 from jaxpage.parallel.placement import Placement
 
 logger = logging.getLogger("jaxpage")
@@ -138,7 +139,7 @@ class GGUFSource(HFTensorSource):
                     placement: Placement, dtype: Any) -> dict[str, Any]:
         """As ``HFTensorSource.read_params``, from the converted cache when it holds them
         (checked as read: a stale or corrupted entry is converted again and replaced)."""
-        if self.cache is None:
+        if self.cache is None or self.keeps_blocks:
             return super().read_params(arch, run_arch, template, placement, dtype)
         try:
             cached = self.cache.load(dtype, arch)
@@ -153,6 +154,56 @@ class GGUFSource(HFTensorSource):
                      for leaf in jax.tree.leaves(template))
         converted = self.cache.save(dtype, arch, self.layout_arrays(arch), nbytes)
         return self.place(self.repeat_kv(converted, arch, run_arch), placement, dtype)
+
+    @property
+    def keeps_blocks(self) -> bool:
+        """Whether some tensors are read as their quantized blocks (``quantization="gguf"``);
+        the converted cache (float arrays) is then not used."""
+        return any(name in self._kept for name in self.quant_plan)
+
+    _kept: frozenset[str] | set[str] = frozenset()  # parameters read as blocks (gguf_plan)
+
+    def gguf_plan(self, arch: ArchConfig) -> dict[str, QuantFormat]:
+        """Which of our parameters stay in their GGUF blocks: those stored as Q8_0, Q4_0 or
+        Q4_1 in every layer (one type across layers); the rest are dequantized."""
+        if self.reader is None:
+            self._open()
+        names = {"embed": ["model.embed_tokens.weight"]}
+        if not arch.tie_word_embeddings:
+            names["lm_head"] = ["lm_head.weight"]
+        for name, (suffix, _) in LAYER_TENSORS.items():
+            if suffix.endswith("proj.weight"):
+                names[name] = [f"model.layers.{i}.{suffix}" for i in range(arch.num_layers)]
+        plan: dict[str, QuantFormat] = {}
+        for name, tensors in names.items():
+            types = {self._tensors[t].tensor_type.name for t in tensors}
+            if len(types) == 1 and next(iter(types)) in GGUF_KEPT:
+                plan[name] = GGUF_KEPT[next(iter(types))]
+        self._kept = set(plan)
+        return plan
+
+    def tensor(self, name: str, hf_name: str, transpose: bool) -> Any:
+        """Kept parameters as their parts (already in our layout), others as floats."""
+        if name in self._kept and name in self.quant_plan:
+            return self.get_kept(hf_name)
+        return super().tensor(name, hf_name, transpose)
+
+    def get_kept(self, name: str) -> dict[str, np.ndarray]:
+        """A kept tensor's parts in our [in, out] layout (``quantize.gguf_parts``)."""
+        tensor = self._tensors[name]
+        out_features, in_features = (int(d) for d in reversed(tensor.shape))
+        parts = gguf_parts(np.asarray(tensor.data), tensor.tensor_type.name, out_features,
+                           in_features)
+        if self.arch in _PERMUTED_ARCHES and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = self._heads(name)
+            parts = {k: np.ascontiguousarray(_unpermute_rows(v.T, heads).T)
+                     for k, v in parts.items()}
+        return parts
+
+    def _heads(self, name: str) -> int:
+        key = "head_count" if "q_proj" in name else "head_count_kv"
+        return int(self.metadata.get(f"{self.arch}.attention.{key}")
+                   or self.metadata[f"{self.arch}.attention.head_count"])
 
     def names(self) -> set[str]:
         if self.reader is None:
@@ -175,10 +226,7 @@ class GGUFSource(HFTensorSource):
         else:
             array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
         if self.arch in _PERMUTED_ARCHES and name.endswith(("q_proj.weight", "k_proj.weight")):
-            key = "head_count" if "q_proj" in name else "head_count_kv"
-            heads = int(self.metadata.get(f"{self.arch}.attention.{key}")
-                        or self.metadata[f"{self.arch}.attention.head_count"])
-            array = _unpermute_rows(array, heads)
+            array = _unpermute_rows(array, self._heads(name))
         return array
 
 

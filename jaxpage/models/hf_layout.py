@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpage.arch_config import ArchConfig
+from jaxpage.models.quantize import PARTS, QuantFormat, quantize_arrays
 from jaxpage.parallel.placement import Placement
 from jaxpage.parallel.sharding_rules import repeat_kv_heads, replicated_arch
 
@@ -42,6 +43,7 @@ class HFTensorSource:
 
     hf_config: dict[str, Any]
     saved_dtype: str | None = None  # tensors are converted to the dtype asked for
+    quant_plan: dict[str, QuantFormat] = {}  # set by the loader: parameters stored quantized
 
     def get(self, name: str) -> np.ndarray:  # pragma: no cover - every subclass defines it
         raise NotImplementedError
@@ -55,19 +57,10 @@ class HFTensorSource:
         """The model's pure dict (keys as in ``template``), every array on its devices."""
         return self.place(self.param_arrays(arch, run_arch), placement, dtype)
 
-    @staticmethod
-    def place(arrays: Iterable[tuple[tuple, np.ndarray]], placement: Placement,
+    def place(self, arrays: Iterable[tuple[tuple, np.ndarray]], placement: Placement,
               dtype: Any) -> dict[str, Any]:
-        """(path keys, host array) pairs -> the pure dict, every array on its devices."""
-        pure: dict[str, Any] = {}
-        for keys, array in arrays:
-            node = pure
-            for key in keys[:-1]:
-                node = node.setdefault(key, {})
-            node[keys[-1]] = (jnp.asarray(array, dtype) if placement.mesh is None
-                              else placement.put(keys[-1], array, dtype))
-            del array  # the host copy of one tensor at a time
-        return pure
+        """(path keys, host array) pairs -> the pure dict (``place_arrays``)."""
+        return place_arrays(arrays, placement, dtype, self.quant_plan)
 
     def param_arrays(self, arch: ArchConfig,
                      run_arch: ArchConfig) -> Iterator[tuple[tuple, np.ndarray]]:
@@ -80,16 +73,19 @@ class HFTensorSource:
         """``arrays`` with K/V projections repeated to ``run_arch``'s KV heads."""
         repeats = run_arch.num_kv_heads // arch.num_kv_heads
         for keys, array in arrays:
-            if keys[-1] in _KV_TENSORS:
-                array = repeat_kv_heads(array, arch.num_kv_heads, arch.head_dim, repeats)
+            if keys[-1] in _KV_TENSORS:  # quantized parts too: their last axis is the output
+                repeat = lambda a: repeat_kv_heads(a, arch.num_kv_heads, arch.head_dim,  # noqa: E731
+                                                   repeats)
+                array = ({part: repeat(value) for part, value in array.items()}
+                         if isinstance(array, dict) else repeat(array))
             yield keys, array
 
     def layout_arrays(self, arch: ArchConfig) -> Iterator[tuple[tuple, np.ndarray]]:
         """(path keys, host array) in our layout (linears [in, out]), KV heads as saved."""
-        yield ("embed",), self.get("model.embed_tokens.weight")
+        yield ("embed",), self.tensor("embed", "model.embed_tokens.weight", False)
         yield ("final_norm",), self.get("model.norm.weight")
         if not arch.tie_word_embeddings:
-            yield ("lm_head",), self.get("lm_head.weight").T
+            yield ("lm_head",), self.tensor("lm_head", "lm_head.weight", True)
         layer_tensors = dict(LAYER_TENSORS)
         if arch.qkv_bias:
             for name in ("q", "k", "v"):
@@ -98,5 +94,32 @@ class HFTensorSource:
             layer_tensors["o_bias"] = ("self_attn.o_proj.bias", False)
         for i in range(arch.num_layers):
             for name, (suffix, transpose) in layer_tensors.items():
-                array = self.get(f"model.layers.{i}.{suffix}")
-                yield ("layers", i, name), array.T if transpose else array
+                yield ("layers", i, name), self.tensor(name, f"model.layers.{i}.{suffix}",
+                                                       transpose)
+
+    def tensor(self, name: str, hf_name: str, transpose: bool) -> Any:
+        """Our parameter ``name`` from the checkpoint's ``hf_name``: a host array in our
+        layout, or (a source that keeps quantized blocks) a dict of quantized parts."""
+        array = self.get(hf_name)
+        return array.T if transpose else array
+
+
+def place_arrays(arrays: Iterable[tuple[tuple, Any]], placement: Placement, dtype: Any,
+                 plan: dict[str, QuantFormat]) -> dict[str, Any]:
+    """(path keys, host array) pairs -> the pure dict, every array on its devices.
+
+    Parameters of ``plan`` are quantized first (``quantize.quantize_arrays``); their parts
+    keep their own dtypes and are placed as ``"{param}.{part}"`` (``param_spec``).
+    """
+    pure: dict[str, Any] = {}
+    for keys, array in quantize_arrays(arrays, plan):
+        node = pure
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        part = keys[-1] in PARTS
+        name = f"{keys[-2]}.{keys[-1]}" if part else keys[-1]
+        as_dtype = array.dtype if part else dtype
+        node[keys[-1]] = (jnp.asarray(array, as_dtype) if placement.mesh is None
+                          else placement.put(name, array, as_dtype))
+        del array  # the host copy of one tensor at a time
+    return pure

@@ -32,8 +32,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxpage.arch_config import ArchConfig
+from jaxpage.models.quantize import QuantFormat
 from jaxpage.parallel.sharding_rules import TP
 from pallas_kernels.precision import dot_precision
+from pallas_kernels.quantized_matmul import gather_columns, quantized_matmul
 from pallas_kernels.write_and_attend import write_and_attend
 
 KVCache = tuple[jax.Array, jax.Array]
@@ -43,6 +45,29 @@ def project(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """``einsum(spec, x, w)``, in true float32 when the operands are float32 (not TF32 on a
     GPU or bfloat16 passes on a TPU: ``pallas_kernels.precision``)."""
     return jnp.einsum(spec, x, w, precision=dot_precision(x.dtype))
+
+
+class QuantizedWeight(nnx.Module):
+    """A weight [in, out] stored quantized (``jaxpage.models.quantize``): its parts
+    ``codes``, ``scale`` and, for 4 bits, ``zero``, each an ``nnx.Param``."""
+
+    def __init__(self, fmt: QuantFormat, in_features: int, out_features: int,
+                 rngs: nnx.Rngs | None) -> None:
+        for part, (shape, dtype) in fmt.shapes(in_features, out_features).items():
+            # shapes only: quantized weights are always loaded (or quantized from floats)
+            setattr(self, part, nnx.Param(jax.ShapeDtypeStruct(shape, dtype)))
+
+    def parts(self) -> dict[str, jax.Array]:
+        return {part: getattr(self, part)[...] for part in ("codes", "scale", "zero")
+                if hasattr(self, part)}
+
+
+def linear(x: jax.Array, weight: Any, backend: str = "auto") -> jax.Array:
+    """x [..., in] @ weight [in, out]: an ``nnx.Param`` array or a ``QuantizedWeight``
+    (weight-only: the product is in x's dtype)."""
+    if isinstance(weight, QuantizedWeight):
+        return quantized_matmul(x, weight.parts(), backend=backend)
+    return project("...i,io->...o", x, weight[...])
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -69,8 +94,20 @@ class ParamInit:
     SmolLM2, most of it flax asking each traced parameter for its sharding.
     """
 
-    def __init__(self, rngs: nnx.Rngs | None, dtype: Any) -> None:
+    def __init__(self, rngs: nnx.Rngs | None, dtype: Any,
+                 quant_plan: dict[str, QuantFormat] | None = None) -> None:
         self.rngs, self.dtype = rngs, dtype
+        self.quant_plan = quant_plan or {}
+
+    def weight(self, name: str, in_features: int, out_features: int):
+        """Projection ``name`` [in, out]: quantized when the plan names it, else normal."""
+        fmt = self.quant_plan.get(name)
+        if fmt is None:
+            return self.normal(in_features, out_features)
+        if self.rngs is not None:
+            raise ValueError("quantized weights are loaded or quantized from floats, not "
+                             "initialized at random: build the float model and quantize it")
+        return QuantizedWeight(fmt, in_features, out_features, self.rngs)
 
     def normal(self, *shape: int) -> nnx.Param:
         if self.rngs is None:
@@ -92,32 +129,38 @@ class DecoderLayer(nnx.Module):
     """One decoder layer's weights (projections ``[in_features, out_features]``) and its
     forward pass."""
 
-    def __init__(self, cfg: ArchConfig, *, dtype: Any, rngs: nnx.Rngs | None) -> None:
+    def __init__(self, cfg: ArchConfig, *, dtype: Any, rngs: nnx.Rngs | None,
+                 quant_plan: dict[str, QuantFormat] | None = None,
+                 matmul_backend: str = "auto") -> None:
         H, I = cfg.hidden_size, cfg.intermediate_size
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        init = ParamInit(rngs, dtype)
-        weight = init.normal
+        init = ParamInit(rngs, dtype, quant_plan)
+        weight = init.weight
+        self.matmul_backend = matmul_backend  # static: the quantized matmuls' backend
 
         self.input_norm = init.ones(H)
         self.post_attention_norm = init.ones(H)
-        self.q_proj, self.k_proj, self.v_proj = weight(H, q_dim), weight(H, kv_dim), weight(H, kv_dim)
-        self.o_proj = weight(q_dim, H)
+        self.q_proj, self.k_proj = weight("q_proj", H, q_dim), weight("k_proj", H, kv_dim)
+        self.v_proj = weight("v_proj", H, kv_dim)
+        self.o_proj = weight("o_proj", q_dim, H)
         if cfg.qkv_bias:
             self.q_bias = init.zeros(q_dim)
             self.k_bias = init.zeros(kv_dim)
             self.v_bias = init.zeros(kv_dim)
         if cfg.o_bias:
             self.o_bias = init.zeros(H)
-        self.gate_proj, self.up_proj, self.down_proj = weight(H, I), weight(H, I), weight(I, H)
+        self.gate_proj, self.up_proj = weight("gate_proj", H, I), weight("up_proj", H, I)
+        self.down_proj = weight("down_proj", I, H)
 
     def qkv(self, cfg: ArchConfig, h: jax.Array, positions: jax.Array,
             inv_freq: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """h [T, hidden] -> rotated q [T, Hq, D], rotated k and v [T, Hkv, D]."""
         num_tokens = h.shape[0]
         x = rms_norm(h, self.input_norm[...], cfg.rms_norm_eps)
-        q = project("th,hd->td", x, self.q_proj[...])
-        k = project("th,hd->td", x, self.k_proj[...])
-        v = project("th,hd->td", x, self.v_proj[...])
+        mm = self.matmul_backend
+        q = linear(x, self.q_proj, mm)
+        k = linear(x, self.k_proj, mm)
+        v = linear(x, self.v_proj, mm)
         if cfg.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         q = apply_rope(q.reshape(num_tokens, cfg.num_heads, cfg.head_dim), positions, inv_freq)
@@ -126,14 +169,15 @@ class DecoderLayer(nnx.Module):
 
     def finish(self, cfg: ArchConfig, h: jax.Array, attn: jax.Array) -> jax.Array:
         """The residual stream after attention (attn [T, Hq, D]) and the MLP: [T, hidden]."""
-        out = project("td,dh->th", attn.reshape(h.shape[0], -1), self.o_proj[...])
+        mm = self.matmul_backend
+        out = linear(attn.reshape(h.shape[0], -1), self.o_proj, mm)
         if cfg.o_bias:
             out = out + self.o_bias[...]
         h = h + out
         x = rms_norm(h, self.post_attention_norm[...], cfg.rms_norm_eps)
-        gate = project("th,hi->ti", x, self.gate_proj[...])
-        up = project("th,hi->ti", x, self.up_proj[...])
-        return h + project("ti,ih->th", jax.nn.silu(gate) * up, self.down_proj[...])
+        gate = linear(x, self.gate_proj, mm)
+        up = linear(x, self.up_proj, mm)
+        return h + linear(jax.nn.silu(gate) * up, self.down_proj, mm)
 
 
 class CausalLM(nnx.Module):
@@ -144,17 +188,25 @@ class CausalLM(nnx.Module):
 
     def __init__(self, cfg: ArchConfig, *, dtype: Any = jnp.float32,
                  attention_backend: str = "auto", rngs: nnx.Rngs | None,
-                 mesh: jax.sharding.Mesh | None = None) -> None:
+                 mesh: jax.sharding.Mesh | None = None,
+                 quant_plan: dict[str, QuantFormat] | None = None) -> None:
         self.cfg = cfg
         self.attention_backend = attention_backend
         self.mesh = mesh  # static: a one-axis ("tp") mesh, or None on one device
-        init = ParamInit(rngs, dtype)
-        self.embed = init.normal(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs)
+        # the C++ CPU kernels cannot be split by XLA over a mesh: the jnp form there
+        self.matmul_backend = "auto" if mesh is None else "reference"
+        init = ParamInit(rngs, dtype, quant_plan)
+        vocab, hidden = cfg.vocab_size, cfg.hidden_size
+        if "embed" in init.quant_plan:  # stored [hidden, vocab] (jaxpage.models.quantize)
+            self.embed = init.weight("embed", hidden, vocab)
+        else:
+            self.embed = init.normal(vocab, hidden)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs, quant_plan=quant_plan,
+                                             matmul_backend=self.matmul_backend)
                                 for _ in range(cfg.num_layers)])
-        self.final_norm = init.ones(cfg.hidden_size)
+        self.final_norm = init.ones(hidden)
         if not cfg.tie_word_embeddings:
-            self.lm_head = init.normal(cfg.hidden_size, cfg.vocab_size)
+            self.lm_head = init.weight("lm_head", hidden, vocab)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
                  batch: dict[str, jax.Array]) -> tuple[jax.Array, KVCache]:
@@ -164,7 +216,7 @@ class CausalLM(nnx.Module):
         attention = self._sharded(self._attention)
 
         k_cache, v_cache = kv_cache                   # [L, N, B, Hkv, D] each
-        h = self.embed[...][input_ids]                                     # [T, hidden]
+        h = self.embed_tokens(input_ids)                                   # [T, hidden]
         for index, layer in enumerate(self.layers):
             q, k, v = layer.qkv(cfg, h, positions, inv_freq)
             attn, k_cache, v_cache = attention(
@@ -201,10 +253,18 @@ class CausalLM(nnx.Module):
 
         return sharded
 
+    def embed_tokens(self, input_ids: jax.Array) -> jax.Array:
+        """input_ids int32 [T] -> embeddings [T, hidden] in the model dtype."""
+        if isinstance(self.embed, QuantizedWeight):
+            return gather_columns(self.embed.parts(), input_ids, self.final_norm[...].dtype)
+        return self.embed[...][input_ids]
+
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
-        if self.cfg.tie_word_embeddings:
-            logits = project("nh,vh->nv", hidden, self.embed[...])
+        if not self.cfg.tie_word_embeddings:
+            logits = linear(hidden, self.lm_head, self.matmul_backend)
+        elif isinstance(self.embed, QuantizedWeight):
+            logits = linear(hidden, self.embed, self.matmul_backend)
         else:
-            logits = project("nh,hv->nv", hidden, self.lm_head[...])
+            logits = project("nh,vh->nv", hidden, self.embed[...])
         return logits.astype(jnp.float32)

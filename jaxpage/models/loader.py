@@ -18,11 +18,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpage.arch_config import ArchConfig
+from jaxpage.models.hf_layout import place_arrays
 from jaxpage.models.presets import PREFIX as PRESET_PREFIX
 from jaxpage.models.presets import preset_config
+from jaxpage.models.quantize import (DEFAULT_GROUP_SIZE, QUANTIZABLE, QUANTIZATION_MODES,
+                                     QuantFormat, mode_plan, weight_dims)
 from jaxpage.models.registry import resolve_architecture
 from jaxpage.models.weight_sources import open_source
 from jaxpage.parallel.placement import Placement
@@ -53,6 +57,8 @@ class LoadedModel:
     path: str
     mesh: Any = None           # the replica's jax.sharding.Mesh, None on one device
     from_cache: bool = False   # params came from the converted-weights cache
+    quantization: str | None = None  # the mode the weights are stored in (None: floats)
+    quant_plan: dict[str, QuantFormat] | None = None  # parameter -> stored format
 
 
 def resolve_dtype(dtype: str) -> Any:
@@ -75,17 +81,28 @@ def resolve_model_path(path: str | None) -> str:
 
 def load_model(path: str | None, *, dtype: str = "float32", attention_backend: str = "auto",
                mesh: Any = None, hf_overrides: dict[str, Any] | None = None,
-               cache_dir: str | None = None) -> LoadedModel:
+               cache_dir: str | None = None, quantization: str | None = None,
+               quantization_group_size: int = DEFAULT_GROUP_SIZE) -> LoadedModel:
     """Load ``path`` (None: the embedded default); sharded over ``mesh`` when given.
+
+    ``quantization`` (``jaxpage.models.quantize``): ``"int8"`` / ``"int4"`` quantize the
+    linear weights and the embedding as they are read; ``"gguf"`` keeps a GGUF file's
+    Q8_0 / Q4_0 / Q4_1 blocks. An orbax checkpoint saved quantized restores as saved.
 
     ``hf_overrides`` replaces keys of the model's Hugging Face config before the model is
     built (e.g. fewer ``num_hidden_layers``: the first layers of the checkpoint are read).
     ``cache_dir``: where a source that converts (GGUF) keeps its converted params for the
     next start (``converted_cache``); None converts every time.
     """
+    if quantization is not None and quantization not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization={quantization!r} is not supported; choose one of "
+                         f"{QUANTIZATION_MODES} or None")
     path = resolve_model_path(path)
     if path.startswith(PRESET_PREFIX):
-        return _random_preset(path, dtype, attention_backend, mesh, hf_overrides)
+        if quantization == "gguf":
+            raise ValueError(f"quantization='gguf' needs a GGUF file, not {path!r}")
+        return _random_preset(path, dtype, attention_backend, mesh, hf_overrides,
+                              quantization, quantization_group_size)
     source = open_source(path, cache_dir)
     if hf_overrides and getattr(source, "architecture_is_saved", False):
         raise ValueError(f"hf_overrides={hf_overrides!r} cannot change the architecture saved "
@@ -96,21 +113,59 @@ def load_model(path: str | None, *, dtype: str = "float32", attention_backend: s
     run_arch = source.run_arch(arch, placement.tp_size)
     jdtype = resolve_dtype(source.saved_dtype if dtype == "auto" and source.saved_dtype
                            else dtype)
+    quantization, plan = _source_plan(source, path, run_arch, quantization,
+                                      quantization_group_size)
     # rngs=None: parameter shapes only, no arrays and nothing traced (llama.ParamInit)
     abstract = model_cls(run_arch, dtype=jdtype, attention_backend=attention_backend,
-                         rngs=None, mesh=mesh)
+                         rngs=None, mesh=mesh, quant_plan=plan)
     graphdef, state = nnx.split(abstract)
     pure = source.read_params(arch, run_arch, nnx.to_pure_dict(state), placement, jdtype)
     nnx.replace_by_pure_dict(state, pure)
     return LoadedModel(nnx.merge(graphdef, state), run_arch, hf_config, path, mesh,
-                       from_cache=getattr(source, "from_cache", False))
+                       from_cache=getattr(source, "from_cache", False),
+                       quantization=quantization, quant_plan=plan)
+
+
+def quantizable_dims(arch: ArchConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) of every parameter a plan may name, for ``arch`` as run."""
+    q_dim, kv_dim = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    names = [n for n in QUANTIZABLE if n != "lm_head" or not arch.tie_word_embeddings]
+    return {n: weight_dims(n, arch.hidden_size, arch.intermediate_size, q_dim, kv_dim,
+                           arch.vocab_size) for n in names}
+
+
+def _source_plan(source: Any, path: str, run_arch: ArchConfig, quantization: str | None,
+                 group_size: int) -> tuple[str | None, dict[str, QuantFormat]]:
+    """(mode, plan) for a checkpoint source; the plan is also set on the source."""
+    saved = getattr(source, "saved_quantization", None)
+    if saved is not None or getattr(source, "architecture_is_saved", False):
+        if quantization not in (None, saved):
+            raise ValueError(f"{path} was saved with quantization={saved!r}; it cannot be "
+                             f"loaded with quantization={quantization!r}: load the original "
+                             "checkpoint to quantize it differently")
+        return saved, dict(getattr(source, "quant_plan", {}) or {})
+    if quantization is None:
+        plan: dict[str, QuantFormat] = {}
+    elif quantization == "gguf":
+        if not hasattr(source, "gguf_plan"):
+            raise ValueError(f"quantization='gguf' keeps a GGUF file's quantized blocks; "
+                             f"{path!r} is not a GGUF file (use 'int8' or 'int4')")
+        plan = source.gguf_plan(run_arch)
+    else:
+        plan = mode_plan(quantization, quantizable_dims(run_arch), group_size)
+    source.quant_plan = plan
+    return quantization, plan
 
 
 def _random_preset(name: str, dtype: str, attention_backend: str, mesh: Any,
-                   hf_overrides: dict[str, Any] | None) -> LoadedModel:
+                   hf_overrides: dict[str, Any] | None, quantization: str | None = None,
+                   group_size: int = DEFAULT_GROUP_SIZE) -> LoadedModel:
     hf_config = with_overrides(preset_config(name), hf_overrides)
     model_cls, arch = resolve_architecture(hf_config)
     jdtype = resolve_dtype(dtype)
+    if quantization is not None:
+        return _quantized_preset(name, hf_config, model_cls, arch, jdtype, attention_backend,
+                                 mesh, quantization, group_size)
     if mesh is None:
         model = model_cls(arch, dtype=jdtype, attention_backend=attention_backend,
                           rngs=nnx.Rngs(0))
@@ -124,3 +179,23 @@ def _random_preset(name: str, dtype: str, attention_backend: str, mesh: Any,
     state = jax.jit(lambda: nnx.split(build())[1],
                     out_shardings=placement.state_shardings(abstract_state))()
     return LoadedModel(nnx.merge(graphdef, state), arch, hf_config, name, mesh)
+
+
+def _quantized_preset(name: str, hf_config: dict[str, Any], model_cls: Any, arch: ArchConfig,
+                      jdtype: Any, attention_backend: str, mesh: Any, quantization: str,
+                      group_size: int) -> LoadedModel:
+    """A preset's random float weights, quantized on the host and placed."""
+    placement = Placement(mesh)
+    arch = replicated_arch(arch, placement.tp_size) if mesh is not None else arch
+    floats = nnx.to_pure_dict(nnx.split(model_cls(arch, dtype=jdtype, rngs=nnx.Rngs(0)))[1])
+    plan = mode_plan(quantization, quantizable_dims(arch), group_size)
+    abstract = model_cls(arch, dtype=jdtype, attention_backend=attention_backend, rngs=None,
+                         mesh=mesh, quant_plan=plan)
+    graphdef, state = nnx.split(abstract)
+    leaves = jax.tree_util.tree_flatten_with_path(floats)[0]
+    arrays = ((tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path),
+               np.asarray(leaf)) for path, leaf in leaves)
+    pure = place_arrays(arrays, placement, jdtype, plan)
+    nnx.replace_by_pure_dict(state, pure)
+    return LoadedModel(nnx.merge(graphdef, state), arch, hf_config, name, mesh,
+                       quantization=quantization, quant_plan=plan)

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpage.parallel.sharding_rules import KV_CACHE_SPEC, TP, param_spec
+from jaxpage.parallel.sharding_rules import KV_CACHE_SPEC, QUANTIZED_PARTS, TP, param_spec
 
 
 def build_mesh(devices: Sequence[jax.Device]) -> Mesh:
@@ -45,12 +45,15 @@ def replica_meshes(tensor_parallel_size: int, data_parallel_size: int) -> list[M
 
 
 def _path_name(path: tuple) -> str:
-    """The parameter name of a pytree path: its last dict / attribute key."""
-    for entry in reversed(path):
-        key = getattr(entry, "key", getattr(entry, "name", None))
-        if isinstance(key, str) and key != "value":
-            return key
-    raise ValueError(f"cannot name the parameter at path {path}")
+    """The parameter name of a pytree path: its last dict / attribute key; for a part of a
+    quantized weight, ``"{param}.{part}"`` (``sharding_rules.param_spec``)."""
+    keys = [key for key in (getattr(entry, "key", getattr(entry, "name", None))
+                            for entry in path) if isinstance(key, str) and key != "value"]
+    if not keys:
+        raise ValueError(f"cannot name the parameter at path {path}")
+    if keys[-1] in QUANTIZED_PARTS and len(keys) > 1:
+        return f"{keys[-2]}.{keys[-1]}"
+    return keys[-1]
 
 
 class Placement:

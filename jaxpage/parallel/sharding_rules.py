@@ -45,11 +45,35 @@ KV_CACHE_SPEC = P(None, None, None, TP, None)  # [L, num_blocks, block_size, kv_
 VOCAB_PARAMS = ("embed", "lm_head")
 
 
+QUANTIZED_PARTS = ("codes", "scale", "zero")  # jaxpage.models.quantize's parts of a weight
+
+
 def param_spec(name: str, shape: tuple[int, ...], tp_size: int) -> P:
-    """The spec of parameter ``name``; vocab tables that do not divide are replicated."""
+    """The spec of parameter ``name``; vocab tables that do not divide are replicated.
+
+    A quantized weight's parts are named ``"{param}.{part}"``: its ``codes`` [K (or K/2),
+    N] split as the weight is; its ``scale`` / ``zero`` [G, N] split by N where the weight
+    is, and by groups where the weight is split by K and the groups divide (per-channel
+    scales, one group, are replicated). A quantized ``embed`` is stored [hidden, vocab].
+    """
+    if "." in name:
+        return _part_spec(name, shape, tp_size)
     if name not in PARAM_SPECS:
         raise ValueError(f"no tensor-parallel sharding rule for parameter {name!r}")
-    spec = PARAM_SPECS[name]
+    return _checked(name, PARAM_SPECS[name], shape, tp_size)
+
+
+def _part_spec(name: str, shape: tuple[int, ...], tp_size: int) -> P:
+    param, part = name.split(".", 1)
+    if param not in PARAM_SPECS or part not in QUANTIZED_PARTS:
+        raise ValueError(f"no tensor-parallel sharding rule for parameter {name!r}")
+    spec = P(None, TP) if param == "embed" else PARAM_SPECS[param]
+    if part != "codes" and spec[0] == TP and shape[0] % tp_size:
+        spec = P(None, spec[1])  # too few groups to split: every device holds them all
+    return _checked(param, spec, shape, tp_size)
+
+
+def _checked(name: str, spec: P, shape: tuple[int, ...], tp_size: int) -> P:
     for dim, axis in enumerate(spec):
         if axis is not None and shape[dim] % tp_size:
             if name in VOCAB_PARAMS:

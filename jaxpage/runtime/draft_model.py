@@ -97,7 +97,7 @@ class DraftModelProposer:
                                                                  block_ladder)
         graphdef, state = nnx.split(draft.model)
         self.params = nnx.to_pure_dict(state)
-        dtype = draft.model.embed[...].dtype
+        dtype = draft.model.final_norm[...].dtype
         self.kv_cache = allocate_kv_cache(draft.arch, num_blocks, self.block_size, dtype)
         self._fill = jax.jit(_fill_program(graphdef), donate_argnums=(1,))
         self._propose = jax.jit(_propose_program(graphdef, config.num_speculative_tokens),

@@ -107,7 +107,7 @@ class ModelRunner:
         # in C++ on each call; an nnx.State's Variables flatten in Python, ~1 us per leaf
         # per call (SmolLM2 has 273 leaves). Same arrays, no copy.
         self.params = nnx.to_pure_dict(self.state)
-        self.dtype = dtype = loaded.model.embed[...].dtype
+        self.dtype = dtype = loaded.model.final_norm[...].dtype
         self.kv_cache = allocate_kv_cache(self.arch, num_blocks, block_size, dtype,
                                           self.placement.kv_sharding)
         block_shape = (self.arch.num_layers,) + self.kv_cache[0].shape[2:]

@@ -1,0 +1,210 @@
+"""Weight-only quantization at load time, on the host, one tensor at a time.
+
+A *plan* says which parameters are stored quantized and how: ``{name: QuantFormat}`` for
+the parameter names of ``QUANTIZABLE`` (the same format in every layer). The formats are
+those of ``pallas_kernels.quantized_matmul``: 8-bit symmetric codes with a scale per
+group of rows, or 4-bit asymmetric codes (two per byte) with a scale and a zero.
+
+Modes (``quantization=``):
+
+* ``"int8"``: every linear weight, the embedding and the LM head in 8 bits, one scale per
+  output channel (``groups=1``).
+* ``"int4"``: the same weights in 4 bits, a scale and zero per group of ``group_size``
+  rows (128 by default; the largest power of two up to it that divides the input size
+  when it does not: SmolLM2's hidden size 576 gets groups of 64).
+* ``"gguf"``: a GGUF file's Q8_0, Q4_0 and Q4_1 tensors as stored (blocks of 32 along the
+  input, repacked once into the formats above, bit for bit the same weights); tensors of
+  other types are dequantized to the model dtype as without quantization.
+
+The embedding table is stored quantized as ``[hidden, vocab]`` (the layout a tied LM
+head multiplies by, one scale per vocabulary row for int8); a lookup converts only the
+rows it reads (``quantized_matmul.gather_columns``). Norms and biases stay in the model
+dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+QUANTIZATION_MODES = ("int8", "int4", "gguf")
+QUANTIZABLE = ("embed", "lm_head", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+               "up_proj", "down_proj")
+PARTS = ("codes", "scale", "zero")
+DEFAULT_GROUP_SIZE = 128
+GGUF_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """How one parameter is stored: ``bits`` 8 (symmetric) or 4 (asymmetric, packed), with
+    a scale per group of ``group_size`` input rows (``None``: one group, per channel)."""
+
+    bits: int
+    group_size: int | None = None
+
+    def groups(self, in_features: int) -> int:
+        return 1 if self.group_size is None else in_features // self.group_size
+
+    def shapes(self, in_features: int, out_features: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """part name -> (shape, numpy dtype) of the stored weight."""
+        g = self.groups(in_features)
+        if self.bits == 8:
+            return {"codes": ((in_features, out_features), np.int8),
+                    "scale": ((g, out_features), np.float32)}
+        return {"codes": ((in_features // 2, out_features), np.uint8),
+                "scale": ((g, out_features), np.float32),
+                "zero": ((g, out_features), np.float32)}
+
+    def to_json(self) -> list:
+        return [self.bits, self.group_size]
+
+
+def int4_group_size(in_features: int, requested: int = DEFAULT_GROUP_SIZE) -> int:
+    """The largest power of two <= ``requested`` dividing ``in_features`` (at least 2)."""
+    size = 1 << (max(requested, 2).bit_length() - 1)
+    while size > 2 and in_features % size:
+        size //= 2
+    if in_features % size:
+        raise ValueError(f"int4 quantization needs an even input size, got {in_features}")
+    return size
+
+
+def weight_dims(name: str, hidden: int, intermediate: int, q_dim: int, kv_dim: int,
+                vocab: int) -> tuple[int, int]:
+    """(in_features, out_features) of a quantizable parameter; the embedding's are
+    (hidden, vocab), as stored quantized."""
+    return {"embed": (hidden, vocab), "lm_head": (hidden, vocab), "q_proj": (hidden, q_dim),
+            "k_proj": (hidden, kv_dim), "v_proj": (hidden, kv_dim), "o_proj": (q_dim, hidden),
+            "gate_proj": (hidden, intermediate), "up_proj": (hidden, intermediate),
+            "down_proj": (intermediate, hidden)}[name]
+
+
+def mode_plan(mode: str, dims: dict[str, tuple[int, int]],
+              group_size: int = DEFAULT_GROUP_SIZE) -> dict[str, QuantFormat]:
+    """The plan of ``"int8"`` or ``"int4"`` for parameters of (in, out) sizes ``dims``."""
+    if mode == "int8":
+        return {name: QuantFormat(8) for name in dims}
+    if mode == "int4":
+        return {name: QuantFormat(4, int4_group_size(k, group_size))
+                for name, (k, _) in dims.items()}
+    raise ValueError(f"quantization={mode!r} has no fixed plan")
+
+
+def plan_to_json(plan: dict[str, QuantFormat]) -> dict[str, list]:
+    return {name: fmt.to_json() for name, fmt in plan.items()}
+
+
+def plan_from_json(data: dict[str, list] | None) -> dict[str, QuantFormat]:
+    return {name: QuantFormat(int(bits), None if group is None else int(group))
+            for name, (bits, group) in (data or {}).items()}
+
+
+def pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """uint8 [K, N] in 0..15 -> uint8 [K / 2, N]: row 2i low nibble, row 2i + 1 high."""
+    return (q[0::2] | (q[1::2] << 4)).astype(np.uint8)
+
+
+def quantize(weight: np.ndarray, fmt: QuantFormat) -> dict[str, np.ndarray]:
+    """A float weight [K, N] -> its stored parts in ``fmt``."""
+    w = np.asarray(weight, np.float32)
+    k, n = w.shape
+    g = fmt.groups(k)
+    grouped = w.reshape(g, k // g, n)
+    if fmt.bits == 8:
+        scale = np.abs(grouped).max(axis=1) / 127.0                          # [G, N]
+        scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+        codes = np.clip(np.rint(grouped / scale[:, None, :]), -127, 127).astype(np.int8)
+        return {"codes": codes.reshape(k, n), "scale": scale}
+    low, high = grouped.min(axis=1), grouped.max(axis=1)                     # [G, N]
+    scale = ((high - low) / 15.0).astype(np.float32)
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    q = np.clip(np.rint((grouped - low[:, None, :]) / scale[:, None, :]), 0, 15)
+    return {"codes": pack_nibbles(q.astype(np.uint8).reshape(k, n)), "scale": scale,
+            "zero": low.astype(np.float32)}
+
+
+def dequantize(parts: dict[str, np.ndarray]) -> np.ndarray:
+    """Stored parts -> the float32 weight [K, N] they stand for (host side, for checks)."""
+    scale = parts["scale"]
+    if "zero" in parts:
+        packed = parts["codes"]
+        q = np.empty((2 * packed.shape[0], packed.shape[1]), np.uint8)
+        q[0::2], q[1::2] = packed & 15, packed >> 4
+    else:
+        q = parts["codes"]
+    k, n = q.shape
+    g = scale.shape[0]
+    w = q.reshape(g, k // g, n).astype(np.float32) * scale[:, None, :]
+    if "zero" in parts:
+        w = w + parts["zero"][:, None, :]
+    return w.reshape(k, n)
+
+
+def quantize_arrays(arrays: Iterable[tuple[tuple, Any]],
+                    plan: dict[str, QuantFormat]) -> Iterator[tuple[tuple, Any]]:
+    """(path keys, host array) pairs with the planned ones replaced by their parts.
+
+    A source may yield a planned parameter already quantized (a dict of parts, e.g. GGUF
+    blocks kept); those pass through. The embedding arrives ``[vocab, hidden]`` and is
+    stored ``[hidden, vocab]``.
+    """
+    for keys, array in arrays:
+        fmt = plan.get(keys[-1])
+        if fmt is None:
+            yield keys, array
+            continue
+        if not isinstance(array, dict):
+            if keys[-1] == "embed":
+                array = np.asarray(array).T
+            array = quantize(array, fmt)
+        for part, value in array.items():
+            yield (*keys, part), value
+
+
+# --- GGUF blocks ---------------------------------------------------------------------
+
+GGUF_KEPT = {"Q8_0": QuantFormat(8, GGUF_BLOCK), "Q4_0": QuantFormat(4, GGUF_BLOCK),
+             "Q4_1": QuantFormat(4, GGUF_BLOCK)}
+
+
+def gguf_parts(raw: np.ndarray, type_name: str, out_features: int,
+               in_features: int) -> dict[str, np.ndarray]:
+    """A GGUF tensor's raw blocks (uint8 [out, in / 32 * block bytes], HF's [out, in]
+    orientation) -> its parts in our [in, out] layout, the same weights bit for bit.
+
+    Q8_0 block: float16 d, 32 int8 q; w = d q.  Q4_0: float16 d, 16 bytes (element j in
+    the low nibble of byte j, element j + 16 in the high nibble); w = d (q - 8).
+    Q4_1: float16 d, float16 m, 16 bytes as Q4_0; w = d q + m.
+    """
+    blocks = in_features // GGUF_BLOCK
+    data = np.ascontiguousarray(raw).reshape(out_features, blocks, -1)
+    d = data[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)      # [out, blocks]
+    if type_name == "Q8_0":
+        q = data[..., 2:34].copy().view(np.int8).reshape(out_features, in_features)
+        return {"codes": np.ascontiguousarray(q.T),
+                "scale": np.ascontiguousarray(d.T)}
+    if type_name == "Q4_1":
+        zero = data[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        packed = data[..., 4:20]
+    elif type_name == "Q4_0":
+        zero = -8.0 * d
+        packed = data[..., 2:18]
+    else:
+        raise ValueError(f"GGUF type {type_name} is not kept quantized")
+    q = np.concatenate([packed & 15, packed >> 4], axis=-1)              # [out, blocks, 32]
+    q = q.reshape(out_features, in_features)
+    return {"codes": pack_nibbles(np.ascontiguousarray(q.T)),
+            "scale": np.ascontiguousarray(d.T), "zero": np.ascontiguousarray(zero.T)}
+
+
+def stored_bytes(tree: Any) -> int:
+    """Bytes of every array leaf of a nested dict (device or host arrays)."""
+    if isinstance(tree, dict):
+        return sum(stored_bytes(value) for value in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(stored_bytes(value) for value in tree)
+    size = getattr(tree, "nbytes", None)
+    return int(size) if size is not None else 0
