@@ -53,7 +53,7 @@ ENGINE_FLAGS = {
     "bucket_growth": (int, "factor between bucket rungs (2: powers of two; larger: fewer programs)"),
     "quantization": (str, "weight-only quantization: int8, int4 or gguf (keep a GGUF file's "
                      "Q8_0/Q4_0/Q4_1 blocks)"),
-    "quantization_group_size": (int, "int4: input rows per scale (default 128)"),
+    "quantization_group_size": (int, "int8 / int4: input rows per scale (default 128; 0: per output channel)"),
     "hf_overrides": (_json_object, "JSON object of Hugging Face config keys to replace"),
     "speculative_config": (_json_object, "speculative decoding as a JSON object, e.g. "
                            "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'"),

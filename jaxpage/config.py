@@ -43,7 +43,7 @@ class ModelConfig:
     # Weight-only quantization: None (as stored, dequantized), "int8" (per output channel),
     # "int4" (grouped), "gguf" (a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks kept as stored)
     quantization: str | None = None
-    quantization_group_size: int = 128  # int4: input rows per scale
+    quantization_group_size: int = 128  # int8 / int4: input rows per scale; 0: per channel
 
     def __post_init__(self) -> None:
         _require(self.quantization in SUPPORTED_QUANTIZATION,
@@ -51,9 +51,9 @@ class ModelConfig:
                  f"{SUPPORTED_QUANTIZATION}")
         _require(isinstance(self.quantization_group_size, int)
                  and not isinstance(self.quantization_group_size, bool)
-                 and self.quantization_group_size >= 2,
-                 f"quantization_group_size={self.quantization_group_size!r} must be an "
-                 "integer >= 2")
+                 and (self.quantization_group_size == 0 or self.quantization_group_size >= 2),
+                 f"quantization_group_size={self.quantization_group_size!r} must be 0 (one "
+                 "scale per output channel) or an integer >= 2")
         _require(self.hf_overrides is None or (isinstance(self.hf_overrides, dict)
                                                and all(isinstance(k, str)
                                                        for k in self.hf_overrides)),

@@ -35,6 +35,7 @@ from jaxpage.engine.prompt_logits import prompt_logits
 from jaxpage.engine.request_groups import RequestGroups
 from jaxpage.engine.structured_outputs import CompiledGrammar, GrammarCompiler
 from jaxpage.engine.tokenizer import cache_dir, load_tokenizer
+from jaxpage.models.quantize import stored_bytes
 from jaxpage.models.loader import load_model, resolve_model_path
 from jaxpage.outputs import RequestOutput
 from jaxpage.parallel.placement import default_mesh
@@ -130,9 +131,14 @@ class LLMEngine:
             max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
             num_penalty_slots=self.runner.penalty_table.shape[0],
             bucket_growth=config.scheduler.bucket_growth)
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)", num_kv_blocks,
-                    block_size, num_kv_blocks * block_size,
-                    num_kv_blocks * bytes_per_block(self.arch, block_size, dtype) / 2**20)
+        self.quantization = loaded.quantization
+        self.weight_bytes = stored_bytes(self.runner.params)  # every device's share together
+        self.kv_bytes_per_block = bytes_per_block(self.arch, block_size, dtype)
+        logger.info("weights: %.1f MiB (quantization=%s)", self.weight_bytes / 2**20,
+                    self.quantization)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %d bytes a block)",
+                    num_kv_blocks, block_size, num_kv_blocks * block_size,
+                    num_kv_blocks * self.kv_bytes_per_block / 2**20, self.kv_bytes_per_block)
         self.tokenizer = tokenizer.result()
         if draft is not None:
             self._attach_draft(loaded, draft, speculation, num_kv_blocks)
@@ -378,4 +384,6 @@ class LLMEngine:
     def get_stats(self) -> dict[str, Any]:
         free = self.block_pool.num_free_blocks
         return {"num_kv_blocks": self.num_kv_blocks, "num_free_blocks": free,
+                "quantization": self.quantization, "weight_bytes": self.weight_bytes,
+                "kv_bytes_per_block": self.kv_bytes_per_block,
                 **self.scheduler.stats(), "kv_usage": 1.0 - free / self.num_kv_blocks}

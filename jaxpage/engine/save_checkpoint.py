@@ -13,6 +13,7 @@ from typing import Any
 import jax
 
 from jaxpage.models import orbax_source
+from jaxpage.models.quantize import plan_to_json
 
 
 def save_checkpoint(engine: Any, path: str) -> str:
@@ -24,7 +25,9 @@ def save_checkpoint(engine: Any, path: str) -> str:
     runner = replica.runner
     metadata = {"format": orbax_source.FORMAT, "hf_config": runner.hf_config,
                 "arch": dataclasses.asdict(runner.arch), "dtype": str(runner.dtype),
-                "tensor_parallel_size": runner.placement.tp_size}
+                "tensor_parallel_size": runner.placement.tp_size,
+                "quantization": getattr(runner, "quantization", None),
+                "quant_plan": plan_to_json(getattr(runner, "quant_plan", None) or {})}
     os.makedirs(path, exist_ok=True)
     if hasattr(runner, "mirror_call"):  # several processes: every one writes its shards
         runner.mirror_call(f"{orbax_source.__name__}:save_state", path, metadata)

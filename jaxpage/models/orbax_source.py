@@ -25,6 +25,7 @@ import jax
 from flax import nnx
 
 from jaxpage.arch_config import ArchConfig
+from jaxpage.models.quantize import plan_from_json
 from jaxpage.parallel.placement import Placement
 from jaxpage.parallel.sharding_rules import kv_heads_for
 
@@ -87,6 +88,9 @@ class OrbaxSource:
         self.metadata = metadata
         self.hf_config: dict[str, Any] = metadata["hf_config"]
         self.saved_dtype: str | None = metadata["dtype"]  # what dtype="auto" restores as
+        # weights saved quantized restore as saved (jaxpage.models.quantize)
+        self.saved_quantization: str | None = metadata.get("quantization")
+        self.quant_plan = plan_from_json(metadata.get("quant_plan"))
 
     def run_arch(self, arch: ArchConfig, tp_size: int) -> ArchConfig:
         """The architecture as saved (KV heads already repeated); ``tp_size`` must fit it."""

@@ -101,6 +101,8 @@ class ModelRunner:
                  executable_dir: str | None = None) -> None:
         self.arch = loaded.arch
         self.hf_config = loaded.hf_config
+        self.quantization = loaded.quantization  # how the weights are stored (None: floats)
+        self.quant_plan = loaded.quant_plan or {}
         self.placement = Placement(loaded.mesh)
         graphdef, self.state = nnx.split(loaded.model)
         # What every program takes: the params as a plain dict of arrays. jax flattens it

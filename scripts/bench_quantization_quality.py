@@ -1,0 +1,118 @@
+"""Quality of weight-only quantization on SmolLM2 against the float32 model, on real text.
+
+The text is the repository's own docs and source (at least ``--tokens`` tokens), cut into
+windows of ``--window`` tokens. For each option: perplexity, the mean per-token KL
+divergence KL(float32 || option) of the next-token distribution, and greedy continuations
+of 16 prompts compared with float32's (how many agree on their first 16 tokens).
+
+    python scripts/bench_quantization_quality.py [--options int8,int4,gguf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+GREEDY_PROMPTS = [
+    "The capital of France is", "def fibonacci(n):", "Once upon a time there was",
+    "Water boils at", "The three primary colors are", "import numpy as np\n",
+    "My favourite book is", "The theory of relativity says", "To make a cup of tea,",
+    "In 1969, the first", "SELECT name FROM", "The best way to learn a language is",
+    "Photosynthesis is the process", "class Stack:\n", "The largest ocean on Earth is",
+    "Dear Sir or Madam,"]
+
+
+def corpus_text() -> str:
+    files = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    files += sorted(glob.glob(os.path.join(ROOT, "jaxpage", "**", "*.py"), recursive=True))
+    return "\n\n".join(open(f, encoding="utf-8").read() for f in files)
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def evaluate(option: str | None, windows: list[list[int]], reference: list[np.ndarray] | None,
+             engine: dict) -> dict:
+    from jaxpage import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(quantization=option, **engine)
+    stats = llm.get_stats()
+    nll, kl, count = 0.0, 0.0, 0
+    logprobs_out = []
+    for i, ids in enumerate(windows):
+        logits = llm.llm_engine.prompt_logits([{"prompt_token_ids": ids}])[0]   # [T, V]
+        logp = log_softmax(logits[:-1].astype(np.float64))
+        nll -= logp[np.arange(len(ids) - 1), ids[1:]].sum()
+        count += len(ids) - 1
+        if reference is None:
+            logprobs_out.append(logp.astype(np.float32))
+        else:
+            ref = reference[i].astype(np.float64)
+            kl += (np.exp(ref) * (ref - logp)).sum()
+    outs = llm.generate(GREEDY_PROMPTS, SamplingParams(temperature=0, max_tokens=16),
+                        use_tqdm=False)
+    return {"option": option or "float32", "weight_bytes": stats["weight_bytes"],
+            "perplexity": float(np.exp(nll / count)),
+            "kl": None if reference is None else float(kl / count), "tokens": count,
+            "greedy": [list(o.outputs[0].token_ids) for o in outs],
+            "seconds": time.perf_counter() - start, "_logprobs": logprobs_out}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--options", default="int8,int4,gguf")
+    parser.add_argument("--tokens", type=int, default=20480)
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks",
+                                                      "quantization_quality.json"))
+    args = parser.parse_args()
+    from jaxpage.engine.tokenizer import load_tokenizer
+    from jaxpage.models.loader import default_model_path
+
+    tokenizer = load_tokenizer(default_model_path(), None)
+    ids = tokenizer(corpus_text()).input_ids
+    if len(ids) < args.tokens:
+        raise SystemExit(f"the corpus has {len(ids)} tokens, fewer than --tokens={args.tokens}")
+    ids = ids[:args.tokens]
+    windows = [ids[i:i + args.window] for i in range(0, len(ids), args.window)]
+    engine = dict(max_model_len=args.window + 32, max_num_seqs=16,
+                  max_num_batched_tokens=args.window, num_kv_blocks=4 * args.window // 16 + 64)
+    base = evaluate(None, windows, None, engine)
+    reference = base.pop("_logprobs")
+    rows = [base]
+    for option in [o for o in args.options.split(",") if o]:
+        row = evaluate(option, windows, reference, engine)
+        row.pop("_logprobs")
+        rows.append(row)
+    print(f"SmolLM2-135M-Instruct, {len(ids)} tokens of the repository's docs and source, "
+          f"windows of {args.window}")
+    print("| weights | weight MiB | vs float32 | perplexity | vs float32 | mean KL | "
+          "greedy 16/16 agree |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        agree = sum(g == b for g, b in zip(row["greedy"], base["greedy"]))
+        row["greedy_agree"] = agree
+        kl = "-" if row["kl"] is None else f"{row['kl']:.4f}"
+        print(f"| {row['option']} | {row['weight_bytes'] / 2**20:.1f} | "
+              f"{row['weight_bytes'] / base['weight_bytes']:.1%} | {row['perplexity']:.3f} | "
+              f"{row['perplexity'] / base['perplexity'] - 1:+.2%} | {kl} | {agree}/16 |")
+    with open(args.out, "w") as f:
+        json.dump({"date": datetime.datetime.utcnow().isoformat(timespec="minutes"),
+                   "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
