@@ -60,11 +60,15 @@ def jaxpage_engine_options(args, workload: Workload) -> dict:
 
 def run_jaxpage(args, model, workload: Workload, config: str, log) -> dict:
     """One engine configuration: "K" (``num_scheduler_steps``) or "Ksync" (the same with
-    asynchronous scheduling turned off, on engines that have that option)."""
+    asynchronous scheduling turned off, on engines that have that option), optionally
+    followed by ":int8", ":int4" or ":gguf" (weight quantization)."""
     from jaxpage import LLM, SamplingParams
 
-    num_steps = int(config.removesuffix("sync"))
-    extra = {"async_scheduling": False} if config.endswith("sync") else {}
+    steps, _, quantization = config.partition(":")
+    num_steps = int(steps.removesuffix("sync"))
+    extra = {"async_scheduling": False} if steps.endswith("sync") else {}
+    if quantization:
+        extra["quantization"] = quantization
     began = time.perf_counter()
     llm = LLM(model, num_scheduler_steps=num_steps, warmup=(args.warmup == "buckets"),
               **jaxpage_engine_options(args, workload), **extra)
@@ -84,7 +88,9 @@ def run_jaxpage(args, model, workload: Workload, config: str, log) -> dict:
     wanted = [r.output_len for r in workload.requests]
     if made != wanted:
         raise RuntimeError("jaxpage generated a different number of tokens than requested")
-    row = {"system": f"jaxpage (K={config})", "num_scheduler_steps": num_steps, "config": config,
+    row = {"system": f"jaxpage (K={steps}{', ' + quantization if quantization else ''})",
+           "num_scheduler_steps": num_steps, "config": config,
+           "quantization": quantization or None, "weight_bytes": engine.weight_bytes,
            "load_s": load_s, "num_kv_blocks": engine.num_kv_blocks, **rates(workload, wall)}
     if args.profile:
         p = engine.step_profile
@@ -208,7 +214,9 @@ def parse_args(argv=None):
     parser.add_argument("--systems", default="jaxpage,hf", help="comma list of jaxpage, hf")
     parser.add_argument("--steps", default="8",
                         help="jaxpage configurations: num_scheduler_steps values, each "
-                             "optionally with 'sync' (asynchronous scheduling off)")
+                             "optionally with 'sync' (asynchronous scheduling off) and "
+                             "':int8', ':int4' or ':gguf' (weight quantization), e.g. "
+                             "8,8:int8,1:gguf")
     parser.add_argument("--profile", action="store_true", help="report jaxpage's host/device split")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="default: the workload's longest prompt + output")
@@ -237,9 +245,11 @@ def parse_args(argv=None):
         parser.error(f"--systems={args.systems!r}: each must be 'jaxpage' or 'hf'")
     args.systems = systems
     args.steps = [k.strip() for k in args.steps.split(",") if k.strip()]
-    if not args.steps or not all(k.removesuffix("sync").isdigit() for k in args.steps):
+    if not args.steps or not all(
+            k.partition(":")[0].removesuffix("sync").isdigit()
+            and k.partition(":")[2] in ("", "int8", "int4", "gguf") for k in args.steps):
         parser.error(f"--steps={','.join(args.steps)!r} must be a comma list of integers, "
-                     "each optionally followed by 'sync'")
+                     "each optionally followed by 'sync' and ':int8', ':int4' or ':gguf'")
     if args.hf_batch_size != "auto" and not args.hf_batch_size.isdigit():
         parser.error(f"--hf-batch-size={args.hf_batch_size!r} must be an integer or 'auto'")
     return args

@@ -107,8 +107,25 @@ void MatmulTile(const float* x, const void* codes, const float* scale, const flo
         }
       }
     } else {
-      for (int64_t k = k_begin; k < k_end; ++k) {
-        RowS8(static_cast<const int8_t*>(codes), k, d, n0, nb, w0);
+      // Four rows of codes per pass over the accumulators (one pass per row made the
+      // loads and stores of `part`, not the codes, the bound: slower than float32).
+      alignas(64) float w2[kTileCols], w3[kTileCols];
+      const int8_t* q8 = static_cast<const int8_t*>(codes);
+      int64_t k = k_begin;
+      for (; k + 4 <= k_end; k += 4) {
+        RowS8(q8, k, d, n0, nb, w0);
+        RowS8(q8, k + 1, d, n0, nb, w1);
+        RowS8(q8, k + 2, d, n0, nb, w2);
+        RowS8(q8, k + 3, d, n0, nb, w3);
+        for (int64_t r = 0; r < mb; ++r) {
+          const float* xr = x + (m0 + r) * d.k + k;
+          const float a = xr[0], b = xr[1], c = xr[2], e = xr[3];
+          float* p = part[r];
+          for (int64_t j = 0; j < nb; ++j) p[j] += a * w0[j] + b * w1[j] + c * w2[j] + e * w3[j];
+        }
+      }
+      for (; k < k_end; ++k) {
+        RowS8(q8, k, d, n0, nb, w0);
         for (int64_t r = 0; r < mb; ++r) {
           const float a = x[(m0 + r) * d.k + k];
           float* p = part[r];
