@@ -44,6 +44,8 @@ ENGINE_FLAGS = {
     "kv_cache_memory": (int, "bytes for the KV cache when --num-kv-blocks is unset"),
     "memory_utilization": (float, "share of device memory to use (devices with memory stats)"),
     "enable_prefix_caching": (_bool, "reuse KV blocks of shared prompt prefixes (true/false)"),
+    "kv_cache_dtype": (str, "auto (model dtype), int8, fp8 (e4m3) or fp8_e5m2: one byte per "
+                       "cached element"),
     "swap_space": (float, "GiB of host memory for swapped-out KV blocks"),
     "scheduling_policy": (str, "fcfs or priority"),
     "priority_aging_steps": (int, "steps of waiting that improve a priority by one"),
@@ -53,7 +55,7 @@ ENGINE_FLAGS = {
     "bucket_growth": (int, "factor between bucket rungs (2: powers of two; larger: fewer programs)"),
     "quantization": (str, "weight-only quantization: int8, int4 or gguf (keep a GGUF file's "
                      "Q8_0/Q4_0/Q4_1 blocks)"),
-    "quantization_group_size": (int, "int8 / int4: input rows per scale (default 128; 0: per output channel)"),
+    "quantization_group_size": (int, "int8 / int4: input rows per scale (default 128 / 32; 0: per output channel)"),
     "hf_overrides": (_json_object, "JSON object of Hugging Face config keys to replace"),
     "speculative_config": (_json_object, "speculative decoding as a JSON object, e.g. "
                            "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'"),

@@ -22,6 +22,7 @@ def _require(condition: bool, message: str) -> None:
 
 
 SUPPORTED_QUANTIZATION = (None, "int8", "int4", "gguf")
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -43,17 +44,20 @@ class ModelConfig:
     # Weight-only quantization: None (as stored, dequantized), "int8" (per output channel),
     # "int4" (grouped), "gguf" (a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks kept as stored)
     quantization: str | None = None
-    quantization_group_size: int = 128  # int8 / int4: input rows per scale; 0: per channel
+    # int8 / int4: input rows per scale (None: 128 for int8, 32 for int4); 0: per channel
+    quantization_group_size: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.quantization in SUPPORTED_QUANTIZATION,
                  f"quantization={self.quantization!r} is not supported; choose one of "
                  f"{SUPPORTED_QUANTIZATION}")
-        _require(isinstance(self.quantization_group_size, int)
-                 and not isinstance(self.quantization_group_size, bool)
-                 and (self.quantization_group_size == 0 or self.quantization_group_size >= 2),
-                 f"quantization_group_size={self.quantization_group_size!r} must be 0 (one "
-                 "scale per output channel) or an integer >= 2")
+        _require(self.quantization_group_size is None
+                 or (isinstance(self.quantization_group_size, int)
+                     and not isinstance(self.quantization_group_size, bool)
+                     and (self.quantization_group_size == 0
+                          or self.quantization_group_size >= 2)),
+                 f"quantization_group_size={self.quantization_group_size!r} must be None (the "
+                 "mode's default), 0 (one scale per output channel) or an integer >= 2")
         _require(self.hf_overrides is None or (isinstance(self.hf_overrides, dict)
                                                and all(isinstance(k, str)
                                                        for k in self.hf_overrides)),
@@ -91,8 +95,19 @@ class CacheConfig:
     # decode instance waits for one request's pages.
     kv_role: str | None = None
     kv_transfer_timeout: float = 30.0
+    # "auto": the model dtype; "int8", "fp8" (= "fp8_e4m3") or "fp8_e5m2": one byte per
+    # element, scaled per layer, KV head and channel (``docs/quantization.md``)
+    kv_cache_dtype: str = "auto"
+
+    @property
+    def kv_format(self) -> str | None:
+        """The byte format of the KV cache (``pallas_kernels.kv_quant``), None for floats."""
+        return {"auto": None, "fp8": "fp8_e4m3"}.get(self.kv_cache_dtype, self.kv_cache_dtype)
 
     def __post_init__(self) -> None:
+        _require(self.kv_cache_dtype in SUPPORTED_KV_CACHE_DTYPES,
+                 f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose one of "
+                 f"{SUPPORTED_KV_CACHE_DTYPES}")
         _require(isinstance(self.block_size, int) and self.block_size >= 1
                  and self.block_size & (self.block_size - 1) == 0,
                  f"block_size={self.block_size!r} must be a positive power of two")

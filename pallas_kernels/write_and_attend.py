@@ -26,6 +26,7 @@ import jax
 
 from pallas_kernels.kv_cache_update import check_shapes as check_update
 from pallas_kernels.kv_cache_update import kv_cache_update
+from pallas_kernels.ragged_paged_attention import check_kv_format
 from pallas_kernels.ragged_paged_attention import check_shapes as check_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, resolve_backend
 
@@ -33,14 +34,16 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention, resolv
 def write_and_attend(q, k_new, v_new, slot_mapping, k_cache, v_cache, kv_lens, block_tables,
                      cu_q_lens, num_seqs, *, layer: int, sm_scale: float,
                      sliding_window: int | None = None, soft_cap: float | None = None,
-                     backend: str = "auto",
-                     interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     backend: str = "auto", interpret: bool = False,
+                     kv_format: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Write ``k_new`` / ``v_new`` [T, Hkv, D] into layer ``layer``'s slots
     ``slot_mapping`` [T] (-1: skip) of ``k_cache`` / ``v_cache`` [L, N, B, Hkv, D], then
     attend ``q`` [T, Hq, D] over that layer's updated pages.
 
     -> (attention [T, Hq, D], k_cache, v_cache). ``backend`` picks the attention kernel
-    (``ragged_paged_attention``'s rule); the same checks and errors apply.
+    (``ragged_paged_attention``'s rule); the same checks and errors apply. With
+    ``kv_format`` the caches are bytes (``kv_quant``) and ``k_new`` / ``v_new`` come
+    already encoded.
     """
     if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must both be [num_layers, num_blocks, "
@@ -54,10 +57,14 @@ def write_and_attend(q, k_new, v_new, slot_mapping, k_cache, v_cache, kv_lens, b
     check_update(layer_view, layer_view, k_new, v_new, slot_mapping)
     check_attention(q, layer_view, layer_view, kv_lens, block_tables, cu_q_lens, num_seqs,
                     sliding_window=sliding_window, soft_cap=soft_cap)
+    check_kv_format(k_cache, v_cache, kv_format)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    same_dtype = q.dtype == k_cache.dtype == v_cache.dtype
+    if kv_format is not None:
+        kwargs["kv_format"] = kv_format
+    same_dtype = (q.dtype == k_cache.dtype == v_cache.dtype if kv_format is None
+                  else k_new.dtype == v_new.dtype == k_cache.dtype)
     if (q.shape[0] > 0 and same_dtype
-            and resolve_backend(backend, interpret=interpret, dtype=k_cache.dtype) == "cpu"):
+            and resolve_backend(backend, interpret=interpret, dtype=q.dtype) == "cpu"):
         from pallas_kernels.ragged_paged_attention.cpu import write_and_attend_cpu
         return write_and_attend_cpu(q, k_new, v_new, slot_mapping, k_cache, v_cache, kv_lens,
                                     block_tables, cu_q_lens, num_seqs, layer=layer, **kwargs)

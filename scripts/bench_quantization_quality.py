@@ -5,7 +5,9 @@ windows of ``--window`` tokens. For each option: perplexity, the mean per-token 
 divergence KL(float32 || option) of the next-token distribution, and greedy continuations
 of 16 prompts compared with float32's (how many agree on their first 16 tokens).
 
-    python scripts/bench_quantization_quality.py [--options int8,int4,gguf]
+    python scripts/bench_quantization_quality.py [--options int8,int4,gguf,kv_int8,kv_fp8]
+
+(``kv_X``: float32 weights with ``kv_cache_dtype="X"``.)
 """
 
 from __future__ import annotations
@@ -48,7 +50,10 @@ def evaluate(option: str | None, windows: list[list[int]], reference: list[np.nd
     from jaxpage import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(quantization=option, **engine)
+    if option is not None and option.startswith("kv_"):  # a byte KV cache, float weights
+        llm = LLM(kv_cache_dtype=option[3:], **engine)
+    else:
+        llm = LLM(quantization=option, **engine)
     stats = llm.get_stats()
     nll, kl, count = 0.0, 0.0, 0
     logprobs_out = []
@@ -73,7 +78,7 @@ def evaluate(option: str | None, windows: list[list[int]], reference: list[np.nd
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--options", default="int8,int4,gguf")
+    parser.add_argument("--options", default="int8,int4,gguf,kv_int8,kv_fp8,kv_fp8_e5m2")
     parser.add_argument("--tokens", type=int, default=20480)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks",
@@ -99,7 +104,7 @@ def main() -> None:
         rows.append(row)
     print(f"SmolLM2-135M-Instruct, {len(ids)} tokens of the repository's docs and source, "
           f"windows of {args.window}")
-    print("| weights | weight MiB | vs float32 | perplexity | vs float32 | mean KL | "
+    print("| option | weight MiB | vs float32 | perplexity | vs float32 | mean KL | "
           "greedy 16/16 agree |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:

@@ -28,6 +28,7 @@ from jaxpage.engine.beam_search_driver import BeamSearchDriver
 from jaxpage.engine.device_calls import DeviceCalls
 from jaxpage.engine import kv_handoff
 from jaxpage.engine.input_processor import InputProcessor, PromptInput
+from jaxpage.engine.kv_calibration import calibrate_kv_scales
 from jaxpage.engine.kv_sizing import choose_num_kv_blocks
 from jaxpage.engine.logprobs import LogprobsRecorder
 from jaxpage.engine.output_processor import OutputProcessor
@@ -88,7 +89,8 @@ class LLMEngine:
                             cache_dir=(os.path.join(cache_dir(), "weights")
                                        if mc.weight_cache else None),
                             quantization=mc.quantization,
-                            quantization_group_size=mc.quantization_group_size)
+                            quantization_group_size=mc.quantization_group_size,
+                            kv_format=cc.kv_format)
         self.arch = loaded.arch
         limit = self.arch.max_position_embeddings
         if mc.max_model_len is not None and mc.max_model_len > limit:
@@ -97,7 +99,11 @@ class LLMEngine:
         self.max_model_len = mc.max_model_len or limit
 
         block_size = cc.block_size
-        dtype = loaded.model.final_norm[...].dtype
+        # what the KV cache holds: the model dtype, or bytes (int8 / fp8 KV)
+        dtype = np.uint8 if cc.kv_format else loaded.model.final_norm[...].dtype
+        if cc.kv_format:
+            calibrate_kv_scales(loaded.model, cc.kv_format, tokenizer.result(),
+                                self.max_model_len)
         speculation = config.scheduler.speculative
         draft = None
         if speculation is not None and speculation.method == "draft_model":
@@ -132,6 +138,7 @@ class LLMEngine:
             num_penalty_slots=self.runner.penalty_table.shape[0],
             bucket_growth=config.scheduler.bucket_growth)
         self.quantization = loaded.quantization
+        self.kv_cache_dtype = cc.kv_cache_dtype
         self.weight_bytes = stored_bytes(self.runner.params)  # every device's share together
         self.kv_bytes_per_block = bytes_per_block(self.arch, block_size, dtype)
         logger.info("weights: %.1f MiB (quantization=%s)", self.weight_bytes / 2**20,
@@ -385,5 +392,6 @@ class LLMEngine:
         free = self.block_pool.num_free_blocks
         return {"num_kv_blocks": self.num_kv_blocks, "num_free_blocks": free,
                 "quantization": self.quantization, "weight_bytes": self.weight_bytes,
+                "kv_cache_dtype": self.kv_cache_dtype,
                 "kv_bytes_per_block": self.kv_bytes_per_block,
                 **self.scheduler.stats(), "kv_usage": 1.0 - free / self.num_kv_blocks}

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpage.arch_config import ArchConfig
 from jaxpage.models.quantize import QuantFormat
 from jaxpage.parallel.sharding_rules import TP
+from pallas_kernels.kv_quant import encode
 from pallas_kernels.precision import dot_precision
 from pallas_kernels.quantized_matmul import gather_columns, quantized_matmul
 from pallas_kernels.write_and_attend import write_and_attend
@@ -180,6 +181,21 @@ class DecoderLayer(nnx.Module):
         return h + linear(jax.nn.silu(gate) * up, self.down_proj, mm)
 
 
+def _dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                            cfg: ArchConfig) -> jax.Array:
+    """One sequence's causal attention without a cache (q [T, Hq, D], k, v [T, Hkv, D])."""
+    t, hq, d = q.shape
+    group = hq // k.shape[1]
+    kk, vv = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)      # [T, Hq, D]
+    scores = jnp.einsum("qhd,khd->hqk", q, kk, precision=dot_precision(q.dtype)) * d ** -0.5
+    pos = jnp.arange(t)
+    mask = pos[None, :] <= pos[:, None]
+    if cfg.sliding_window is not None:
+        mask &= pos[None, :] > pos[:, None] - cfg.sliding_window
+    probs = jax.nn.softmax(jnp.where(mask[None], scores.astype(jnp.float32), -jnp.inf), axis=-1)
+    return jnp.einsum("hqk,khd->qhd", probs.astype(v.dtype), vv, precision=dot_precision(v.dtype))
+
+
 class CausalLM(nnx.Module):
     """Embeddings -> decoder layers -> final norm; ``compute_logits`` for the head.
 
@@ -189,8 +205,11 @@ class CausalLM(nnx.Module):
     def __init__(self, cfg: ArchConfig, *, dtype: Any = jnp.float32,
                  attention_backend: str = "auto", rngs: nnx.Rngs | None,
                  mesh: jax.sharding.Mesh | None = None,
-                 quant_plan: dict[str, QuantFormat] | None = None) -> None:
+                 quant_plan: dict[str, QuantFormat] | None = None,
+                 kv_format: str | None = None) -> None:
         self.cfg = cfg
+        # static: the KV cache's byte format (pallas_kernels.kv_quant), None for floats
+        self.kv_format = kv_format
         self.attention_backend = attention_backend
         self.mesh = mesh  # static: a one-axis ("tp") mesh, or None on one device
         # the C++ CPU kernels cannot be split by XLA over a mesh: the jnp form there
@@ -207,6 +226,11 @@ class CausalLM(nnx.Module):
         self.final_norm = init.ones(hidden)
         if not cfg.tie_word_embeddings:
             self.lm_head = init.weight("lm_head", hidden, vocab)
+        if kv_format is not None:
+            # per layer, KV head and channel: the cache holds k / kv_scale[0], v / kv_scale[1]
+            shape = (2, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+            self.kv_scale = nnx.Param(jax.ShapeDtypeStruct(shape, jnp.float32) if rngs is None
+                                      else jnp.ones(shape, jnp.float32))
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
                  batch: dict[str, jax.Array]) -> tuple[jax.Array, KVCache]:
@@ -219,11 +243,43 @@ class CausalLM(nnx.Module):
         h = self.embed_tokens(input_ids)                                   # [T, hidden]
         for index, layer in enumerate(self.layers):
             q, k, v = layer.qkv(cfg, h, positions, inv_freq)
+            if self.kv_format is not None:
+                q, k, v = self._encode_kv(q, k, v, index)
             attn, k_cache, v_cache = attention(
                 q, k, v, k_cache, v_cache, batch["slot_mapping"], batch["kv_lens"],
                 batch["block_tables"], batch["cu_q_lens"], batch["num_seqs"], layer=index)
+            if self.kv_format is not None:
+                attn = attn * self._per_query_head(self.kv_scale[...][1, index], attn.dtype)
             h = layer.finish(cfg, h, attn)
         return rms_norm(h, self.final_norm[...], cfg.rms_norm_eps), (k_cache, v_cache)
+
+    def _per_query_head(self, scale: jax.Array, dtype: Any) -> jax.Array:
+        """A KV head's [Hkv, D] scales for each query head of its group: [Hq, D]."""
+        return jnp.repeat(scale, self.cfg.num_heads // self.cfg.num_kv_heads, axis=0).astype(dtype)
+
+    def _encode_kv(self, q, k, v, layer: int):
+        """The quantized cache's side of layer ``layer``: k and v [T, Hkv, D] divided by
+        their scales and encoded to bytes; the key scales folded into q [T, Hq, D]
+        (q . (s * k') = (q * s) . k'). The value scales multiply the attention's output."""
+        k_scale, v_scale = self.kv_scale[...][0, layer], self.kv_scale[...][1, layer]
+        k_bytes = encode(k.astype(jnp.float32) / k_scale, self.kv_format)
+        v_bytes = encode(v.astype(jnp.float32) / v_scale, self.kv_format)
+        return q * self._per_query_head(k_scale, q.dtype), k_bytes, v_bytes
+
+    def kv_amax(self, input_ids: jax.Array) -> jax.Array:
+        """The largest |k| and |v| of one sequence's forward pass (input_ids int32 [T]),
+        per layer, KV head and channel: float32 [2, L, Hkv, D]. Dense causal attention,
+        no cache: what a quantized KV cache calibrates its scales from."""
+        cfg = self.cfg
+        inv_freq = jnp.asarray(cfg.rope_inv_freq())
+        positions = jnp.arange(input_ids.shape[0], dtype=jnp.int32)
+        h = self.embed_tokens(input_ids)
+        amax = []
+        for layer in self.layers:
+            q, k, v = layer.qkv(cfg, h, positions, inv_freq)
+            amax.append(jnp.stack([jnp.abs(k).max(axis=0), jnp.abs(v).max(axis=0)]))
+            h = layer.finish(cfg, h, _dense_causal_attention(q, k, v, cfg))
+        return jnp.stack(amax, axis=1).astype(jnp.float32)
 
     def _attention(self, q, k, v, k_cache, v_cache, slot_mapping, kv_lens, block_tables,
                    cu_q_lens, num_seqs, *, layer: int):
@@ -237,7 +293,8 @@ class CausalLM(nnx.Module):
         return write_and_attend(
             q, k, v, slot_mapping, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
             num_seqs, layer=layer, sm_scale=self.cfg.head_dim ** -0.5,
-            sliding_window=self.cfg.sliding_window, backend=self.attention_backend)
+            sliding_window=self.cfg.sliding_window, backend=self.attention_backend,
+            kv_format=self.kv_format)
 
     def _sharded(self, attention):
         """``attention`` under ``shard_map`` over the KV-head axis when there is a mesh."""

@@ -25,7 +25,7 @@ from jaxpage.arch_config import ArchConfig
 from jaxpage.models.hf_layout import place_arrays
 from jaxpage.models.presets import PREFIX as PRESET_PREFIX
 from jaxpage.models.presets import preset_config
-from jaxpage.models.quantize import (DEFAULT_GROUP_SIZE, QUANTIZABLE, QUANTIZATION_MODES,
+from jaxpage.models.quantize import (QUANTIZABLE, QUANTIZATION_MODES,
                                      QuantFormat, mode_plan, weight_dims)
 from jaxpage.models.registry import resolve_architecture
 from jaxpage.models.weight_sources import open_source
@@ -59,6 +59,7 @@ class LoadedModel:
     from_cache: bool = False   # params came from the converted-weights cache
     quantization: str | None = None  # the mode the weights are stored in (None: floats)
     quant_plan: dict[str, QuantFormat] | None = None  # parameter -> stored format
+    kv_format: str | None = None  # the KV cache's byte format (pallas_kernels.kv_quant)
 
 
 def resolve_dtype(dtype: str) -> Any:
@@ -82,12 +83,15 @@ def resolve_model_path(path: str | None) -> str:
 def load_model(path: str | None, *, dtype: str = "float32", attention_backend: str = "auto",
                mesh: Any = None, hf_overrides: dict[str, Any] | None = None,
                cache_dir: str | None = None, quantization: str | None = None,
-               quantization_group_size: int = DEFAULT_GROUP_SIZE) -> LoadedModel:
+               quantization_group_size: int | None = None,
+               kv_format: str | None = None) -> LoadedModel:
     """Load ``path`` (None: the embedded default); sharded over ``mesh`` when given.
 
     ``quantization`` (``jaxpage.models.quantize``): ``"int8"`` / ``"int4"`` quantize the
     linear weights and the embedding as they are read; ``"gguf"`` keeps a GGUF file's
     Q8_0 / Q4_0 / Q4_1 blocks. An orbax checkpoint saved quantized restores as saved.
+    ``kv_format`` builds the model for a byte KV cache; its ``kv_scale`` starts at ones
+    (the engine calibrates it).
 
     ``hf_overrides`` replaces keys of the model's Hugging Face config before the model is
     built (e.g. fewer ``num_hidden_layers``: the first layers of the checkpoint are read).
@@ -102,7 +106,7 @@ def load_model(path: str | None, *, dtype: str = "float32", attention_backend: s
         if quantization == "gguf":
             raise ValueError(f"quantization='gguf' needs a GGUF file, not {path!r}")
         return _random_preset(path, dtype, attention_backend, mesh, hf_overrides,
-                              quantization, quantization_group_size)
+                              quantization, quantization_group_size, kv_format)
     source = open_source(path, cache_dir)
     if hf_overrides and getattr(source, "architecture_is_saved", False):
         raise ValueError(f"hf_overrides={hf_overrides!r} cannot change the architecture saved "
@@ -121,9 +125,29 @@ def load_model(path: str | None, *, dtype: str = "float32", attention_backend: s
     graphdef, state = nnx.split(abstract)
     pure = source.read_params(arch, run_arch, nnx.to_pure_dict(state), placement, jdtype)
     nnx.replace_by_pure_dict(state, pure)
-    return LoadedModel(nnx.merge(graphdef, state), run_arch, hf_config, path, mesh,
+    model = nnx.merge(graphdef, state)
+    if kv_format is not None:
+        model = _with_kv_scale(model, model_cls, run_arch, jdtype, attention_backend, mesh, plan,
+                               kv_format, placement)
+    return LoadedModel(model, run_arch, hf_config, path, mesh,
                        from_cache=getattr(source, "from_cache", False),
-                       quantization=quantization, quant_plan=plan)
+                       quantization=quantization, quant_plan=plan, kv_format=kv_format)
+
+
+def _with_kv_scale(model: Any, model_cls: Any, arch: ArchConfig, jdtype: Any,
+                   attention_backend: str, mesh: Any, plan: dict[str, QuantFormat],
+                   kv_format: str, placement: Placement) -> Any:
+    """``model``'s weights in a model built for a byte KV cache, ``kv_scale`` all ones."""
+    abstract = model_cls(arch, dtype=jdtype, attention_backend=attention_backend, rngs=None,
+                         mesh=mesh, quant_plan=plan, kv_format=kv_format)
+    graphdef, state = nnx.split(abstract)
+    pure = nnx.to_pure_dict(nnx.split(model)[1])
+    shape = (2, arch.num_layers, arch.num_kv_heads, arch.head_dim)
+    ones = np.ones(shape, np.float32)
+    pure["kv_scale"] = (jnp.asarray(ones) if mesh is None
+                        else placement.put("kv_scale", ones, np.float32))
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state)
 
 
 def quantizable_dims(arch: ArchConfig) -> dict[str, tuple[int, int]]:
@@ -135,7 +159,7 @@ def quantizable_dims(arch: ArchConfig) -> dict[str, tuple[int, int]]:
 
 
 def _source_plan(source: Any, path: str, run_arch: ArchConfig, quantization: str | None,
-                 group_size: int) -> tuple[str | None, dict[str, QuantFormat]]:
+                 group_size: int | None) -> tuple[str | None, dict[str, QuantFormat]]:
     """(mode, plan) for a checkpoint source; the plan is also set on the source."""
     saved = getattr(source, "saved_quantization", None)
     if saved is not None or getattr(source, "architecture_is_saved", False):
@@ -159,7 +183,22 @@ def _source_plan(source: Any, path: str, run_arch: ArchConfig, quantization: str
 
 def _random_preset(name: str, dtype: str, attention_backend: str, mesh: Any,
                    hf_overrides: dict[str, Any] | None, quantization: str | None = None,
-                   group_size: int = DEFAULT_GROUP_SIZE) -> LoadedModel:
+                   group_size: int | None = None,
+                   kv_format: str | None = None) -> LoadedModel:
+    loaded = _random_preset_weights(name, dtype, attention_backend, mesh, hf_overrides,
+                                    quantization, group_size)
+    if kv_format is not None:
+        model_cls = resolve_architecture(loaded.hf_config)[0]
+        loaded.model = _with_kv_scale(loaded.model, model_cls, loaded.arch,
+                                      resolve_dtype(dtype), attention_backend, mesh,
+                                      loaded.quant_plan or {}, kv_format, Placement(mesh))
+        loaded.kv_format = kv_format
+    return loaded
+
+
+def _random_preset_weights(name: str, dtype: str, attention_backend: str, mesh: Any,
+                           hf_overrides: dict[str, Any] | None, quantization: str | None,
+                           group_size: int | None) -> LoadedModel:
     hf_config = with_overrides(preset_config(name), hf_overrides)
     model_cls, arch = resolve_architecture(hf_config)
     jdtype = resolve_dtype(dtype)
@@ -183,7 +222,7 @@ def _random_preset(name: str, dtype: str, attention_backend: str, mesh: Any,
 
 def _quantized_preset(name: str, hf_config: dict[str, Any], model_cls: Any, arch: ArchConfig,
                       jdtype: Any, attention_backend: str, mesh: Any, quantization: str,
-                      group_size: int) -> LoadedModel:
+                      group_size: int | None) -> LoadedModel:
     """A preset's random float weights, quantized on the host and placed."""
     placement = Placement(mesh)
     arch = replicated_arch(arch, placement.tp_size) if mesh is not None else arch

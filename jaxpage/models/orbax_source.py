@@ -62,8 +62,9 @@ def _int_keys(tree: Any, like: Any) -> Any:
 def save_state(runner: Any, path: str, metadata: dict[str, Any]) -> None:
     """Write ``runner.state`` to ``path`` (every process calls this with the same args)."""
     path = os.path.abspath(path)
-    _checkpointer().save(os.path.join(path, "params"),
-                         _text_keys(nnx.to_pure_dict(runner.state)))  # blocking
+    params = nnx.to_pure_dict(runner.state)
+    params.pop("kv_scale", None)  # a byte KV cache's calibration belongs to the engine run
+    _checkpointer().save(os.path.join(path, "params"), _text_keys(params))  # blocking
     if jax.process_index() == 0:
         with open(os.path.join(path, MARKER), "w") as f:
             json.dump(metadata, f, indent=1)

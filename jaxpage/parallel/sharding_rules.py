@@ -40,6 +40,7 @@ PARAM_SPECS: dict[str, P] = {
     "o_proj": P(TP, None), "o_bias": P(),
     "gate_proj": P(None, TP), "up_proj": P(None, TP),
     "down_proj": P(TP, None),
+    "kv_scale": P(None, None, TP, None),  # [2, L, Hkv, D]: a byte KV cache's scales
 }
 KV_CACHE_SPEC = P(None, None, None, TP, None)  # [L, num_blocks, block_size, kv_heads, head_dim]
 VOCAB_PARAMS = ("embed", "lm_head")

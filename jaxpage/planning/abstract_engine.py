@@ -53,6 +53,24 @@ def model_config(model: str | None) -> dict[str, Any]:
     return open_source(default_model_path() if model is None else model).hf_config
 
 
+def _quant_plan(mc: Any, arch: ArchConfig) -> dict:
+    """The stored formats of ``quantization`` for ``arch`` (``jaxpage.models.quantize``)."""
+    from jaxpage.models.loader import quantizable_dims
+    from jaxpage.models.quantize import mode_plan
+
+    if mc.quantization is None:
+        return {}
+    if mc.quantization == "gguf":
+        from jaxpage.models.loader import default_model_path
+        from jaxpage.models.weight_sources import open_source
+
+        source = open_source(default_model_path() if mc.model is None else mc.model)
+        if not hasattr(source, "gguf_plan"):
+            raise ValueError(f"quantization='gguf' needs a GGUF file, not {mc.model!r}")
+        return source.gguf_plan(arch)
+    return mode_plan(mc.quantization, quantizable_dims(arch), mc.quantization_group_size)
+
+
 @dataclasses.dataclass(frozen=True)
 class Program:
     """One compiled-to-be program: its name, bucket, jitted function and abstract args."""
@@ -84,6 +102,8 @@ class AbstractEngine:
         model_cls, arch = resolve_architecture(self.hf_config)
         self.arch: ArchConfig = replicated_arch(arch, tp)
         self.dtype = DTYPES["bfloat16" if mc.dtype == "auto" else mc.dtype]
+        # what the KV cache holds: the model dtype, or bytes (int8 / fp8 KV, kv_quant)
+        self.kv_dtype = jnp.uint8 if cc.kv_format else self.dtype
         limit = self.arch.max_position_embeddings
         if mc.max_model_len is not None and mc.max_model_len > limit:
             raise ValueError(f"max_model_len={mc.max_model_len} exceeds the model's context "
@@ -92,9 +112,10 @@ class AbstractEngine:
         self.block_size = cc.block_size
         self.max_num_seqs = sc.max_num_seqs
         self.num_kv_blocks = num_kv_blocks  # usable blocks; the cache has one more (null)
-        abstract = nnx.eval_shape(lambda: model_cls(
-            self.arch, dtype=self.dtype, attention_backend=mc.attention_backend,
-            rngs=nnx.Rngs(0), mesh=self.mesh))
+        # rngs=None: parameter shapes only (quantized weights as their stored parts)
+        abstract = model_cls(self.arch, dtype=self.dtype, attention_backend=mc.attention_backend,
+                             rngs=None, mesh=self.mesh,
+                             quant_plan=_quant_plan(mc, self.arch), kv_format=cc.kv_format)
         self.graphdef, state = nnx.split(abstract)
         self.state = jax.tree.map(
             lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
@@ -126,7 +147,7 @@ class AbstractEngine:
         return self.bytes_per_block() // self.block_size
 
     def bytes_per_block(self, per_device: bool = True) -> int:
-        return bytes_per_block(self.arch, self.block_size, self.dtype,
+        return bytes_per_block(self.arch, self.block_size, self.kv_dtype,
                                self.tp_size if per_device else 1)
 
     # -- abstract arguments -----------------------------------------------------------
@@ -138,7 +159,7 @@ class AbstractEngine:
         blocks = (self.num_kv_blocks if num_blocks is None else num_blocks) + 1
         a = self.arch
         shape = (a.num_layers, blocks, self.block_size, a.num_kv_heads, a.head_dim)
-        spec = jax.ShapeDtypeStruct(shape, self.dtype, sharding=self.placement.kv_sharding)
+        spec = jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=self.placement.kv_sharding)
         return spec, spec
 
     def caches(self, num_blocks: int | None = None) -> tuple:
@@ -225,7 +246,7 @@ class AbstractEngine:
     def _kv_blocks_spec(self, n: int) -> jax.ShapeDtypeStruct:
         a = self.arch
         shape = (a.num_layers, n, self.block_size, a.num_kv_heads, a.head_dim)
-        return jax.ShapeDtypeStruct(shape, self.dtype, sharding=self.placement.kv_sharding)
+        return jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=self.placement.kv_sharding)
 
     def compile(self, program: Program):
         """Lower and compile ``program`` for the target; compiler errors propagate."""

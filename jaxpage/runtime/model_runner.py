@@ -109,7 +109,9 @@ class ModelRunner:
         # in C++ on each call; an nnx.State's Variables flatten in Python, ~1 us per leaf
         # per call (SmolLM2 has 273 leaves). Same arrays, no copy.
         self.params = nnx.to_pure_dict(self.state)
-        self.dtype = dtype = loaded.model.final_norm[...].dtype
+        self.dtype = loaded.model.final_norm[...].dtype
+        # a byte KV cache (int8 / fp8, pallas_kernels.kv_quant) is uint8 whatever its format
+        dtype = np.uint8 if getattr(loaded, "kv_format", None) else self.dtype
         self.kv_cache = allocate_kv_cache(self.arch, num_blocks, block_size, dtype,
                                           self.placement.kv_sharding)
         block_shape = (self.arch.num_layers,) + self.kv_cache[0].shape[2:]

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _backend
+from pallas_kernels.kv_quant import check_format
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
 BACKENDS = _backend.BACKENDS
@@ -80,11 +81,24 @@ def check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs
     _check(soft_cap is None or soft_cap > 0, f"soft_cap={soft_cap!r} must be None or > 0")
 
 
+def check_kv_format(k_cache, v_cache, kv_format: str | None) -> None:
+    """Byte caches (uint8) go with a ``kv_format`` and float caches without one."""
+    check_format(kv_format)
+    is_bytes = k_cache.dtype == jnp.uint8 and v_cache.dtype == jnp.uint8
+    _check(is_bytes == (kv_format is not None),
+           f"kv_format={kv_format!r} with caches of {k_cache.dtype} / {v_cache.dtype}: int8 and "
+           f"fp8 caches are uint8 bytes with their kv_format; float caches take none")
+
+
 def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *,
                            sm_scale: float, sliding_window: int | None = None,
                            soft_cap: float | None = None, backend: str = "auto",
-                           interpret: bool = False, layer: int | None = None) -> jax.Array:
+                           interpret: bool = False, layer: int | None = None,
+                           kv_format: str | None = None) -> jax.Array:
     """Attention of concatenated ragged queries over a paged KV cache -> [T, Hq, D].
+
+    ``kv_format`` (``pallas_kernels.kv_quant``): the caches are ``uint8`` bytes of that
+    format, converted to q's dtype as pages are read.
 
     With ``layer`` the caches are every layer's, ``[L, N, B, Hkv, D]``, and layer
     ``layer``'s pages are read in place (no slice or reshape of the cache, which on a TPU
@@ -94,11 +108,15 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     page_view = _backend.layer_view(k_cache, v_cache, layer)
     check_shapes(q, page_view, page_view, kv_lens, block_tables, cu_q_lens, num_seqs,
                  sliding_window=sliding_window, soft_cap=soft_cap)
+    check_kv_format(k_cache, v_cache, kv_format)
     head_dim = k_cache.shape[-1]
-    same_dtype = q.dtype == k_cache.dtype == v_cache.dtype
+    same_dtype = (q.dtype == k_cache.dtype == v_cache.dtype if kv_format is None
+                  else True)  # byte caches: the kernels take q's dtype
     resolved = resolve_backend(backend, interpret=interpret,
-                               dtype=k_cache.dtype if same_dtype else jnp.float64)  # mixed: not the kernel's
+                               dtype=q.dtype if same_dtype else jnp.float64)  # mixed: not the kernel's
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if kv_format is not None:
+        kwargs["kv_format"] = kv_format
     args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
     if resolved == "cpu" and layer is not None:
         resolved = "reference"  # the C++ kernel's per-layer form is write_and_attend's

@@ -4,7 +4,8 @@ Two calls: ``ragged_paged_attention_cpu`` reads one layer's caches; ``write_and_
 every layer's caches, first writes one layer's new keys and values into them, in place
 (the caches are aliased from operands to results), and returns them with the attention.
 
-Float32 only; ``available(dtype)`` says whether it can run here (a compiler was found and
+Float32 queries over float32 caches, or over byte caches (int8 / fp8 KV,
+``kv_format``, read through a 256-entry table); ``available(dtype)`` says whether it can run here (a compiler was found and
 the build worked, see ``pallas_kernels._cpu_build``). Same contract and results as the
 reference (up to float rounding), with each sequence reading only its own pages up to
 its own length.
@@ -19,10 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _cpu_build
+from pallas_kernels.kv_quant import lookup_table
 
 _SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 _TARGET = "jaxpage_ragged_paged_attention_f32"
 _WRITE_TARGET = "jaxpage_write_and_attend_f32"
+_BYTES_TARGET = "jaxpage_ragged_paged_attention_bytes"
+_WRITE_BYTES_TARGET = "jaxpage_write_and_attend_bytes"
 _registered = False
 
 
@@ -41,6 +45,12 @@ def register() -> bool:
         _TARGET, jax.ffi.pycapsule(library.JaxpageRaggedPagedAttentionF32), platform="cpu")
     jax.ffi.register_ffi_target(
         _WRITE_TARGET, jax.ffi.pycapsule(library.JaxpageWriteAndAttendF32), platform="cpu")
+    jax.ffi.register_ffi_target(
+        _BYTES_TARGET, jax.ffi.pycapsule(library.JaxpageRaggedPagedAttentionBytes),
+        platform="cpu")
+    jax.ffi.register_ffi_target(
+        _WRITE_BYTES_TARGET, jax.ffi.pycapsule(library.JaxpageWriteAndAttendBytes),
+        platform="cpu")
     _registered = True
     return True
 
@@ -52,12 +62,22 @@ def available(dtype=jnp.float32) -> bool:
 
 def ragged_paged_attention_cpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
                                num_seqs, *, sm_scale: float, sliding_window: int | None = None,
-                               soft_cap: float | None = None) -> jax.Array:
-    """-> [T, Hq, D] float32; the caller has validated shapes (see ``__init__``)."""
-    _require_float32(q, k_cache)
-    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
-                            vmap_method="sequential")
+                               soft_cap: float | None = None,
+                               kv_format: str | None = None) -> jax.Array:
+    """-> [T, Hq, D] float32; the caller has validated shapes (see ``__init__``).
+
+    ``kv_format``: the caches hold bytes of that format (``pallas_kernels.kv_quant``).
+    """
+    _require_float32(q, k_cache, kv_format)
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    if kv_format is not None:
+        call = jax.ffi.ffi_call(_BYTES_TARGET, out, vmap_method="sequential")
+        return call(q, k_cache, v_cache, jnp.asarray(lookup_table(kv_format)), i32(kv_lens),
+                    i32(block_tables), i32(cu_q_lens), i32(num_seqs),
+                    sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
+                    soft_cap=np.float32(soft_cap or 0.0))
+    call = jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")
     return call(q, k_cache, v_cache, i32(kv_lens), i32(block_tables), i32(cu_q_lens),
                 i32(num_seqs), sm_scale=np.float32(sm_scale),
                 sliding_window=np.int32(sliding_window or 0),
@@ -66,22 +86,36 @@ def ragged_paged_attention_cpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_
 
 def write_and_attend_cpu(q, k_new, v_new, slot_mapping, k_cache, v_cache, kv_lens,
                          block_tables, cu_q_lens, num_seqs, *, layer: int, sm_scale: float,
-                         sliding_window: int | None = None, soft_cap: float | None = None):
+                         sliding_window: int | None = None, soft_cap: float | None = None,
+                         kv_format: str | None = None):
     """Write ``k_new`` / ``v_new`` [T, Hkv, D] into slots ``slot_mapping`` [T] (-1: skip)
     of layer ``layer`` of the caches [L, N, B, Hkv, D], then attend over that layer as
     ``ragged_paged_attention_cpu`` (slots and block tables address the layer's pages).
 
     -> (out [T, Hq, D], k_cache, v_cache): the caches come back in the buffers they came
     in (``input_output_aliases``), so under ``jit`` with a donated cache nothing is copied.
+    With ``kv_format`` the caches are bytes and ``k_new`` / ``v_new`` come encoded.
     """
-    _require_float32(q, k_cache)
+    _require_float32(q, k_cache, kv_format)
+    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    if kv_format is not None:
+        u8 = jnp.uint8
+        call = jax.ffi.ffi_call(
+            _WRITE_BYTES_TARGET,
+            (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+             jax.ShapeDtypeStruct(k_cache.shape, u8), jax.ShapeDtypeStruct(v_cache.shape, u8)),
+            input_output_aliases={4: 1, 5: 2}, vmap_method="sequential")
+        return call(q, k_new, v_new, i32(slot_mapping), k_cache, v_cache,
+                    jnp.asarray(lookup_table(kv_format)), i32(kv_lens), i32(block_tables),
+                    i32(cu_q_lens), i32(num_seqs), layer=np.int32(layer),
+                    sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
+                    soft_cap=np.float32(soft_cap or 0.0))
     call = jax.ffi.ffi_call(
         _WRITE_TARGET,
         (jax.ShapeDtypeStruct(q.shape, jnp.float32),
          jax.ShapeDtypeStruct(k_cache.shape, jnp.float32),
          jax.ShapeDtypeStruct(v_cache.shape, jnp.float32)),
         input_output_aliases={4: 1, 5: 2}, vmap_method="sequential")
-    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     return call(q, f32(k_new), f32(v_new), i32(slot_mapping), k_cache, v_cache, i32(kv_lens),
                 i32(block_tables), i32(cu_q_lens), i32(num_seqs), layer=np.int32(layer),
@@ -89,7 +123,8 @@ def write_and_attend_cpu(q, k_new, v_new, slot_mapping, k_cache, v_cache, kv_len
                 soft_cap=np.float32(soft_cap or 0.0))
 
 
-def _require_float32(q, k_cache) -> None:
-    if not available(q.dtype) or k_cache.dtype != jnp.float32:
+def _require_float32(q, k_cache, kv_format: str | None = None) -> None:
+    cache_dtype = jnp.uint8 if kv_format is not None else jnp.float32
+    if not available(q.dtype) or k_cache.dtype != cache_dtype:
         raise ValueError(f"the CPU attention kernel needs float32 q and caches, got "
                          f"{q.dtype} and {k_cache.dtype} (or no C++ compiler was found)")

@@ -15,6 +15,9 @@
 // its query rows (tokens x heads of the GQA group) and walks the KV blocks it needs.
 // Block ids and lengths are clamped into range, as jnp indexing would clamp them.
 //
+// Byte caches (int8 / fp8 KV, pallas_kernels/kv_quant.py) have their own two handlers
+// (...Bytes): the same code, each block's bytes converted through a 256-entry table.
+//
 // Two handlers share the attention: JaxpageRaggedPagedAttentionF32 only reads the caches
 // [N, B, Hkv, D]; JaxpageWriteAndAttendF32 takes every layer's caches [L, N, B, Hkv, D],
 // first writes one layer's new keys and values into their slots, then attends over that
@@ -155,9 +158,13 @@ inline void Accumulate(float* __restrict ar, float correction, const float* __re
 // lanes (no horizontal sums); with few (decodes) a dot product per key reads them in
 // place. Scores are then masked, exponentiated and accumulated into the row's online
 // softmax.
-void AttendItem(const Shape& s, const WorkItem& item, const float* q, const float* k_cache,
-                const float* v_cache, const int32_t* block_table, int64_t kv_len,
-                int64_t q_len, int64_t first_seq_token, float sm_scale,
+//
+// Byte caches (`lut` given: int8 or fp8 KV, see pallas_kernels/kv_quant.py) are read
+// through `lut`, the float value of each byte: each block's keys and values are
+// converted once into scratch and the float code below runs on it unchanged.
+void AttendItem(const Shape& s, const WorkItem& item, const float* q, const void* k_cache,
+                const void* v_cache, const float* lut, const int32_t* block_table,
+                int64_t kv_len, int64_t q_len, int64_t first_seq_token, float sm_scale,
                 int64_t sliding_window, float soft_cap, float* out) {
   const int64_t D = s.head_dim, G = s.group, B = s.block_size, Hq = s.num_q_heads;
   const int64_t Hkv = s.num_kv_heads;
@@ -165,7 +172,7 @@ void AttendItem(const Shape& s, const WorkItem& item, const float* q, const floa
   const float neg_inf = -std::numeric_limits<float>::infinity();
   // Scratch reused across calls; plain pointers below keep thread-local lookups out of
   // the inner loops.
-  thread_local std::vector<float> m_buf, l_buf, acc_buf, p_buf, kt_buf;
+  thread_local std::vector<float> m_buf, l_buf, acc_buf, p_buf, kt_buf, kconv_buf, vconv_buf;
   thread_local std::vector<int64_t> pos_buf;
   m_buf.assign(rows, neg_inf);
   l_buf.assign(rows, 0.f);
@@ -173,6 +180,10 @@ void AttendItem(const Shape& s, const WorkItem& item, const float* q, const floa
   p_buf.resize(B);
   kt_buf.resize(Hkv * D * B);
   pos_buf.resize(item.num_tokens);
+  if (lut != nullptr) {
+    kconv_buf.resize(B * Hkv * D);
+    vconv_buf.resize(B * Hkv * D);
+  }
   float* __restrict m = m_buf.data();
   float* __restrict l = l_buf.data();
   float* __restrict acc = acc_buf.data();
@@ -191,8 +202,24 @@ void AttendItem(const Shape& s, const WorkItem& item, const float* q, const floa
     const int64_t id = std::clamp<int64_t>(block_table[block], 0, s.num_blocks - 1);
     const int64_t start = std::max(lo, block * B), stop = std::min(hi, block * B + B - 1);
     const int64_t count = stop - start + 1;
-    const float* k_block = k_cache + (id * B + start - block * B) * stride;
-    const float* v_block = v_cache + (id * B + start - block * B) * stride;
+    const int64_t first_slot = id * B + start - block * B;
+    const float* k_block;
+    const float* v_block;
+    if (lut != nullptr) {
+      const uint8_t* kb = static_cast<const uint8_t*>(k_cache) + first_slot * stride;
+      const uint8_t* vb = static_cast<const uint8_t*>(v_cache) + first_slot * stride;
+      float* __restrict kc = kconv_buf.data();
+      float* __restrict vc = vconv_buf.data();
+      for (int64_t i = 0; i < count * stride; ++i) {
+        kc[i] = lut[kb[i]];
+        vc[i] = lut[vb[i]];
+      }
+      k_block = kc;
+      v_block = vc;
+    } else {
+      k_block = static_cast<const float*>(k_cache) + first_slot * stride;
+      v_block = static_cast<const float*>(v_cache) + first_slot * stride;
+    }
     // kt[h][d][j] = key j of head h, dimension d; lanes past `count` are zero.
     for (int64_t h = 0; transpose && h < Hkv; ++h)
       for (int64_t d = 0; d < D; ++d) {
@@ -247,7 +274,7 @@ void AttendItem(const Shape& s, const WorkItem& item, const float* q, const floa
 
 // Attention of every sequence's new tokens over the caches (the shared body of both
 // handlers). Shapes were checked by ShapeOf.
-void Attend(const Shape& s, const float* qp, const float* kp, const float* vp,
+void Attend(const Shape& s, const float* qp, const void* kp, const void* vp, const float* lut,
             const int32_t* lens, const int32_t* tables, const int32_t* cu, int64_t max_seqs,
             int32_t num_seqs, float sm_scale, int32_t sliding_window, float soft_cap,
             float* o, ffi::ThreadPool& pool) {
@@ -274,12 +301,12 @@ void Attend(const Shape& s, const float* qp, const float* kp, const float* vp,
   auto shared = std::make_shared<Shared>();
   shared->items = std::move(items);
   const int64_t num_items = static_cast<int64_t>(shared->items.size());
-  auto work = [shared, num_items, s, qp, kp, vp, tables, lens, cu, sm_scale, sliding_window,
-               soft_cap, o]() {
+  auto work = [shared, num_items, s, qp, kp, vp, lut, tables, lens, cu, sm_scale,
+               sliding_window, soft_cap, o]() {
     for (int64_t i = shared->next.fetch_add(1); i < num_items; i = shared->next.fetch_add(1)) {
       const WorkItem& item = shared->items[i];
       const int64_t seq = item.seq;
-      AttendItem(s, item, qp, kp, vp, tables + seq * s.max_blocks, lens[seq],
+      AttendItem(s, item, qp, kp, vp, lut, tables + seq * s.max_blocks, lens[seq],
                  cu[seq + 1] - cu[seq], cu[seq], sm_scale, sliding_window, soft_cap, o);
       shared->done.fetch_add(1, std::memory_order_release);
     }
@@ -319,8 +346,8 @@ ffi::Error RaggedPagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F3
   if (const char* error = ShapeOf(q.dimensions(), k_cache.dimensions(),
                                   block_tables.dimensions(), &s))
     return ffi::Error::InvalidArgument(error);
-  Attend(s, q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), kv_lens.typed_data(),
-         block_tables.typed_data(), cu_q_lens.typed_data(), block_tables.dimensions()[0],
+  Attend(s, q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), nullptr,
+         kv_lens.typed_data(), block_tables.typed_data(), cu_q_lens.typed_data(), block_tables.dimensions()[0],
          num_seqs.typed_data()[0], sm_scale, sliding_window, soft_cap,
          out->typed_data(), pool);
   return ffi::Error::Success();
@@ -328,13 +355,56 @@ ffi::Error RaggedPagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F3
 
 // Copy row t of `rows` [T, width] into slot slot_mapping[t] of `cache` [num_slots, width];
 // slots out of [0, num_slots) (-1 marks padding) are skipped.
-void WriteSlots(const float* rows, const int32_t* slot_mapping, int64_t num_rows,
-                int64_t width, int64_t num_slots, float* cache) {
+// (Rows of `width` elements of `element` bytes each.)
+void WriteSlots(const void* rows, const int32_t* slot_mapping, int64_t num_rows,
+                int64_t width, int64_t num_slots, void* cache, int64_t element) {
+  const int64_t row_bytes = width * element;
   for (int64_t t = 0; t < num_rows; ++t) {
     const int64_t slot = slot_mapping[t];
     if (slot < 0 || slot >= num_slots) continue;
-    std::memcpy(cache + slot * width, rows + t * width, sizeof(float) * width);
+    std::memcpy(static_cast<char*>(cache) + slot * row_bytes,
+                static_cast<const char*>(rows) + t * row_bytes, row_bytes);
   }
+}
+
+// The shared body of both write-and-attend handlers: caches of float32 (lut == nullptr)
+// or of bytes read through lut.
+template <typename Cache>
+ffi::Error WriteAndAttendBody(const float* q, ffi::Span<const int64_t> qd, const Cache* k_new,
+                              ffi::Span<const int64_t> nd, const Cache* v_new, size_t v_rank,
+                              const int32_t* slots, ffi::Span<const int64_t> sd,
+                              const Cache* k_in, const Cache* v_in, ffi::Span<const int64_t> cd,
+                              const float* lut, const int32_t* lens, const int32_t* tables,
+                              ffi::Span<const int64_t> td, const int32_t* cu, int32_t num_seqs,
+                              float* out, Cache* k_all, Cache* v_all, int32_t layer,
+                              float sm_scale, int32_t sliding_window, float soft_cap,
+                              ffi::ThreadPool& pool) {
+  // The caches hold every layer, [L, N, B, Hkv, D]; this call reads and writes layer
+  // `layer`'s [N, B, Hkv, D] part, which slot_mapping and block_tables address.
+  if (cd.size() != 5 || layer < 0 || layer >= cd[0])
+    return ffi::Error::InvalidArgument("write and attend: caches must be [L, N, B, Hkv, D] "
+                                       "with 0 <= layer < L");
+  const int64_t layer_dims[4] = {cd[1], cd[2], cd[3], cd[4]};
+  Shape s;
+  if (const char* error = ShapeOf(qd, ffi::Span<const int64_t>(layer_dims, 4), td, &s))
+    return ffi::Error::InvalidArgument(error);
+  if (nd.size() != 3 || nd[0] != s.num_tokens || nd[1] != s.num_kv_heads ||
+      nd[2] != s.head_dim || v_rank != 3 || sd.size() != 1 || sd[0] != s.num_tokens)
+    return ffi::Error::InvalidArgument("write and attend: new keys, values or slots disagree");
+  const int64_t width = s.num_kv_heads * s.head_dim;
+  const int64_t num_slots = s.num_blocks * s.block_size;  // in one layer
+  const int64_t total = cd[0] * num_slots * width;
+  // The outputs alias the cache operands (input_output_aliases); should XLA ever hand
+  // over distinct buffers, start the outputs from the operands.
+  if (k_all != k_in) std::memcpy(k_all, k_in, sizeof(Cache) * total);
+  if (v_all != v_in) std::memcpy(v_all, v_in, sizeof(Cache) * total);
+  Cache* kc = k_all + layer * num_slots * width;
+  Cache* vc = v_all + layer * num_slots * width;
+  WriteSlots(k_new, slots, s.num_tokens, width, num_slots, kc, sizeof(Cache));
+  WriteSlots(v_new, slots, s.num_tokens, width, num_slots, vc, sizeof(Cache));
+  Attend(s, q, kc, vc, lut, lens, tables, cu, td[0], num_seqs, sm_scale, sliding_window,
+         soft_cap, out, pool);
+  return ffi::Error::Success();
 }
 
 ffi::Error WriteAndAttendImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
@@ -348,41 +418,62 @@ ffi::Error WriteAndAttendImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_n
                               ffi::ResultBuffer<ffi::F32> k_out,
                               ffi::ResultBuffer<ffi::F32> v_out, int32_t layer, float sm_scale,
                               int32_t sliding_window, float soft_cap, ffi::ThreadPool pool) {
-  // The caches hold every layer, [L, N, B, Hkv, D]; this call reads and writes layer
-  // `layer`'s [N, B, Hkv, D] part, which slot_mapping and block_tables address.
-  const auto cd = k_cache.dimensions();
-  if (cd.size() != 5 || layer < 0 || layer >= cd[0])
-    return ffi::Error::InvalidArgument("write and attend: caches must be [L, N, B, Hkv, D] "
-                                       "with 0 <= layer < L");
-  const int64_t layer_dims[4] = {cd[1], cd[2], cd[3], cd[4]};
+  return WriteAndAttendBody<float>(
+      q.typed_data(), q.dimensions(), k_new.typed_data(), k_new.dimensions(),
+      v_new.typed_data(), v_new.dimensions().size(), slot_mapping.typed_data(),
+      slot_mapping.dimensions(), k_cache.typed_data(), v_cache.typed_data(),
+      k_cache.dimensions(), nullptr, kv_lens.typed_data(), block_tables.typed_data(),
+      block_tables.dimensions(), cu_q_lens.typed_data(), num_seqs.typed_data()[0],
+      out->typed_data(), k_out->typed_data(), v_out->typed_data(), layer, sm_scale,
+      sliding_window, soft_cap, pool);
+}
+
+// Byte caches (int8 / fp8 KV): new keys and values arrive already encoded, as bytes.
+ffi::Error WriteAndAttendBytesImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> k_new,
+                                   ffi::Buffer<ffi::U8> v_new,
+                                   ffi::Buffer<ffi::S32> slot_mapping,
+                                   ffi::Buffer<ffi::U8> k_cache, ffi::Buffer<ffi::U8> v_cache,
+                                   ffi::Buffer<ffi::F32> lut, ffi::Buffer<ffi::S32> kv_lens,
+                                   ffi::Buffer<ffi::S32> block_tables,
+                                   ffi::Buffer<ffi::S32> cu_q_lens,
+                                   ffi::Buffer<ffi::S32> num_seqs,
+                                   ffi::ResultBuffer<ffi::F32> out,
+                                   ffi::ResultBuffer<ffi::U8> k_out,
+                                   ffi::ResultBuffer<ffi::U8> v_out, int32_t layer,
+                                   float sm_scale, int32_t sliding_window, float soft_cap,
+                                   ffi::ThreadPool pool) {
+  if (lut.element_count() != 256)
+    return ffi::Error::InvalidArgument("write and attend: the byte table must have 256 entries");
+  return WriteAndAttendBody<uint8_t>(
+      q.typed_data(), q.dimensions(), k_new.typed_data(), k_new.dimensions(),
+      v_new.typed_data(), v_new.dimensions().size(), slot_mapping.typed_data(),
+      slot_mapping.dimensions(), k_cache.typed_data(), v_cache.typed_data(),
+      k_cache.dimensions(), lut.typed_data(), kv_lens.typed_data(), block_tables.typed_data(),
+      block_tables.dimensions(), cu_q_lens.typed_data(), num_seqs.typed_data()[0],
+      out->typed_data(), k_out->typed_data(), v_out->typed_data(), layer, sm_scale,
+      sliding_window, soft_cap, pool);
+}
+
+ffi::Error RaggedPagedAttentionBytesImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> k_cache,
+                                         ffi::Buffer<ffi::U8> v_cache, ffi::Buffer<ffi::F32> lut,
+                                         ffi::Buffer<ffi::S32> kv_lens,
+                                         ffi::Buffer<ffi::S32> block_tables,
+                                         ffi::Buffer<ffi::S32> cu_q_lens,
+                                         ffi::Buffer<ffi::S32> num_seqs,
+                                         ffi::ResultBuffer<ffi::F32> out, float sm_scale,
+                                         int32_t sliding_window, float soft_cap,
+                                         ffi::ThreadPool pool) {
   Shape s;
-  if (const char* error = ShapeOf(q.dimensions(), ffi::Span<const int64_t>(layer_dims, 4),
+  if (const char* error = ShapeOf(q.dimensions(), k_cache.dimensions(),
                                   block_tables.dimensions(), &s))
     return ffi::Error::InvalidArgument(error);
-  const auto nd = k_new.dimensions();
-  if (nd.size() != 3 || nd[0] != s.num_tokens || nd[1] != s.num_kv_heads ||
-      nd[2] != s.head_dim || v_new.dimensions().size() != 3 ||
-      slot_mapping.dimensions().size() != 1 || slot_mapping.dimensions()[0] != s.num_tokens)
-    return ffi::Error::InvalidArgument("write and attend: new keys, values or slots disagree");
-  const int64_t width = s.num_kv_heads * s.head_dim;
-  const int64_t num_slots = s.num_blocks * s.block_size;  // in one layer
-  const int64_t total = cd[0] * num_slots * width;
-  float* k_all = k_out->typed_data();
-  float* v_all = v_out->typed_data();
-  // The outputs alias the cache operands (input_output_aliases); should XLA ever hand
-  // over distinct buffers, start the outputs from the operands.
-  if (k_all != k_cache.typed_data())
-    std::memcpy(k_all, k_cache.typed_data(), sizeof(float) * total);
-  if (v_all != v_cache.typed_data())
-    std::memcpy(v_all, v_cache.typed_data(), sizeof(float) * total);
-  float* kc = k_all + layer * num_slots * width;
-  float* vc = v_all + layer * num_slots * width;
-  const int32_t* slots = slot_mapping.typed_data();
-  WriteSlots(k_new.typed_data(), slots, s.num_tokens, width, num_slots, kc);
-  WriteSlots(v_new.typed_data(), slots, s.num_tokens, width, num_slots, vc);
-  Attend(s, q.typed_data(), kc, vc, kv_lens.typed_data(), block_tables.typed_data(),
-         cu_q_lens.typed_data(), block_tables.dimensions()[0], num_seqs.typed_data()[0],
-         sm_scale, sliding_window, soft_cap, out->typed_data(), pool);
+  if (lut.element_count() != 256)
+    return ffi::Error::InvalidArgument("ragged paged attention: the byte table must have 256 "
+                                       "entries");
+  Attend(s, q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), lut.typed_data(),
+         kv_lens.typed_data(), block_tables.typed_data(), cu_q_lens.typed_data(),
+         block_tables.dimensions()[0], num_seqs.typed_data()[0], sm_scale, sliding_window,
+         soft_cap, out->typed_data(), pool);
   return ffi::Error::Success();
 }
 
@@ -418,6 +509,44 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageWriteAndAttendF32, WriteAndAttendImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [T, Hq, D]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // k_cache, aliased
                                   .Ret<ffi::Buffer<ffi::F32>>()  // v_cache, aliased
+                                  .Attr<int32_t>("layer")
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
+                                  .Ctx<ffi::ThreadPool>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageRaggedPagedAttentionBytes, RaggedPagedAttentionBytesImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [T, Hq, D]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // k_cache [N, B, Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // v_cache [N, B, Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // lut [256]: byte -> value
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [S, M]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens [S + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs [1]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, Hq, D]
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
+                                  .Ctx<ffi::ThreadPool>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageWriteAndAttendBytes, WriteAndAttendBytesImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [T, Hq, D]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // k_new [T, Hkv, D], encoded
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // v_new [T, Hkv, D], encoded
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping [T], -1 = skip
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // k_cache [L, N, B, Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // v_cache [L, N, B, Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // lut [256]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [S, M]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens [S + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs [1]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, Hq, D]
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // k_cache, aliased
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // v_cache, aliased
                                   .Attr<int32_t>("layer")
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("sliding_window")

@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 import pallas_kernels.ragged_paged_attention.tiling as tiling
+from pallas_kernels.kv_quant import decode
 from pallas_kernels.precision import dot_precision
 
 # Programs the grid should have before the KV length is split (H100: 132 SMs; a few
@@ -53,7 +54,8 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # int32 [NT] each
             o_ref,                                     # [R, D]  (f32 partial sum if split)
             *lm_refs,                                  # f32 [R] row max, row sum (if split)
             sm_scale: float, soft_cap: float | None, sliding_window: int | None,
-            group_padded: int, pages_per_block: int, num_splits: int):
+            group_padded: int, pages_per_block: int, num_splits: int,
+            kv_format: str | None = None):
     tile, split = pl.program_id(0), pl.program_id(2)
     rows, head_dim = q_ref.shape
     block_size = k_ref.shape[1]
@@ -84,6 +86,8 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # int32 [NT] each
         pages = jnp.clip(pages, 0, num_pages - 1)   # table slots past the end may hold junk
         k = k_ref[pages].reshape(block_kv, head_dim)
         v = v_ref[pages].reshape(block_kv, head_dim)
+        if kv_format is not None:  # byte pages (kv_quant): their values, in q's dtype
+            k, v = decode(k, kv_format, q.dtype), decode(v, kv_format, q.dtype)
         col = j * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)   # [K]
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=dot_precision(q.dtype),
                             preferred_element_type=jnp.float32) * sm_scale  # [R, K]
@@ -144,7 +148,7 @@ def choose_blocks(*, num_tokens: int, max_num_seqs: int, group: int, block_size:
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "interpret", "block_q", "block_kv",
-    "num_kv_splits", "num_warps", "num_stages", "layer"))
+    "num_kv_splits", "num_warps", "num_stages", "layer", "kv_format"))
 def ragged_paged_attention_gpu(
         q: jax.Array,             # [T, Hq, D]
         k_cache: jax.Array,       # [N, B, Hkv, D], or [L, N, B, Hkv, D] with ``layer``
@@ -157,8 +161,10 @@ def ragged_paged_attention_gpu(
         soft_cap: float | None = None, interpret: bool = False,
         block_q: int | None = None, block_kv: int | None = None,
         num_kv_splits: int | None = None, num_warps: int = 4,
-        num_stages: int = 2, layer: int | None = None) -> jax.Array:  # [T, Hq, D]
-    """The Pallas GPU (Triton) kernel; shapes are checked by the public function."""
+        num_stages: int = 2, layer: int | None = None,
+        kv_format: str | None = None) -> jax.Array:  # [T, Hq, D]
+    """The Pallas GPU (Triton) kernel; shapes are checked by the public function.
+    ``kv_format``: the caches are bytes of that format, converted as pages load."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape[-4:]
     max_num_seqs, max_blocks = block_tables.shape
@@ -175,7 +181,8 @@ def ragged_paged_attention_gpu(
 
     tiles = tiling.build_tile_table(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens,
                                     block_q=block_q, num_tiles=num_tiles)
-    q_tiles = tiling.tile_queries(q.astype(k_cache.dtype), tiles, num_kv_heads=num_kv_heads,
+    compute_dtype = q.dtype if kv_format is not None else k_cache.dtype
+    q_tiles = tiling.tile_queries(q.astype(compute_dtype), tiles, num_kv_heads=num_kv_heads,
                                   group_padded=group_padded, block_q=block_q)
     padded_blocks = pl.cdiv(max_blocks, pages_per_block) * pages_per_block
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_blocks - max_blocks)))
@@ -202,7 +209,8 @@ def ragged_paged_attention_gpu(
                      pl.BlockSpec((None, None, None, rows), lambda t, h, s: (s, h, t, 0)))
     kernel = functools.partial(
         _kernel, sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window,
-        group_padded=group_padded, pages_per_block=pages_per_block, num_splits=splits)
+        group_padded=group_padded, pages_per_block=pages_per_block, num_splits=splits,
+        kv_format=kv_format)
     result = pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads, splits),

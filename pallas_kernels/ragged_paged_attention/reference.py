@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kv_quant import decode
 from pallas_kernels.precision import dot_precision
 
 
@@ -38,8 +39,10 @@ def ragged_paged_attention_reference(
         cu_q_lens: jax.Array,     # int32 [S + 1]
         num_seqs: jax.Array,      # int32 [1]
         *, sm_scale: float, sliding_window: int | None = None,
-        soft_cap: float | None = None, layer: int | None = None) -> jax.Array:  # [T, Hq, D]
-    """With ``layer``, the caches hold every layer and layer ``layer``'s pages are read."""
+        soft_cap: float | None = None, layer: int | None = None,
+        kv_format: str | None = None) -> jax.Array:  # [T, Hq, D]
+    """With ``layer``, the caches hold every layer and layer ``layer``'s pages are read.
+    With ``kv_format`` the caches hold bytes of that format (``kv_quant.decode``)."""
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads, _ = k_cache.shape[-3:]
     max_blocks = block_tables.shape[1]
@@ -51,6 +54,8 @@ def ragged_paged_attention_reference(
     pages = tables if layer is None else (layer, tables)
     k = k_cache[pages].reshape(num_tokens, span, num_kv_heads, head_dim)  # [T, L, Hkv, D]
     v = v_cache[pages].reshape(num_tokens, span, num_kv_heads, head_dim)
+    if kv_format is not None:
+        k, v = decode(k, kv_format, q.dtype), decode(v, kv_format, q.dtype)
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)           # [T, Hkv, G, D]
     scores = jnp.einsum("tkgd,tlkd->tkgl", qg, k, precision=dot_precision(q.dtype),
                         preferred_element_type=jnp.float32) * sm_scale  # [T, Hkv, G, L]

@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_kernels.ragged_paged_attention.tiling as tiling
+from pallas_kernels.kv_quant import decode
 
 
 def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # SMEM int32 [NT] each (prefetched)
@@ -42,7 +43,7 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # SMEM int32 [NT] each (p
             m_ref, l_ref, acc_ref,                     # VMEM f32 [Hkv, R, 1] x2, [Hkv, R, D]
             *, sm_scale: float, soft_cap: float | None, sliding_window: int | None,
             group_padded: int, pages_per_block: int, max_blocks_per_seq: int,
-            layer: int | None):
+            layer: int | None, kv_format: str | None = None):
     tile = pl.program_id(0)
     num_kv_heads, rows, head_dim = q_ref.shape
     block_size = k_hbm.shape[-3]
@@ -125,7 +126,10 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # SMEM int32 [NT] each (p
             k_group = k_buf[slot, :, pl.ds(first, heads_per_group), :]     # [K, G, D]
             v_group = v_buf[slot, :, pl.ds(first, heads_per_group), :]
             for i in range(heads_per_group):
-                one_head(first + i, k_group[:, i, :], v_group[:, i, :])
+                k, v = k_group[:, i, :], v_group[:, i, :]
+                if kv_format is not None:  # byte pages (kv_quant): their values, in q's dtype
+                    k, v = decode(k, kv_format, q_ref.dtype), decode(v, kv_format, q_ref.dtype)
+                one_head(first + i, k, v)
             return carry
 
         lax.fori_loop(0, num_kv_heads // heads_per_group, head_group, 0)
@@ -211,7 +215,7 @@ def choose_blocks(*, num_tokens: int, max_num_seqs: int, group: int, block_size:
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "interpret", "block_q", "block_kv",
-    "vmem_limit_bytes", "layer"))
+    "vmem_limit_bytes", "layer", "kv_format"))
 def ragged_paged_attention_tpu(
         q: jax.Array,             # [T, Hq, D]
         k_cache: jax.Array,       # [N, B, Hkv, D], or [L, N, B, Hkv, D] with ``layer``
@@ -224,13 +228,14 @@ def ragged_paged_attention_tpu(
         soft_cap: float | None = None, interpret: bool = False,
         block_q: int | None = None, block_kv: int | None = None,
         vmem_limit_bytes: int | None = None,
-        layer: int | None = None) -> jax.Array:  # [T, Hq, D]
+        layer: int | None = None, kv_format: str | None = None) -> jax.Array:  # [T, Hq, D]
     """The Pallas Mosaic TPU kernel; shapes are checked by the public function.
 
     ``interpret=True`` runs it in TPU interpret mode (``pltpu.InterpretParams()``), which
     also fills outputs and scratch buffers with NaN before the kernel runs.
     ``vmem_limit_bytes``: Mosaic's scoped VMEM limit (None: its default, 16 MiB on
     v5e/v6e/v5p); the tiling is sized for ``VMEM_BUDGET`` either way.
+    ``kv_format``: the caches are bytes of that format, converted as pages are used.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads, _ = k_cache.shape[-3:]
@@ -247,14 +252,15 @@ def ragged_paged_attention_tpu(
 
     tiles = tiling.build_tile_table(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens,
                                     block_q=block_q, num_tiles=num_tiles)
-    q_tiles = tiling.tile_queries(q.astype(k_cache.dtype), tiles, num_kv_heads=num_kv_heads,
+    compute_dtype = q.dtype if kv_format is not None else k_cache.dtype
+    q_tiles = tiling.tile_queries(q.astype(compute_dtype), tiles, num_kv_heads=num_kv_heads,
                                   group_padded=group_padded, block_q=block_q)
     tile_spec = pl.BlockSpec((num_kv_heads, None, rows, head_dim), lambda t, *_: (0, t, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(
         _kernel, sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window,
         group_padded=group_padded, pages_per_block=pages_per_block,
-        max_blocks_per_seq=max_blocks, layer=layer)
+        max_blocks_per_seq=max_blocks, layer=layer, kv_format=kv_format)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -78,3 +78,48 @@ def test_kernels_compile_for_target(target, family, dtype_name, block_size):
     cache = ((NUM_BLOCKS, block_size, hkv, head_dim), dtype)
     new = ((64, hkv, head_dim), dtype)
     compile_on_device(device, update, cache, cache, new, new, ((64,), jnp.int32))
+
+
+KV_FORMAT_CASES = [("v5e:1x1", "int8", "llama3_8b", 16), ("v6e:1x1", "fp8_e4m3", "smollm2", 32),
+                   ("v5p:2x2x1", "fp8_e5m2", "qwen2_7b", 64), ("h100", "fp8_e4m3", "llama3_8b", 16),
+                   ("a100", "int8", "smollm2", 32)]
+
+
+@pytest.mark.parametrize("target,kv_format,family,block_size", KV_FORMAT_CASES,
+                         ids=[f"{t}-{f}-{m}-b{b}" for t, f, m, b in KV_FORMAT_CASES])
+def test_byte_kv_cache_kernels_compile_for_target(target, kv_format, family, block_size):
+    """int8 / fp8 KV (uint8 pages converted as they load, ``kv_quant``), bfloat16 queries."""
+    device = target_devices(target)[0]
+    hq, hkv, head_dim, options = FAMILIES[family]
+    on_tpu = device.platform == "tpu"
+    attention = ragged_paged_attention_tpu if on_tpu else ragged_paged_attention_gpu
+    for kind, (num_tokens, num_seqs) in BATCHES.items():
+        specs = _attention_specs(num_tokens, num_seqs, hq, hkv, head_dim, block_size, jnp.uint8)
+        specs[0] = ((num_tokens, hq, head_dim), jnp.bfloat16)
+        compiled = compile_on_device(device, attention, *specs, static_kwargs=dict(
+            sm_scale=head_dim ** -0.5, kv_format=kv_format, **options))
+        assert compiled.memory_analysis() is not None, kind
+    update = kv_cache_update_tpu if on_tpu else kv_cache_update_gpu
+    cache = ((NUM_BLOCKS, block_size, hkv, head_dim), jnp.uint8)
+    new = ((64, hkv, head_dim), jnp.uint8)
+    compile_on_device(device, update, cache, cache, new, new, ((64,), jnp.int32))
+
+
+@pytest.mark.parametrize("target", ["v5e:1x1", "h100"])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_matmul_compiles_for_target(target, bits):
+    """Weight-only int8 / int4 (Llama-3-8B's MLP shape): the jnp form XLA fuses on devices."""
+    from pallas_kernels.quantized_matmul import quantized_matmul
+
+    device = target_devices(target)[0]
+    k, n, groups = 4096, 14336, 32
+    codes = ((k, n), jnp.int8) if bits == 8 else ((k // 2, n), jnp.uint8)
+    parts = [codes, ((groups, n), jnp.float32)] + ([((groups, n), jnp.float32)] if bits == 4 else [])
+
+    def matmul(x, *weight):
+        names = ("codes", "scale", "zero")[:len(weight)]
+        return quantized_matmul(x, dict(zip(names, weight)))
+
+    compiled = compile_on_device(device, matmul, ((64, k), jnp.bfloat16), *parts)
+    stats = compiled.memory_analysis()
+    assert stats is not None

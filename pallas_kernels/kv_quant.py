@@ -1,0 +1,53 @@
+"""One-byte KV cache formats: how keys and values are stored when the cache is quantized.
+
+A quantized cache holds every element as one byte, in ``uint8`` arrays whatever the
+format (so the cache's shape, sharding, block copies, swaps and transfers never depend
+on it); ``kv_format`` says how to read a byte:
+
+* ``"int8"``: a signed integer (two's complement), -127..127 written;
+* ``"fp8_e4m3"``: float8 e4m3fn (max 448), the format of vLLM's ``fp8`` / ``fp8_e4m3``;
+* ``"fp8_e5m2"``: float8 e5m2 (max 57344).
+
+The model stores ``x / scale`` (per layer, KV head and channel; ``jaxpage.models``) and
+folds the scales into the queries (keys) and the attention's output (values), so the
+kernels only convert bytes to floats as they load pages (``decode``), and a kernel that
+reads a byte cache reads exactly what ``decode`` says.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+KV_FORMATS = {"int8": jnp.int8, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+STORAGE_DTYPE = jnp.uint8
+# the largest magnitude written in each format (int8 keeps the range symmetric)
+MAX_VALUE = {"int8": 127.0, "fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+
+
+def check_format(kv_format: str | None) -> None:
+    if kv_format is not None and kv_format not in KV_FORMATS:
+        raise ValueError(f"kv_format={kv_format!r} is not one of {tuple(KV_FORMATS)} or None")
+
+
+def decode(stored: jax.Array, kv_format: str, dtype=jnp.float32) -> jax.Array:
+    """uint8 bytes -> the values they hold, in ``dtype``."""
+    return jax.lax.bitcast_convert_type(stored, KV_FORMATS[kv_format]).astype(dtype)
+
+
+def encode(values: jax.Array, kv_format: str) -> jax.Array:
+    """Floats (already divided by their scale) -> uint8 bytes, saturating at the format's
+    largest value (int8 rounds to the nearest integer)."""
+    limit = MAX_VALUE[kv_format]
+    x = jnp.clip(values.astype(jnp.float32), -limit, limit)
+    if kv_format == "int8":
+        x = jnp.round(x)
+    return jax.lax.bitcast_convert_type(x.astype(KV_FORMATS[kv_format]), STORAGE_DTYPE)
+
+
+def lookup_table(kv_format: str) -> np.ndarray:
+    """float32 [256]: the value of every byte (what the C++ kernel converts through)."""
+    as_format = np.arange(256, dtype=np.uint8).view(np.dtype(KV_FORMATS[kv_format]))
+    table = as_format.astype(np.float32)
+    return np.where(np.isfinite(table), table, 0.0).astype(np.float32)  # NaN bytes: never written

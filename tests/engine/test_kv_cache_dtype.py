@@ -1,0 +1,57 @@
+"""int8 / fp8 KV caches through ``LLM``: 4x the blocks of float32 for the same memory,
+SmolLM2's greedy tokens kept, preemption and prefix caching unchanged, bad values refused."""
+
+import numpy as np
+import pytest
+
+from jaxpage import LLM, SamplingParams
+from tests.options import FEW_BUCKETS
+
+MEMORY = 32 * 2**20
+ENGINE = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, **FEW_BUCKETS)
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time there was",
+           "Water boils at"]
+
+
+def _tokens(llm, prompts, max_tokens=16, **kw):
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, **kw),
+                        use_tqdm=False)
+    stats = llm.get_stats()
+    assert stats["num_free_blocks"] == stats["num_kv_blocks"]
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def float_run(smollm2_path):
+    llm = LLM(smollm2_path, kv_cache_memory=MEMORY, **ENGINE)
+    return llm.get_stats(), _tokens(llm, PROMPTS)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_byte_cache_holds_4x_the_blocks_and_keeps_greedy_tokens(smollm2_path, float_run,
+                                                                 kv_cache_dtype):
+    float_stats, float_tokens = float_run
+    llm = LLM(smollm2_path, kv_cache_memory=MEMORY, kv_cache_dtype=kv_cache_dtype, **ENGINE)
+    stats = llm.get_stats()
+    assert stats["kv_cache_dtype"] == kv_cache_dtype
+    assert stats["kv_bytes_per_block"] * 4 == float_stats["kv_bytes_per_block"]
+    assert stats["num_kv_blocks"] >= 4 * float_stats["num_kv_blocks"]
+    assert llm.llm_engine.runner.kv_cache[0].dtype == np.uint8
+    ours = _tokens(llm, PROMPTS)
+    assert sum(a[:8] == b[:8] for a, b in zip(ours, float_tokens)) >= 3, (ours, float_tokens)
+
+
+def test_preemption_and_prefix_cache_with_int8_kv(tiny_checkpoints):
+    prompts = ["a b c d e f g h i j k l m n o p q r s t u v w x y z " * 2] * 3 + ["hello"]
+    roomy = LLM(tiny_checkpoints["llama"], kv_cache_dtype="int8", num_kv_blocks=128,
+                block_size=8, enable_prefix_caching=False, **ENGINE)
+    want = _tokens(roomy, prompts, 24, ignore_eos=True)
+    tight = LLM(tiny_checkpoints["llama"], kv_cache_dtype="int8", num_kv_blocks=24,
+                block_size=8, **ENGINE)
+    assert _tokens(tight, prompts, 24, ignore_eos=True) == want  # preempted, prefix-shared
+    assert tight.get_stats()["num_preemptions"] > 0
+
+
+def test_bad_kv_cache_dtype_is_refused(smollm2_path):
+    with pytest.raises(ValueError, match="kv_cache_dtype='int4'"):
+        LLM(smollm2_path, kv_cache_dtype="int4", **ENGINE)

@@ -1,0 +1,29 @@
+"""Quantized weights and a byte KV cache under tensor parallelism (8 virtual CPU devices).
+
+Each part of a quantized weight is split as its weight is (``sharding_rules.param_spec``):
+codes with the weight, per-group scales with it where the groups divide, the byte cache
+and its scales by KV head. Greedy tokens are the same at every size.
+"""
+
+import pytest
+
+from tests.parallel.helpers import ENGINE, run_worker
+
+
+@pytest.mark.slow
+def test_int8_weights_and_int8_kv_tp_1_2_4(tp_checkpoints, tp_prompts):
+    engine = {**ENGINE, "quantization": "int8", "kv_cache_dtype": "int8"}
+    result = run_worker("tensor_parallel", dict(
+        model=tp_checkpoints["llama"], tp_sizes=[1, 2, 4], prompts=tp_prompts[:4],
+        max_tokens=8, engine=engine))
+    for tp in ("2", "4"):
+        assert result[tp]["tokens"] == result["1"]["tokens"], f"tensor_parallel_size={tp}"
+        report = result[tp]["shards"]
+        shards = report["layers/0/q_proj/codes"]["shards"]       # [in, out]: split by out
+        assert all(s[1] == report["layers/0/q_proj/codes"]["shape"][1] // int(tp)
+                   for _, s in shards)
+        down = report["layers/0/down_proj/codes"]                # [in, out]: split by in
+        assert all(s[0] == down["shape"][0] // int(tp) for _, s in down["shards"])
+        kv = report["kv_cache"]
+        assert all(s[3] == kv["shape"][3] // int(tp) for _, s in kv["shards"])
+        assert report["kv_scale"]["shards"][0][1][2] == report["kv_scale"]["shape"][2] // int(tp)
