@@ -58,16 +58,22 @@ def jaxpage_engine_options(args, workload: Workload) -> dict:
                 **({"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}))
 
 
+QUANTIZED_OPTIONS = ("", "int8", "int4", "gguf", "kv_int8", "kv_fp8", "kv_fp8_e5m2")
+
+
 def run_jaxpage(args, model, workload: Workload, config: str, log) -> dict:
     """One engine configuration: "K" (``num_scheduler_steps``) or "Ksync" (the same with
     asynchronous scheduling turned off, on engines that have that option), optionally
-    followed by ":int8", ":int4" or ":gguf" (weight quantization)."""
+    followed by ":int8", ":int4" or ":gguf" (weight quantization) or ":kv_int8",
+    ":kv_fp8", ":kv_fp8_e5m2" (a byte KV cache)."""
     from jaxpage import LLM, SamplingParams
 
     steps, _, quantization = config.partition(":")
     num_steps = int(steps.removesuffix("sync"))
     extra = {"async_scheduling": False} if steps.endswith("sync") else {}
-    if quantization:
+    if quantization.startswith("kv_"):
+        extra["kv_cache_dtype"] = quantization[3:]
+    elif quantization:
         extra["quantization"] = quantization
     began = time.perf_counter()
     llm = LLM(model, num_scheduler_steps=num_steps, warmup=(args.warmup == "buckets"),
@@ -215,8 +221,9 @@ def parse_args(argv=None):
     parser.add_argument("--steps", default="8",
                         help="jaxpage configurations: num_scheduler_steps values, each "
                              "optionally with 'sync' (asynchronous scheduling off) and "
-                             "':int8', ':int4' or ':gguf' (weight quantization), e.g. "
-                             "8,8:int8,1:gguf")
+                             "':int8', ':int4', ':gguf' (weight quantization) or "
+                             "':kv_int8', ':kv_fp8', ':kv_fp8_e5m2' (KV cache), e.g. "
+                             "8,8:int8,1:kv_fp8")
     parser.add_argument("--profile", action="store_true", help="report jaxpage's host/device split")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="default: the workload's longest prompt + output")
@@ -247,9 +254,10 @@ def parse_args(argv=None):
     args.steps = [k.strip() for k in args.steps.split(",") if k.strip()]
     if not args.steps or not all(
             k.partition(":")[0].removesuffix("sync").isdigit()
-            and k.partition(":")[2] in ("", "int8", "int4", "gguf") for k in args.steps):
+            and k.partition(":")[2] in QUANTIZED_OPTIONS for k in args.steps):
         parser.error(f"--steps={','.join(args.steps)!r} must be a comma list of integers, "
-                     "each optionally followed by 'sync' and ':int8', ':int4' or ':gguf'")
+                     "each optionally followed by 'sync' and one of ':int8', ':int4', ':gguf', "
+                     "':kv_int8', ':kv_fp8', ':kv_fp8_e5m2'")
     if args.hf_batch_size != "auto" and not args.hf_batch_size.isdigit():
         parser.error(f"--hf-batch-size={args.hf_batch_size!r} must be an integer or 'auto'")
     return args

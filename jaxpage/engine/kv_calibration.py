@@ -70,5 +70,5 @@ def calibrate_kv_scales(model: Any, kv_format: str, tokenizer: Any, max_len: int
     amax = jax.jit(lambda st, x: nnx.merge(graphdef, st).kv_amax(x))(state, ids)
     scale = np.maximum(np.asarray(amax) * HEADROOM / MAX_VALUE[kv_format], 1e-8)
     current = model.kv_scale[...]
-    model.kv_scale.value = jax.device_put(scale.astype(np.float32), current.sharding)
+    model.kv_scale[...] = jax.device_put(scale.astype(np.float32), current.sharding)
     return scale
