@@ -8,10 +8,11 @@ on it); ``kv_format`` says how to read a byte:
 * ``"fp8_e4m3"``: float8 e4m3fn (max 448), the format of vLLM's ``fp8`` / ``fp8_e4m3``;
 * ``"fp8_e5m2"``: float8 e5m2 (max 57344).
 
-The model stores ``x / scale`` (per layer, KV head and channel; ``jaxpage.models``) and
-folds the scales into the queries (keys) and the attention's output (values), so the
-kernels only convert bytes to floats as they load pages (``decode``), and a kernel that
-reads a byte cache reads exactly what ``decode`` says.
+The cache holds ``k / k_scale`` and ``v / v_scale``, scales per KV head and channel
+(``[Hkv, D]`` for the layer read; ``jaxpage.models``). The C++ CPU kernel multiplies the
+scales in as it converts each block; for the other backends ``fold_key_scale`` puts the key
+scales into the queries (``q . (s * k') = (q * s) . k'``) and ``unfold_value_scale`` the
+value scales into the output, so those kernels only convert bytes (``decode``).
 """
 
 from __future__ import annotations
@@ -51,3 +52,22 @@ def lookup_table(kv_format: str) -> np.ndarray:
     as_format = np.arange(256, dtype=np.uint8).view(np.dtype(KV_FORMATS[kv_format]))
     table = as_format.astype(np.float32)
     return np.where(np.isfinite(table), table, 0.0).astype(np.float32)  # NaN bytes: never written
+
+
+def _per_query_head(scale: jax.Array, num_q_heads: int, dtype) -> jax.Array:
+    """[Hkv, D] -> [Hq, D]: each KV head's scales for every query head of its group."""
+    return jnp.repeat(scale, num_q_heads // scale.shape[0], axis=0).astype(dtype)
+
+
+def fold_key_scale(q: jax.Array, k_scale: jax.Array | None) -> jax.Array:
+    """q [T, Hq, D] with the key scales [Hkv, D] multiplied in."""
+    if k_scale is None:
+        return q
+    return q * _per_query_head(k_scale, q.shape[1], q.dtype)
+
+
+def unfold_value_scale(out: jax.Array, v_scale: jax.Array | None) -> jax.Array:
+    """The attention output [T, Hq, D] with the value scales [Hkv, D] multiplied in."""
+    if v_scale is None:
+        return out
+    return out * _per_query_head(v_scale, out.shape[1], out.dtype)

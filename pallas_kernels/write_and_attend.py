@@ -35,7 +35,9 @@ def write_and_attend(q, k_new, v_new, slot_mapping, k_cache, v_cache, kv_lens, b
                      cu_q_lens, num_seqs, *, layer: int, sm_scale: float,
                      sliding_window: int | None = None, soft_cap: float | None = None,
                      backend: str = "auto", interpret: bool = False,
-                     kv_format: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     kv_format: str | None = None, k_scale: jax.Array | None = None,
+                     v_scale: jax.Array | None = None
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Write ``k_new`` / ``v_new`` [T, Hkv, D] into layer ``layer``'s slots
     ``slot_mapping`` [T] (-1: skip) of ``k_cache`` / ``v_cache`` [L, N, B, Hkv, D], then
     attend ``q`` [T, Hq, D] over that layer's updated pages.
@@ -43,7 +45,7 @@ def write_and_attend(q, k_new, v_new, slot_mapping, k_cache, v_cache, kv_lens, b
     -> (attention [T, Hq, D], k_cache, v_cache). ``backend`` picks the attention kernel
     (``ragged_paged_attention``'s rule); the same checks and errors apply. With
     ``kv_format`` the caches are bytes (``kv_quant``) and ``k_new`` / ``v_new`` come
-    already encoded.
+    already encoded (``k / k_scale``, ``v / v_scale``, scales [Hkv, D] of this layer).
     """
     if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must both be [num_layers, num_blocks, "
@@ -66,10 +68,14 @@ def write_and_attend(q, k_new, v_new, slot_mapping, k_cache, v_cache, kv_lens, b
     if (q.shape[0] > 0 and same_dtype
             and resolve_backend(backend, interpret=interpret, dtype=q.dtype) == "cpu"):
         from pallas_kernels.ragged_paged_attention.cpu import write_and_attend_cpu
+        if kv_format is not None:
+            kwargs.update(k_scale=k_scale, v_scale=v_scale)
         return write_and_attend_cpu(q, k_new, v_new, slot_mapping, k_cache, v_cache, kv_lens,
                                     block_tables, cu_q_lens, num_seqs, layer=layer, **kwargs)
     k_cache, v_cache = kv_cache_update(k_cache, v_cache, k_new, v_new, slot_mapping,
                                        layer=layer)
+    if kv_format is not None:
+        kwargs.update(k_scale=k_scale, v_scale=v_scale)
     out = ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
                                  num_seqs, backend=backend, interpret=interpret, layer=layer,
                                  **kwargs)

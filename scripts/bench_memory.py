@@ -12,6 +12,11 @@ request's output length. Reported, side by side:
   baseline measured in the PagedAttention paper), and that baseline's wasted fraction.
 
     python scripts/bench_memory.py --num-requests 400 --num-blocks 2048 --block-size 16
+
+With ``--options`` it measures the model instead: weight bytes on the device and KV blocks
+for a fixed budget, for weight quantization and byte KV caches side by side:
+
+    python scripts/bench_memory.py --options float32,int8,int4,gguf,kv_int8,kv_fp8
 """
 
 from __future__ import annotations
@@ -89,6 +94,41 @@ def run(args) -> dict:
     }
 
 
+MODEL_OPTIONS = {"float32": {}, "int8": {"quantization": "int8"},
+                 "int4": {"quantization": "int4"}, "gguf": {"quantization": "gguf"},
+                 "kv_int8": {"kv_cache_dtype": "int8"}, "kv_fp8": {"kv_cache_dtype": "fp8"},
+                 "kv_fp8_e5m2": {"kv_cache_dtype": "fp8_e5m2"},
+                 "int8+kv_int8": {"quantization": "int8", "kv_cache_dtype": "int8"}}
+
+
+def run_options(args) -> list[dict]:
+    """The embedded SmolLM2 under each option: weight bytes on the device, KV bytes per
+    block, and KV blocks for the same ``--kv-budget`` bytes."""
+    from jaxpage import LLM
+
+    rows = []
+    for name in args.options.split(","):
+        if name not in MODEL_OPTIONS:
+            raise SystemExit(f"--options: {name!r} is not one of {sorted(MODEL_OPTIONS)}")
+        llm = LLM(kv_cache_memory=args.kv_budget, max_model_len=args.max_model_len,
+                  max_num_seqs=args.max_num_seqs, **MODEL_OPTIONS[name])
+        stats = llm.get_stats()
+        rows.append({"option": name, "weight_bytes": stats["weight_bytes"],
+                     "kv_bytes_per_block": stats["kv_bytes_per_block"],
+                     "num_kv_blocks": stats["num_kv_blocks"]})
+        del llm
+    base = rows[0]
+    print(f"SmolLM2-135M-Instruct (embedded GGUF), KV budget {args.kv_budget / 2**20:.0f} MiB, "
+          f"block size 16; ratios against the first row ({base['option']})")
+    print("| option | weight MiB | vs first | KV bytes / block | KV blocks | vs first |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['option']} | {row['weight_bytes'] / 2**20:.1f} | "
+              f"{row['weight_bytes'] / base['weight_bytes']:.1%} | {row['kv_bytes_per_block']:,} | "
+              f"{row['num_kv_blocks']:,} | {row['num_kv_blocks'] / base['num_kv_blocks']:.2f}x |")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -100,7 +140,18 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=str, default=None, help="also write the result here")
+    parser.add_argument("--options", default=None,
+                        help="instead of the replay: load SmolLM2 under each option (comma "
+                             f"list of {', '.join(MODEL_OPTIONS)}) and report weight bytes "
+                             "and KV blocks for --kv-budget")
+    parser.add_argument("--kv-budget", type=int, default=256 * 2**20,
+                        help="bytes of KV cache for --options (default 256 MiB)")
     args = parser.parse_args()
+    if args.options:
+        rows = run_options(args)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
+        return
     result = run(args)
     print("| metric | value |\n|---|---|")
     for key, value in result.items():

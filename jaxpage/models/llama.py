@@ -243,28 +243,17 @@ class CausalLM(nnx.Module):
         h = self.embed_tokens(input_ids)                                   # [T, hidden]
         for index, layer in enumerate(self.layers):
             q, k, v = layer.qkv(cfg, h, positions, inv_freq)
-            if self.kv_format is not None:
-                q, k, v = self._encode_kv(q, k, v, index)
+            scales = ()
+            if self.kv_format is not None:  # this layer's [Hkv, D] key and value scales
+                scales = (self.kv_scale[...][0, index], self.kv_scale[...][1, index])
+                k = encode(k.astype(jnp.float32) / scales[0], self.kv_format)
+                v = encode(v.astype(jnp.float32) / scales[1], self.kv_format)
             attn, k_cache, v_cache = attention(
                 q, k, v, k_cache, v_cache, batch["slot_mapping"], batch["kv_lens"],
-                batch["block_tables"], batch["cu_q_lens"], batch["num_seqs"], layer=index)
-            if self.kv_format is not None:
-                attn = attn * self._per_query_head(self.kv_scale[...][1, index], attn.dtype)
+                batch["block_tables"], batch["cu_q_lens"], batch["num_seqs"], *scales,
+                layer=index)
             h = layer.finish(cfg, h, attn)
         return rms_norm(h, self.final_norm[...], cfg.rms_norm_eps), (k_cache, v_cache)
-
-    def _per_query_head(self, scale: jax.Array, dtype: Any) -> jax.Array:
-        """A KV head's [Hkv, D] scales for each query head of its group: [Hq, D]."""
-        return jnp.repeat(scale, self.cfg.num_heads // self.cfg.num_kv_heads, axis=0).astype(dtype)
-
-    def _encode_kv(self, q, k, v, layer: int):
-        """The quantized cache's side of layer ``layer``: k and v [T, Hkv, D] divided by
-        their scales and encoded to bytes; the key scales folded into q [T, Hq, D]
-        (q . (s * k') = (q * s) . k'). The value scales multiply the attention's output."""
-        k_scale, v_scale = self.kv_scale[...][0, layer], self.kv_scale[...][1, layer]
-        k_bytes = encode(k.astype(jnp.float32) / k_scale, self.kv_format)
-        v_bytes = encode(v.astype(jnp.float32) / v_scale, self.kv_format)
-        return q * self._per_query_head(k_scale, q.dtype), k_bytes, v_bytes
 
     def kv_amax(self, input_ids: jax.Array) -> jax.Array:
         """The largest |k| and |v| of one sequence's forward pass (input_ids int32 [T]),
@@ -282,7 +271,7 @@ class CausalLM(nnx.Module):
         return jnp.stack(amax, axis=1).astype(jnp.float32)
 
     def _attention(self, q, k, v, k_cache, v_cache, slot_mapping, kv_lens, block_tables,
-                   cu_q_lens, num_seqs, *, layer: int):
+                   cu_q_lens, num_seqs, k_scale=None, v_scale=None, *, layer: int):
         """Write layer ``layer``'s new K/V into its pages, then attend:
         -> (attn [T, Hq, D], k_cache, v_cache).
 
@@ -294,18 +283,21 @@ class CausalLM(nnx.Module):
             q, k, v, slot_mapping, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
             num_seqs, layer=layer, sm_scale=self.cfg.head_dim ** -0.5,
             sliding_window=self.cfg.sliding_window, backend=self.attention_backend,
-            kv_format=self.kv_format)
+            kv_format=self.kv_format, k_scale=k_scale, v_scale=v_scale)
 
     def _sharded(self, attention):
         """``attention`` under ``shard_map`` over the KV-head axis when there is a mesh."""
         if self.mesh is None:
             return attention
         heads, pages, whole = P(None, TP, None), P(None, None, None, TP, None), P()
+        scale = P(TP, None)  # a byte cache's [Hkv, D] scales of the layer
 
         def sharded(*args, layer: int):
+            scales = (scale,) * (len(args) - 10)
             return jax.shard_map(
                 functools.partial(attention, layer=layer), mesh=self.mesh,
-                in_specs=(heads, heads, heads, pages, pages, whole, whole, whole, whole, whole),
+                in_specs=(heads, heads, heads, pages, pages, whole, whole, whole, whole, whole,
+                          *scales),
                 out_specs=(heads, pages, pages), check_vma=False)(*args)
 
         return sharded

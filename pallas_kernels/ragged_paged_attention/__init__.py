@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _backend
-from pallas_kernels.kv_quant import check_format
+from pallas_kernels.kv_quant import check_format, fold_key_scale, unfold_value_scale
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
 BACKENDS = _backend.BACKENDS
@@ -94,11 +94,13 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
                            sm_scale: float, sliding_window: int | None = None,
                            soft_cap: float | None = None, backend: str = "auto",
                            interpret: bool = False, layer: int | None = None,
-                           kv_format: str | None = None) -> jax.Array:
+                           kv_format: str | None = None, k_scale: jax.Array | None = None,
+                           v_scale: jax.Array | None = None) -> jax.Array:
     """Attention of concatenated ragged queries over a paged KV cache -> [T, Hq, D].
 
     ``kv_format`` (``pallas_kernels.kv_quant``): the caches are ``uint8`` bytes of that
-    format, converted to q's dtype as pages are read.
+    format, converted to q's dtype as pages are read, standing for ``k_scale`` /
+    ``v_scale`` [Hkv, D] times their values (None: ones).
 
     With ``layer`` the caches are every layer's, ``[L, N, B, Hkv, D]``, and layer
     ``layer``'s pages are read in place (no slice or reshape of the cache, which on a TPU
@@ -115,11 +117,26 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     resolved = resolve_backend(backend, interpret=interpret,
                                dtype=q.dtype if same_dtype else jnp.float64)  # mixed: not the kernel's
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    if kv_format is not None:
-        kwargs["kv_format"] = kv_format
-    args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
     if resolved == "cpu" and layer is not None:
         resolved = "reference"  # the C++ kernel's per-layer form is write_and_attend's
+    if kv_format is not None:
+        kwargs["kv_format"] = kv_format
+        if resolved == "cpu" and q.shape[0] > 0:
+            # the C++ kernel multiplies the scales in as it converts each block
+            kwargs.update(k_scale=k_scale, v_scale=v_scale)
+        else:  # the others read values only: the scales go into q and the output
+            q = fold_key_scale(q, k_scale)
+            out = _dispatch(resolved, backend, interpret, head_dim, layer,
+                            (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs),
+                            kwargs)
+            return unfold_value_scale(out, v_scale)
+    return _dispatch(resolved, backend, interpret, head_dim, layer,
+                     (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs), kwargs)
+
+
+def _dispatch(resolved: str, backend: str, interpret: bool, head_dim: int, layer: int | None,
+              args: tuple, kwargs: dict) -> jax.Array:
+    q, k_cache = args[0], args[1]
     if layer is not None:
         kwargs["layer"] = layer
     if resolved == "reference" or q.shape[0] == 0:

@@ -62,18 +62,21 @@ def available(dtype=jnp.float32) -> bool:
 
 def ragged_paged_attention_cpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
                                num_seqs, *, sm_scale: float, sliding_window: int | None = None,
-                               soft_cap: float | None = None,
-                               kv_format: str | None = None) -> jax.Array:
+                               soft_cap: float | None = None, kv_format: str | None = None,
+                               k_scale=None, v_scale=None) -> jax.Array:
     """-> [T, Hq, D] float32; the caller has validated shapes (see ``__init__``).
 
-    ``kv_format``: the caches hold bytes of that format (``pallas_kernels.kv_quant``).
+    ``kv_format``: the caches hold bytes of that format (``pallas_kernels.kv_quant``),
+    standing for ``k_scale`` / ``v_scale`` [Hkv, D] times their values (None: ones).
     """
     _require_float32(q, k_cache, kv_format)
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     if kv_format is not None:
         call = jax.ffi.ffi_call(_BYTES_TARGET, out, vmap_method="sequential")
-        return call(q, k_cache, v_cache, jnp.asarray(lookup_table(kv_format)), i32(kv_lens),
+        k_scale, v_scale = _scales(k_cache, k_scale, v_scale)
+        return call(q, k_cache, v_cache, jnp.asarray(lookup_table(kv_format)), k_scale,
+                    v_scale, i32(kv_lens),
                     i32(block_tables), i32(cu_q_lens), i32(num_seqs),
                     sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
                     soft_cap=np.float32(soft_cap or 0.0))
@@ -87,14 +90,15 @@ def ragged_paged_attention_cpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_
 def write_and_attend_cpu(q, k_new, v_new, slot_mapping, k_cache, v_cache, kv_lens,
                          block_tables, cu_q_lens, num_seqs, *, layer: int, sm_scale: float,
                          sliding_window: int | None = None, soft_cap: float | None = None,
-                         kv_format: str | None = None):
+                         kv_format: str | None = None, k_scale=None, v_scale=None):
     """Write ``k_new`` / ``v_new`` [T, Hkv, D] into slots ``slot_mapping`` [T] (-1: skip)
     of layer ``layer`` of the caches [L, N, B, Hkv, D], then attend over that layer as
     ``ragged_paged_attention_cpu`` (slots and block tables address the layer's pages).
 
     -> (out [T, Hq, D], k_cache, v_cache): the caches come back in the buffers they came
     in (``input_output_aliases``), so under ``jit`` with a donated cache nothing is copied.
-    With ``kv_format`` the caches are bytes and ``k_new`` / ``v_new`` come encoded.
+    With ``kv_format`` the caches are bytes and ``k_new`` / ``v_new`` come encoded, as
+    ``ragged_paged_attention_cpu`` (``k_scale`` / ``v_scale``: this layer's [Hkv, D]).
     """
     _require_float32(q, k_cache, kv_format)
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
@@ -105,8 +109,10 @@ def write_and_attend_cpu(q, k_new, v_new, slot_mapping, k_cache, v_cache, kv_len
             (jax.ShapeDtypeStruct(q.shape, jnp.float32),
              jax.ShapeDtypeStruct(k_cache.shape, u8), jax.ShapeDtypeStruct(v_cache.shape, u8)),
             input_output_aliases={4: 1, 5: 2}, vmap_method="sequential")
+        k_scale, v_scale = _scales(k_cache, k_scale, v_scale)
         return call(q, k_new, v_new, i32(slot_mapping), k_cache, v_cache,
-                    jnp.asarray(lookup_table(kv_format)), i32(kv_lens), i32(block_tables),
+                    jnp.asarray(lookup_table(kv_format)), k_scale, v_scale, i32(kv_lens),
+                    i32(block_tables),
                     i32(cu_q_lens), i32(num_seqs), layer=np.int32(layer),
                     sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
                     soft_cap=np.float32(soft_cap or 0.0))
@@ -121,6 +127,13 @@ def write_and_attend_cpu(q, k_new, v_new, slot_mapping, k_cache, v_cache, kv_len
                 i32(block_tables), i32(cu_q_lens), i32(num_seqs), layer=np.int32(layer),
                 sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
                 soft_cap=np.float32(soft_cap or 0.0))
+
+
+def _scales(k_cache, k_scale, v_scale):
+    """float32 [Hkv, D] key and value scales (ones where None)."""
+    ones = jnp.ones(k_cache.shape[-2:], jnp.float32)
+    return (ones if k_scale is None else jnp.asarray(k_scale, jnp.float32),
+            ones if v_scale is None else jnp.asarray(v_scale, jnp.float32))
 
 
 def _require_float32(q, k_cache, kv_format: str | None = None) -> None:

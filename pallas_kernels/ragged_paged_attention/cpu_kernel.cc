@@ -16,7 +16,8 @@
 // Block ids and lengths are clamped into range, as jnp indexing would clamp them.
 //
 // Byte caches (int8 / fp8 KV, pallas_kernels/kv_quant.py) have their own two handlers
-// (...Bytes): the same code, each block's bytes converted through a 256-entry table.
+// (...Bytes): the same code, each block's bytes converted through a 256-entry table and
+// multiplied by their per-channel scales.
 //
 // Two handlers share the attention: JaxpageRaggedPagedAttentionF32 only reads the caches
 // [N, B, Hkv, D]; JaxpageWriteAndAttendF32 takes every layer's caches [L, N, B, Hkv, D],
@@ -49,6 +50,14 @@ struct Shape {
   int64_t num_blocks, block_size, num_kv_heads;  // caches: [N, B, Hkv, D]
   int64_t max_blocks;  // block_tables: [S, M]
   int64_t group;  // Hq / Hkv
+};
+
+// How a byte cache (int8 / fp8 KV) is read: `lut` [256] is the value of each byte, and the
+// cache holds k / k_scale and v / v_scale, scales per KV head and channel [Hkv * D].
+struct ByteCache {
+  const float* lut;
+  const float* k_scale;
+  const float* v_scale;
 };
 
 struct WorkItem {
@@ -159,11 +168,11 @@ inline void Accumulate(float* __restrict ar, float correction, const float* __re
 // place. Scores are then masked, exponentiated and accumulated into the row's online
 // softmax.
 //
-// Byte caches (`lut` given: int8 or fp8 KV, see pallas_kernels/kv_quant.py) are read
-// through `lut`, the float value of each byte: each block's keys and values are
+// Byte caches (`bytes` given: int8 or fp8 KV, see pallas_kernels/kv_quant.py) are read
+// through the byte table and multiplied by their scales: each block's keys and values are
 // converted once into scratch and the float code below runs on it unchanged.
 void AttendItem(const Shape& s, const WorkItem& item, const float* q, const void* k_cache,
-                const void* v_cache, const float* lut, const int32_t* block_table,
+                const void* v_cache, const ByteCache* bytes, const int32_t* block_table,
                 int64_t kv_len, int64_t q_len, int64_t first_seq_token, float sm_scale,
                 int64_t sliding_window, float soft_cap, float* out) {
   const int64_t D = s.head_dim, G = s.group, B = s.block_size, Hq = s.num_q_heads;
@@ -180,7 +189,7 @@ void AttendItem(const Shape& s, const WorkItem& item, const float* q, const void
   p_buf.resize(B);
   kt_buf.resize(Hkv * D * B);
   pos_buf.resize(item.num_tokens);
-  if (lut != nullptr) {
+  if (bytes != nullptr) {
     kconv_buf.resize(B * Hkv * D);
     vconv_buf.resize(B * Hkv * D);
   }
@@ -205,15 +214,19 @@ void AttendItem(const Shape& s, const WorkItem& item, const float* q, const void
     const int64_t first_slot = id * B + start - block * B;
     const float* k_block;
     const float* v_block;
-    if (lut != nullptr) {
+    if (bytes != nullptr) {
       const uint8_t* kb = static_cast<const uint8_t*>(k_cache) + first_slot * stride;
       const uint8_t* vb = static_cast<const uint8_t*>(v_cache) + first_slot * stride;
       float* __restrict kc = kconv_buf.data();
       float* __restrict vc = vconv_buf.data();
-      for (int64_t i = 0; i < count * stride; ++i) {
-        kc[i] = lut[kb[i]];
-        vc[i] = lut[vb[i]];
-      }
+      const float* __restrict lut = bytes->lut;
+      const float* __restrict ks = bytes->k_scale;
+      const float* __restrict vs = bytes->v_scale;
+      for (int64_t j = 0; j < count; ++j)
+        for (int64_t e = 0; e < stride; ++e) {
+          kc[j * stride + e] = lut[kb[j * stride + e]] * ks[e];
+          vc[j * stride + e] = lut[vb[j * stride + e]] * vs[e];
+        }
       k_block = kc;
       v_block = vc;
     } else {
@@ -274,7 +287,8 @@ void AttendItem(const Shape& s, const WorkItem& item, const float* q, const void
 
 // Attention of every sequence's new tokens over the caches (the shared body of both
 // handlers). Shapes were checked by ShapeOf.
-void Attend(const Shape& s, const float* qp, const void* kp, const void* vp, const float* lut,
+void Attend(const Shape& s, const float* qp, const void* kp, const void* vp,
+            const ByteCache* bytes,
             const int32_t* lens, const int32_t* tables, const int32_t* cu, int64_t max_seqs,
             int32_t num_seqs, float sm_scale, int32_t sliding_window, float soft_cap,
             float* o, ffi::ThreadPool& pool) {
@@ -301,12 +315,12 @@ void Attend(const Shape& s, const float* qp, const void* kp, const void* vp, con
   auto shared = std::make_shared<Shared>();
   shared->items = std::move(items);
   const int64_t num_items = static_cast<int64_t>(shared->items.size());
-  auto work = [shared, num_items, s, qp, kp, vp, lut, tables, lens, cu, sm_scale,
+  auto work = [shared, num_items, s, qp, kp, vp, bytes, tables, lens, cu, sm_scale,
                sliding_window, soft_cap, o]() {
     for (int64_t i = shared->next.fetch_add(1); i < num_items; i = shared->next.fetch_add(1)) {
       const WorkItem& item = shared->items[i];
       const int64_t seq = item.seq;
-      AttendItem(s, item, qp, kp, vp, lut, tables + seq * s.max_blocks, lens[seq],
+      AttendItem(s, item, qp, kp, vp, bytes, tables + seq * s.max_blocks, lens[seq],
                  cu[seq + 1] - cu[seq], cu[seq], sm_scale, sliding_window, soft_cap, o);
       shared->done.fetch_add(1, std::memory_order_release);
     }
@@ -367,14 +381,15 @@ void WriteSlots(const void* rows, const int32_t* slot_mapping, int64_t num_rows,
   }
 }
 
-// The shared body of both write-and-attend handlers: caches of float32 (lut == nullptr)
-// or of bytes read through lut.
+// The shared body of both write-and-attend handlers: caches of float32 (bytes == nullptr)
+// or of bytes (ByteCache).
 template <typename Cache>
 ffi::Error WriteAndAttendBody(const float* q, ffi::Span<const int64_t> qd, const Cache* k_new,
                               ffi::Span<const int64_t> nd, const Cache* v_new, size_t v_rank,
                               const int32_t* slots, ffi::Span<const int64_t> sd,
                               const Cache* k_in, const Cache* v_in, ffi::Span<const int64_t> cd,
-                              const float* lut, const int32_t* lens, const int32_t* tables,
+                              const ByteCache* bytes, const int32_t* lens,
+                              const int32_t* tables,
                               ffi::Span<const int64_t> td, const int32_t* cu, int32_t num_seqs,
                               float* out, Cache* k_all, Cache* v_all, int32_t layer,
                               float sm_scale, int32_t sliding_window, float soft_cap,
@@ -402,7 +417,7 @@ ffi::Error WriteAndAttendBody(const float* q, ffi::Span<const int64_t> qd, const
   Cache* vc = v_all + layer * num_slots * width;
   WriteSlots(k_new, slots, s.num_tokens, width, num_slots, kc, sizeof(Cache));
   WriteSlots(v_new, slots, s.num_tokens, width, num_slots, vc, sizeof(Cache));
-  Attend(s, q, kc, vc, lut, lens, tables, cu, td[0], num_seqs, sm_scale, sliding_window,
+  Attend(s, q, kc, vc, bytes, lens, tables, cu, td[0], num_seqs, sm_scale, sliding_window,
          soft_cap, out, pool);
   return ffi::Error::Success();
 }
@@ -433,7 +448,8 @@ ffi::Error WriteAndAttendBytesImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8>
                                    ffi::Buffer<ffi::U8> v_new,
                                    ffi::Buffer<ffi::S32> slot_mapping,
                                    ffi::Buffer<ffi::U8> k_cache, ffi::Buffer<ffi::U8> v_cache,
-                                   ffi::Buffer<ffi::F32> lut, ffi::Buffer<ffi::S32> kv_lens,
+                                   ffi::Buffer<ffi::F32> lut, ffi::Buffer<ffi::F32> k_scale,
+                                   ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> kv_lens,
                                    ffi::Buffer<ffi::S32> block_tables,
                                    ffi::Buffer<ffi::S32> cu_q_lens,
                                    ffi::Buffer<ffi::S32> num_seqs,
@@ -442,13 +458,17 @@ ffi::Error WriteAndAttendBytesImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8>
                                    ffi::ResultBuffer<ffi::U8> v_out, int32_t layer,
                                    float sm_scale, int32_t sliding_window, float soft_cap,
                                    ffi::ThreadPool pool) {
-  if (lut.element_count() != 256)
-    return ffi::Error::InvalidArgument("write and attend: the byte table must have 256 entries");
+  const auto cd = k_cache.dimensions();
+  if (lut.element_count() != 256 || cd.size() != 5 ||
+      k_scale.element_count() != cd[3] * cd[4] || v_scale.element_count() != cd[3] * cd[4])
+    return ffi::Error::InvalidArgument("write and attend: the byte table must have 256 entries "
+                                       "and the scales [Hkv, D]");
+  const ByteCache bytes{lut.typed_data(), k_scale.typed_data(), v_scale.typed_data()};
   return WriteAndAttendBody<uint8_t>(
       q.typed_data(), q.dimensions(), k_new.typed_data(), k_new.dimensions(),
       v_new.typed_data(), v_new.dimensions().size(), slot_mapping.typed_data(),
       slot_mapping.dimensions(), k_cache.typed_data(), v_cache.typed_data(),
-      k_cache.dimensions(), lut.typed_data(), kv_lens.typed_data(), block_tables.typed_data(),
+      k_cache.dimensions(), &bytes, kv_lens.typed_data(), block_tables.typed_data(),
       block_tables.dimensions(), cu_q_lens.typed_data(), num_seqs.typed_data()[0],
       out->typed_data(), k_out->typed_data(), v_out->typed_data(), layer, sm_scale,
       sliding_window, soft_cap, pool);
@@ -456,6 +476,8 @@ ffi::Error WriteAndAttendBytesImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8>
 
 ffi::Error RaggedPagedAttentionBytesImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> k_cache,
                                          ffi::Buffer<ffi::U8> v_cache, ffi::Buffer<ffi::F32> lut,
+                                         ffi::Buffer<ffi::F32> k_scale,
+                                         ffi::Buffer<ffi::F32> v_scale,
                                          ffi::Buffer<ffi::S32> kv_lens,
                                          ffi::Buffer<ffi::S32> block_tables,
                                          ffi::Buffer<ffi::S32> cu_q_lens,
@@ -467,10 +489,13 @@ ffi::Error RaggedPagedAttentionBytesImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
   if (const char* error = ShapeOf(q.dimensions(), k_cache.dimensions(),
                                   block_tables.dimensions(), &s))
     return ffi::Error::InvalidArgument(error);
-  if (lut.element_count() != 256)
+  const int64_t width = s.num_kv_heads * s.head_dim;
+  if (lut.element_count() != 256 || k_scale.element_count() != width ||
+      v_scale.element_count() != width)
     return ffi::Error::InvalidArgument("ragged paged attention: the byte table must have 256 "
-                                       "entries");
-  Attend(s, q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), lut.typed_data(),
+                                       "entries and the scales [Hkv, D]");
+  const ByteCache bytes{lut.typed_data(), k_scale.typed_data(), v_scale.typed_data()};
+  Attend(s, q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), &bytes,
          kv_lens.typed_data(), block_tables.typed_data(), cu_q_lens.typed_data(),
          block_tables.dimensions()[0], num_seqs.typed_data()[0], sm_scale, sliding_window,
          soft_cap, out->typed_data(), pool);
@@ -521,6 +546,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageRaggedPagedAttentionBytes, RaggedPagedAtten
                                   .Arg<ffi::Buffer<ffi::U8>>()   // k_cache [N, B, Hkv, D]
                                   .Arg<ffi::Buffer<ffi::U8>>()   // v_cache [N, B, Hkv, D]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // lut [256]: byte -> value
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_scale [Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_scale [Hkv, D]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [S, M]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens [S + 1]
@@ -540,6 +567,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageWriteAndAttendBytes, WriteAndAttendBytesImp
                                   .Arg<ffi::Buffer<ffi::U8>>()   // k_cache [L, N, B, Hkv, D]
                                   .Arg<ffi::Buffer<ffi::U8>>()   // v_cache [L, N, B, Hkv, D]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // lut [256]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_scale [Hkv, D] (this layer)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_scale [Hkv, D]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [S, M]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens [S + 1]

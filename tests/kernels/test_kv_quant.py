@@ -118,3 +118,37 @@ def test_pallas_kernels_over_bytes(backend, kv_format, layered_cache):
     n = case.num_real_tokens
     np.testing.assert_allclose(np.asarray(got)[:n], np.asarray(want)[:n], rtol=2e-5,
                                atol=2e-5 * float(np.abs(np.asarray(want)[:n]).max()))
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"] + BACKENDS)
+@pytest.mark.parametrize("kv_format", ["int8", "fp8_e4m3"])
+def test_scales_per_head_and_channel(backend, kv_format):
+    """Bytes standing for ``scale * value``: the C++ kernel multiplies the scales in as it
+    converts pages, the others get them folded into q and the output."""
+    if backend == "cpu" and not cpu.available():
+        pytest.skip("no C++ compiler for the kernel")
+    if backend in ("gpu", "tpu"):
+        require_backend(backend)
+    case, q, k_bytes, v_bytes, rest = _byte_case(kv_format, LENS[1], 3)
+    rng = np.random.default_rng(7)
+    k_scale = jnp.asarray(rng.uniform(0.01, 0.2, k_bytes.shape[-2:]).astype(np.float32))
+    v_scale = jnp.asarray(rng.uniform(0.01, 0.2, v_bytes.shape[-2:]).astype(np.float32))
+    want = ragged_paged_attention(q, decode(k_bytes, kv_format) * k_scale,
+                                  decode(v_bytes, kv_format) * v_scale, *rest, sm_scale=0.125,
+                                  backend="reference")
+    kw = dict(sm_scale=0.125, backend=backend, kv_format=kv_format, k_scale=k_scale,
+              v_scale=v_scale, **({"interpret": INTERPRET} if backend in ("gpu", "tpu") else {}))
+    got = jax.jit(lambda *a: ragged_paged_attention(*a, **kw))(q, k_bytes, v_bytes, *rest)
+    n = case.num_real_tokens
+    np.testing.assert_allclose(np.asarray(got)[:n], np.asarray(want)[:n], rtol=3e-5,
+                               atol=3e-5 * float(np.abs(np.asarray(want)[:n]).max()))
+    if backend == "cpu":  # the fused call too, against the scatter + reference path
+        k_all, v_all = jnp.stack([k_bytes, k_bytes]), jnp.stack([v_bytes, v_bytes])
+        slots = jnp.full((q.shape[0],), -1, jnp.int32)  # nothing new: attention only
+        new = jnp.zeros((q.shape[0],) + k_bytes.shape[-2:], jnp.uint8)
+        wkw = dict(layer=1, sm_scale=0.125, kv_format=kv_format, k_scale=k_scale, v_scale=v_scale)
+        fused = write_and_attend(q, new, new, slots, k_all, v_all, *rest, backend="cpu", **wkw)
+        plain = write_and_attend(q, new, new, slots, k_all, v_all, *rest, backend="reference",
+                                 **wkw)
+        np.testing.assert_allclose(np.asarray(fused[0])[:n], np.asarray(plain[0])[:n],
+                                   rtol=3e-5, atol=3e-5 * float(np.abs(np.asarray(want)[:n]).max()))
