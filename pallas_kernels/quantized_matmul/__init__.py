@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from pallas_kernels import _backend
 from pallas_kernels.quantized_matmul import reference
 
-SMALL_M = 16  # rows up to which the CPU reads codes in place (docs/benchmarks/quantization.md)
+SMALL_M = 128  # rows up to which the CPU reads codes in place (docs/quantization.md)
 BACKENDS = ("auto", "reference", "cpu")
 
 
