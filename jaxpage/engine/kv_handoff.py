@@ -91,6 +91,10 @@ def install(engine: Any, request: Request, pages: Pages, params: dict) -> None:
         raise ValueError(f"the pulled pages have shape {k.shape[:1] + k.shape[3:]} per token "
                          f"(layers, kv heads, head dim), this model {pool.k.shape[1:2]}"
                          f"{pool.k.shape[3:]}: the instances serve different models")
+    if k.dtype != pool.k.dtype:
+        raise ValueError(f"the pulled pages are {k.dtype}, this instance's KV cache "
+                         f"{pool.k.dtype}: start both instances with the same dtype and "
+                         "kv_cache_dtype")
     try:
         host = engine.kv_cache_manager.adopt_host_blocks(request, needed)
     except ValueError as error:
