@@ -123,7 +123,11 @@ def load_model(path: str | None, *, dtype: str = "float32", attention_backend: s
     abstract = model_cls(run_arch, dtype=jdtype, attention_backend=attention_backend,
                          rngs=None, mesh=mesh, quant_plan=plan)
     graphdef, state = nnx.split(abstract)
-    pure = source.read_params(arch, run_arch, nnx.to_pure_dict(state), placement, jdtype)
+    if plan and getattr(source, "quantizes_after_restore", False):
+        pure = _restore_then_quantize(source, model_cls, arch, run_arch, jdtype,
+                                      attention_backend, mesh, placement, plan)
+    else:
+        pure = source.read_params(arch, run_arch, nnx.to_pure_dict(state), placement, jdtype)
     nnx.replace_by_pure_dict(state, pure)
     model = nnx.merge(graphdef, state)
     if kv_format is not None:
@@ -158,10 +162,31 @@ def quantizable_dims(arch: ArchConfig) -> dict[str, tuple[int, int]]:
                            arch.vocab_size) for n in names}
 
 
+def _restore_then_quantize(source: Any, model_cls: Any, arch: ArchConfig,
+                           run_arch: ArchConfig, jdtype: Any, attention_backend: str, mesh: Any,
+                           placement: Placement, plan: dict[str, QuantFormat]) -> dict:
+    """A float checkpoint's params restored into their shards, then each one brought to
+    the host, quantized and placed again (one tensor at a time)."""
+    floats = model_cls(run_arch, dtype=jdtype, attention_backend=attention_backend, rngs=None,
+                       mesh=mesh)
+    restored = source.read_params(arch, run_arch, nnx.to_pure_dict(nnx.split(floats)[1]),
+                                  placement, jdtype)
+    leaves = jax.tree_util.tree_flatten_with_path(restored)[0]
+    del restored
+    arrays = ((tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path),
+               np.asarray(jax.device_get(leaf))) for path, leaf in leaves)
+    return place_arrays(arrays, placement, jdtype, plan)
+
+
 def _source_plan(source: Any, path: str, run_arch: ArchConfig, quantization: str | None,
                  group_size: int | None) -> tuple[str | None, dict[str, QuantFormat]]:
     """(mode, plan) for a checkpoint source; the plan is also set on the source."""
     saved = getattr(source, "saved_quantization", None)
+    if getattr(source, "architecture_is_saved", False) and saved is None and quantization in (
+            "int8", "int4"):  # a float orbax checkpoint: restored, then quantized
+        plan = mode_plan(quantization, quantizable_dims(run_arch), group_size)
+        source.quantizes_after_restore = True
+        return quantization, plan
     if saved is not None or getattr(source, "architecture_is_saved", False):
         if quantization not in (None, saved):
             raise ValueError(f"{path} was saved with quantization={saved!r}; it cannot be "

@@ -124,3 +124,16 @@ def test_quantized_preset_and_orbax_restart_without_requantizing(tmp_path):
     assert _tokens(restored, prompts, 6) == before
     with pytest.raises(ValueError, match="saved with quantization='int8'"):
         LLM(path, quantization="int4", **ENGINE)
+
+
+def test_float_orbax_checkpoint_is_quantized_as_it_loads(tmp_path):
+    floats = LLM("preset:tiny-llama", **ENGINE)
+    path = floats.save_sharded_checkpoint(str(tmp_path / "float"))
+    direct = LLM("preset:tiny-llama", quantization="int8", **ENGINE)
+    restored = LLM(path, quantization="int8", **ENGINE)
+    assert restored.get_stats()["quantization"] == "int8"
+    assert restored.get_stats()["weight_bytes"] == direct.get_stats()["weight_bytes"]
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9]}]
+    assert _tokens(restored, prompts, 6) == _tokens(direct, prompts, 6)
+    with pytest.raises(ValueError, match="quantization='gguf'"):
+        LLM(path, quantization="gguf", **ENGINE)
