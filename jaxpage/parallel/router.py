@@ -32,7 +32,7 @@ AFFINITY_CAPACITY = 1 << 16  # block hashes remembered for routing (oldest forgo
 
 # Stats that are rates: averaged over replicas, not summed.
 _AVERAGED = ("kv_usage", "prefix_cache_hit_rate", "spec_acceptance_rate",
-             "spec_mean_accepted_length")
+             "spec_mean_accepted_length", "kv_bytes_per_block")
 
 
 class _MergedResults:
@@ -195,12 +195,16 @@ class DataParallelEngine:
     # -- introspection ----------------------------------------------------------------
 
     def get_stats(self) -> dict[str, Any]:
-        """Sums over replicas (rates averaged), plus per-replica routing counts."""
+        """Sums over replicas (rates averaged; settings such as ``quantization``, the same on
+        every replica, as replica 0's), plus per-replica routing counts."""
         per_replica = [e.get_stats() for e in self.engines]
         total: dict[str, Any] = {}
         for key in per_replica[0]:
             values = [stats[key] for stats in per_replica]
-            total[key] = (sum(values) / len(values) if key in _AVERAGED else sum(values))
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+                total[key] = values[0]
+            else:
+                total[key] = (sum(values) / len(values) if key in _AVERAGED else sum(values))
         total["num_routed"] = list(self.num_routed)
         return total
 

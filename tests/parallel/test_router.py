@@ -64,3 +64,15 @@ def test_blocks_cached_on_a_replica_attract_the_prompt():
     pool.cache_block(block, hashes[0])
     assert router.cached_blocks(1, hashes) == 1 and router.cached_blocks(0, hashes) == 0
     assert router.route(request(1, shared + [1])) == 1
+
+
+def test_stats_sum_counts_and_keep_settings():
+    router = make()
+    for i, replica in enumerate(router.engines):
+        replica.get_stats = (lambda i=i: {"num_kv_blocks": 10 + i, "quantization": None,
+                                          "kv_cache_dtype": "int8", "kv_usage": 0.5 * i,
+                                          "kv_bytes_per_block": 64, "weight_bytes": 100})
+    stats = router.get_stats()
+    assert stats["num_kv_blocks"] == 21 and stats["weight_bytes"] == 200
+    assert stats["quantization"] is None and stats["kv_cache_dtype"] == "int8"
+    assert stats["kv_usage"] == 0.25 and stats["kv_bytes_per_block"] == 64
