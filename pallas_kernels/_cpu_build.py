@@ -64,6 +64,33 @@ def load(source: Path) -> ctypes.CDLL | None:
         return _loaded[key]
 
 
+_registered: set[str] = set()
+
+
+def register(source: Path, targets: dict[str, str]) -> bool:
+    """Build and load ``source``, and register its handlers with XLA as FFI targets
+    (``{target name: exported symbol}``) for the CPU; idempotent. False if unavailable.
+
+    Must run before any compiled program that calls them is loaded from disk.
+    """
+    key = str(source)
+    with _lock:
+        if key in _registered:
+            return True
+    library = load(source)
+    if library is None:
+        return False
+    import jax.ffi
+
+    with _lock:
+        if key not in _registered:
+            for target, symbol in targets.items():
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
+                                            platform="cpu")
+            _registered.add(key)
+    return True
+
+
 def _build_and_load(source: Path) -> ctypes.CDLL | None:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:

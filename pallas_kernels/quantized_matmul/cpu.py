@@ -17,9 +17,8 @@ from pallas_kernels import _cpu_build
 _SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 _TARGETS = {"matmul_s8": "jaxpage_qmatmul_s8", "matmul_u4": "jaxpage_qmatmul_u4",
             "dequant_s8": "jaxpage_dequant_s8", "dequant_u4": "jaxpage_dequant_u4"}
-_SYMBOLS = {"matmul_s8": "JaxpageQMatmulS8", "matmul_u4": "JaxpageQMatmulU4",
-            "dequant_s8": "JaxpageDequantS8", "dequant_u4": "JaxpageDequantU4"}
-_registered = False
+_SYMBOLS = {"jaxpage_qmatmul_s8": "JaxpageQMatmulS8", "jaxpage_qmatmul_u4": "JaxpageQMatmulU4",
+            "jaxpage_dequant_s8": "JaxpageDequantS8", "jaxpage_dequant_u4": "JaxpageDequantU4"}
 
 
 def register() -> bool:
@@ -27,17 +26,7 @@ def register() -> bool:
 
     Must run before any compiled program that calls them is loaded from disk.
     """
-    global _registered
-    if _registered:
-        return True
-    library = _cpu_build.load(_SOURCE)
-    if library is None:
-        return False
-    for key, target in _TARGETS.items():
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, _SYMBOLS[key])),
-                                    platform="cpu")
-    _registered = True
-    return True
+    return _cpu_build.register(_SOURCE, _SYMBOLS)
 
 
 def available() -> bool:

@@ -27,7 +27,6 @@ _TARGET = "jaxpage_ragged_paged_attention_f32"
 _WRITE_TARGET = "jaxpage_write_and_attend_f32"
 _BYTES_TARGET = "jaxpage_ragged_paged_attention_bytes"
 _WRITE_BYTES_TARGET = "jaxpage_write_and_attend_bytes"
-_registered = False
 
 
 def register() -> bool:
@@ -35,24 +34,10 @@ def register() -> bool:
 
     Must run before any compiled program that calls the kernel is loaded from disk.
     """
-    global _registered
-    if _registered:
-        return True
-    library = _cpu_build.load(_SOURCE)
-    if library is None:
-        return False
-    jax.ffi.register_ffi_target(
-        _TARGET, jax.ffi.pycapsule(library.JaxpageRaggedPagedAttentionF32), platform="cpu")
-    jax.ffi.register_ffi_target(
-        _WRITE_TARGET, jax.ffi.pycapsule(library.JaxpageWriteAndAttendF32), platform="cpu")
-    jax.ffi.register_ffi_target(
-        _BYTES_TARGET, jax.ffi.pycapsule(library.JaxpageRaggedPagedAttentionBytes),
-        platform="cpu")
-    jax.ffi.register_ffi_target(
-        _WRITE_BYTES_TARGET, jax.ffi.pycapsule(library.JaxpageWriteAndAttendBytes),
-        platform="cpu")
-    _registered = True
-    return True
+    return _cpu_build.register(_SOURCE, {
+        _TARGET: "JaxpageRaggedPagedAttentionF32", _WRITE_TARGET: "JaxpageWriteAndAttendF32",
+        _BYTES_TARGET: "JaxpageRaggedPagedAttentionBytes",
+        _WRITE_BYTES_TARGET: "JaxpageWriteAndAttendBytes"})
 
 
 def available(dtype=jnp.float32) -> bool:
