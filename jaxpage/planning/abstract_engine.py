@@ -225,7 +225,8 @@ class AbstractEngine:
         kv = self.kv_cache()
         index = lambda n: self._replicated((n,), jnp.int32)  # noqa: E731
         copies = _powers_of_two_upto(self.max_num_seqs)
-        swaps = _powers_of_two_upto(min(self.swap_blocks, self.num_kv_blocks))
+        swaps = _powers_of_two_upto(min(self.swap_blocks, self.num_kv_blocks,
+                                        block_ops.swap_chunk(self.bytes_per_block(per_device=False))))
         if buckets == "largest":
             copies, swaps = copies[-1:], swaps[-1:]
         for n in copies:

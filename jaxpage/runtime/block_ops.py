@@ -15,6 +15,19 @@ import numpy as np
 
 KVCache = tuple[jax.Array, jax.Array]  # each [num_layers, num_blocks, block_size, kv_heads, head_dim]
 
+# The most K+V bytes one swap program moves: larger swaps run as several calls. A gather
+# or scatter's temporaries grow with its block count (on TPUs, several times the blocks'
+# bytes: the blocks are re-tiled), so an unbounded bucket (every block of the cache at
+# once) would not fit next to the cache it copies.
+SWAP_CHUNK_BYTES = 128 * 2**20
+
+
+def swap_chunk(block_bytes: int) -> int:
+    """Blocks per swap call: the largest power of two whose K+V bytes (``block_bytes``
+    per block, K and V together) fit in ``SWAP_CHUNK_BYTES``, at least 1."""
+    most = max(1, SWAP_CHUNK_BYTES // max(1, block_bytes))
+    return 1 << (most.bit_length() - 1)
+
 
 def padded(ids: list[int]) -> np.ndarray:
     """int32 ids padded with 0 to the next power of two (at least 1)."""
@@ -60,11 +73,22 @@ class HostKVPool:
         # np.empty only reserves address space; pages are committed when a swap writes them.
         self.k = np.empty((num_blocks, *block_shape), dtype)
         self.v = np.empty((num_blocks, *block_shape), dtype)
+        # blocks per swap program call (``swap_chunk``)
+        self.chunk = swap_chunk(2 * int(np.prod(block_shape)) * np.dtype(dtype).itemsize)
+
+
+def _chunks(pairs: list[tuple[int, int]], size: int):
+    for start in range(0, len(pairs), size):
+        yield pairs[start:start + size]
 
 
 def swap_out(kv: KVCache, host: HostKVPool, pairs: list[tuple[int, int]],
              programs=None) -> None:
     """Copy device blocks to host slots: pairs of (device block, host block)."""
+    if len(pairs) > host.chunk:
+        for part in _chunks(pairs, host.chunk):
+            swap_out(kv, host, part, programs)
+        return
     if not pairs:
         return
     device_ids, host_ids = zip(*pairs)
@@ -78,6 +102,10 @@ def swap_out(kv: KVCache, host: HostKVPool, pairs: list[tuple[int, int]],
 def swap_in(kv: KVCache, host: HostKVPool, pairs: list[tuple[int, int]],
             programs=None) -> KVCache:
     """Copy host slots back into device blocks: pairs of (host block, device block)."""
+    if len(pairs) > host.chunk:
+        for part in _chunks(pairs, host.chunk):
+            kv = swap_in(kv, host, part, programs)
+        return kv
     if not pairs:
         return kv
     host_ids, device_ids = zip(*pairs)

@@ -217,7 +217,7 @@ class ModelRunner:
             kv = block_ops.run_program(self.executables, block_ops.copy_blocks, kv, zeros, zeros)
             count += 1
         if self.host_pool.k.shape[0]:
-            for size in _powers_of_two_upto(max_swaps):
+            for size in _powers_of_two_upto(min(max_swaps, self.host_pool.chunk)):
                 zeros = jax.numpy.zeros(size, jax.numpy.int32)
                 k_blocks, v_blocks = block_ops.run_program(
                     self.executables, block_ops.gather_blocks, kv, zeros)

@@ -151,3 +151,20 @@ def test_speculative_verify_step_compiles(target):
     labels = [p.label for p in report.programs]
     # 2 rows with up to 3 proposals each: at most 8 tokens (the 16-token budget allows it)
     assert "verify[8, 2, 8]" in labels, labels
+
+
+def test_swap_programs_stop_at_one_chunk_of_blocks():
+    """With the default swap space (4 GiB: more blocks than the cache holds), the swap
+    ladder stops at ``SWAP_CHUNK_BYTES`` of blocks: a whole-cache gather did not fit the
+    chip next to the cache (libtpu: 19.5 GB of temporaries for SmolLM2 on v5e)."""
+    from jaxpage.config import EngineConfig
+    from jaxpage.parallel.targets import target_devices
+    from jaxpage.planning.abstract_engine import AbstractEngine
+    from jaxpage.runtime.block_ops import swap_chunk
+
+    config = EngineConfig.from_kwargs(model=None, dtype="bfloat16")
+    engine = AbstractEngine(config, target_devices("v5e:1x1"), num_kv_blocks=11012)
+    chunk = swap_chunk(engine.bytes_per_block(per_device=False))
+    assert chunk == 256  # 0.35 MiB blocks, 128 MiB per call
+    swaps = [p.bucket[0] for p in engine.programs("all") if p.name == "gather_blocks"]
+    assert swaps == [1, 2, 4, 8, 16, 32, 64, 128, 256]
