@@ -26,15 +26,59 @@ class ArchConfig:
     o_bias: bool = False
     sliding_window: int | None = None
     rope_scaling: tuple[tuple[str, object], ...] | None = None  # sorted (key, value) pairs
+    # -- beyond Llama (the defaults are Llama's) --------------------------------------
+    # per layer, True where the layer attends only within ``sliding_window`` (Gemma 2/3,
+    # Qwen2/3 with max_window_layers); None: every layer does when ``sliding_window`` is set
+    sliding_layers: tuple[bool, ...] | None = None
+    qk_norm: bool = False            # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3)
+    norm_offset: float = 0.0         # RMSNorm scales by (offset + weight) in float32 (Gemma: 1)
+    sandwich_norms: bool = False     # norms on the attention and MLP outputs too (Gemma 2/3)
+    hidden_act: str = "silu"         # the gated MLP's activation: "silu" or "gelu_tanh"
+    embed_scale: float | None = None  # embeddings multiplied by it (Gemma: sqrt(hidden_size))
+    attn_scale: float | None = None  # softmax scale of q.k (None: head_dim ** -0.5)
+    attn_softcap: float | None = None   # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    rotary_dim: int | None = None    # RoPE on the first rotary_dim channels only (None: all)
+    local_rope_theta: float | None = None  # RoPE base of sliding layers, unscaled (Gemma 3)
+    fused_projections: bool = False  # the checkpoint stores qkv_proj / gate_up_proj (Phi-3)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
+        if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
+            raise ValueError(f"sliding_layers has {len(self.sliding_layers)} entries for "
+                             f"{self.num_layers} layers")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported "
+                             "(supported: silu, gelu_tanh)")
+        rotary = self.rotary_dim
+        if rotary is not None and (rotary % 2 or not 0 < rotary <= self.head_dim):
+            raise ValueError(f"rotary_dim={rotary} must be even and in (0, {self.head_dim}]")
 
-    def rope_inv_freq(self) -> np.ndarray:
-        """float32 [head_dim // 2] inverse frequencies, with Llama-3 / linear scaling applied."""
-        exponents = np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim
+    @property
+    def softmax_scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (None: it attends to the whole context)."""
+        if self.sliding_layers is not None and not self.sliding_layers[layer]:
+            return None
+        return self.sliding_window
+
+    @property
+    def all_layers_local(self) -> bool:
+        """Every layer attends within ``sliding_window``: older KV is never read again."""
+        return self.sliding_window is not None and (
+            self.sliding_layers is None or all(self.sliding_layers))
+
+    def rope_inv_freq(self, local: bool = False) -> np.ndarray:
+        """float32 [rotary_dim // 2] inverse frequencies, with Llama-3 / linear scaling
+        applied; ``local``: those of the sliding layers (``local_rope_theta``, unscaled)."""
+        dim = self.rotary_dim or self.head_dim
+        exponents = np.arange(0, dim, 2, dtype=np.float64) / dim
+        if local and self.local_rope_theta is not None:
+            return (1.0 / (self.local_rope_theta ** exponents)).astype(np.float32)
         inv_freq = 1.0 / (self.rope_theta ** exponents)
         scaling = dict(self.rope_scaling or ())
         kind = scaling.get("rope_type", scaling.get("type", "default"))

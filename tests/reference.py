@@ -10,17 +10,26 @@ TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
 
 
+# kind -> (transformers config class, model class)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+}
+
+
 def make_tiny_checkpoint(kind: str, directory: str, tokenizer, *, seed: int = 0,
                          max_shard_size: str | None = None, **overrides) -> str:
-    """Save a random tiny ``kind`` ('llama' | 'qwen2' | 'mistral') checkpoint with a tokenizer."""
+    """Save a random tiny ``kind`` checkpoint with a tokenizer (``FAMILIES``' keys)."""
     import torch
     import transformers
 
-    config_cls, model_cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-    }[kind]
+    config_name, model_name = FAMILIES[kind]
+    config_cls, model_cls = getattr(transformers, config_name), getattr(transformers, model_name)
     fields = dict(TINY_SHAPE, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
                   bos_token_id=tokenizer.bos_token_id, initializer_range=0.3,
                   tie_word_embeddings=False)

@@ -38,6 +38,29 @@ LAYER_TENSORS = {
 _KV_TENSORS = ("k_proj", "v_proj", "k_bias", "v_bias")
 
 
+def layer_tensor_names(arch: ArchConfig) -> dict[str, tuple[str, bool]]:
+    """Our per-layer parameter -> (Hugging Face suffix, transposed?) for ``arch`` (fused
+    Phi-3 projections are split by ``HFTensorSource._split_fused`` instead)."""
+    names = dict(LAYER_TENSORS)
+    if arch.sandwich_norms:  # Gemma 2/3: HF's post_attention_layernorm is on the attention
+        # output; the norm before the MLP is pre_feedforward_layernorm
+        names.update(post_attention_norm=("pre_feedforward_layernorm.weight", False),
+                      attn_out_norm=("post_attention_layernorm.weight", False),
+                      mlp_out_norm=("post_feedforward_layernorm.weight", False))
+    if arch.qk_norm:
+        names.update(q_norm=("self_attn.q_norm.weight", False),
+                     k_norm=("self_attn.k_norm.weight", False))
+    if arch.qkv_bias:
+        for name in ("q", "k", "v"):
+            names[f"{name}_bias"] = (f"self_attn.{name}_proj.bias", False)
+    if arch.o_bias:
+        names["o_bias"] = ("self_attn.o_proj.bias", False)
+    if arch.fused_projections:
+        for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+            del names[name]
+    return names
+
+
 class HFTensorSource:
     """A weight source that reads tensors by their Hugging Face names (see the module)."""
 
@@ -86,16 +109,34 @@ class HFTensorSource:
         yield ("final_norm",), self.get("model.norm.weight")
         if not arch.tie_word_embeddings:
             yield ("lm_head",), self.tensor("lm_head", "lm_head.weight", True)
-        layer_tensors = dict(LAYER_TENSORS)
-        if arch.qkv_bias:
-            for name in ("q", "k", "v"):
-                layer_tensors[f"{name}_bias"] = (f"self_attn.{name}_proj.bias", False)
-        if arch.o_bias:
-            layer_tensors["o_bias"] = ("self_attn.o_proj.bias", False)
+        layer_tensors = layer_tensor_names(arch)
         for i in range(arch.num_layers):
+            prefix = f"model.layers.{i}."
+            if arch.fused_projections:
+                yield from self._split_fused(arch, i, prefix)
             for name, (suffix, transpose) in layer_tensors.items():
-                yield ("layers", i, name), self.tensor(name, f"model.layers.{i}.{suffix}",
-                                                       transpose)
+                yield ("layers", i, name), self.tensor(name, prefix + suffix, transpose)
+
+    def _split_fused(self, arch: ArchConfig, i: int,
+                     prefix: str) -> Iterator[tuple[tuple, np.ndarray]]:
+        """Phi-3's ``qkv_proj`` [(Hq + 2 Hkv) D, hidden] and ``gate_up_proj`` [2 I, hidden]
+        as our q/k/v and gate/up projections [in, out]."""
+        q_dim, kv_dim = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        qkv = self.get(prefix + "self_attn.qkv_proj.weight")
+        if qkv.shape[0] != q_dim + 2 * kv_dim:
+            raise ValueError(f"{prefix}self_attn.qkv_proj.weight has {qkv.shape[0]} rows, "
+                             f"expected {q_dim + 2 * kv_dim}")
+        for name, rows in (("q_proj", qkv[:q_dim]), ("k_proj", qkv[q_dim:q_dim + kv_dim]),
+                           ("v_proj", qkv[q_dim + kv_dim:])):
+            yield ("layers", i, name), np.ascontiguousarray(rows.T)
+        del qkv
+        gate_up = self.get(prefix + "mlp.gate_up_proj.weight")
+        size = arch.intermediate_size
+        if gate_up.shape[0] != 2 * size:
+            raise ValueError(f"{prefix}mlp.gate_up_proj.weight has {gate_up.shape[0]} rows, "
+                             f"expected {2 * size}")
+        yield ("layers", i, "gate_proj"), np.ascontiguousarray(gate_up[:size].T)
+        yield ("layers", i, "up_proj"), np.ascontiguousarray(gate_up[size:].T)
 
     def tensor(self, name: str, hf_name: str, transpose: bool) -> Any:
         """Our parameter ``name`` from the checkpoint's ``hf_name``: a host array in our

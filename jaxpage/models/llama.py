@@ -1,4 +1,11 @@
-"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2 via bias flags) as a flax nnx module.
+"""The decoder-only transformer of the Llama family as a flax nnx module.
+
+One module serves every dense family the registry names (``jaxpage.models.registry``):
+Llama 2/3, SmolLM2, Mistral, Qwen2/3, Phi-3, Gemma 2/3. They differ only in facts of
+``ArchConfig``: biases, per-head q/k norms, Gemma's (1 + w) norms and the extra norms on
+the attention and MLP outputs, the MLP activation, the embedding scale, the softmax
+scale, soft caps on scores and logits, partial RoPE, and which layers attend within a
+sliding window (each with its own RoPE base).
 
 Each layer owns its weights (``layers[l]``, projections stored ``[in_features,
 out_features]``) and the forward pass is a Python loop over the layers, unrolled in the
@@ -71,20 +78,33 @@ def linear(x: jax.Array, weight: Any, backend: str = "auto") -> jax.Array:
     return project("...i,io->...o", x, weight[...])
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm over the last axis. ``offset=0``: Llama's ``weight * normed`` (normed cast to
+    x's dtype first); else Gemma's ``normed * (offset + weight)`` in float32, then cast."""
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (normed * (offset + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * normed.astype(x.dtype)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (Hugging Face layout). x: [T, H, D], positions: int32 [T]."""
+    """Rotate-half RoPE (Hugging Face layout) on the first ``2 * len(inv_freq)`` channels
+    (all of them but for partial rotary). x: [T, H, D], positions: int32 [T]."""
+    rotary = 2 * inv_freq.shape[0]
+    if rotary < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rotary], positions, inv_freq),
+                                x[..., rotary:]], axis=-1)
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]   # [T, D/2]
     cos = jnp.cos(jnp.concatenate([angles, angles], axis=-1))[:, None, :]  # [T, 1, D]
     sin = jnp.sin(jnp.concatenate([angles, angles], axis=-1))[:, None, :]
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+
+
+ACTIVATIONS = {"silu": jax.nn.silu,
+               "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 
 
 class ParamInit:
@@ -139,8 +159,14 @@ class DecoderLayer(nnx.Module):
         weight = init.weight
         self.matmul_backend = matmul_backend  # static: the quantized matmuls' backend
 
-        self.input_norm = init.ones(H)
-        self.post_attention_norm = init.ones(H)
+        # Gemma's norms scale by (1 + weight): a new one starts at zeros
+        norm = init.zeros if cfg.norm_offset else init.ones
+        self.input_norm = norm(H)
+        self.post_attention_norm = norm(H)  # before the MLP (Gemma: pre_feedforward_layernorm)
+        if cfg.sandwich_norms:  # on the attention and MLP outputs, before each residual add
+            self.attn_out_norm, self.mlp_out_norm = norm(H), norm(H)
+        if cfg.qk_norm:  # over head_dim, shared by the heads
+            self.q_norm, self.k_norm = norm(cfg.head_dim), norm(cfg.head_dim)
         self.q_proj, self.k_proj = weight("q_proj", H, q_dim), weight("k_proj", H, kv_dim)
         self.v_proj = weight("v_proj", H, kv_dim)
         self.o_proj = weight("o_proj", q_dim, H)
@@ -157,15 +183,20 @@ class DecoderLayer(nnx.Module):
             inv_freq: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """h [T, hidden] -> rotated q [T, Hq, D], rotated k and v [T, Hkv, D]."""
         num_tokens = h.shape[0]
-        x = rms_norm(h, self.input_norm[...], cfg.rms_norm_eps)
+        eps, offset = cfg.rms_norm_eps, cfg.norm_offset
+        x = rms_norm(h, self.input_norm[...], eps, offset)
         mm = self.matmul_backend
         q = linear(x, self.q_proj, mm)
         k = linear(x, self.k_proj, mm)
         v = linear(x, self.v_proj, mm)
         if cfg.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
-        q = apply_rope(q.reshape(num_tokens, cfg.num_heads, cfg.head_dim), positions, inv_freq)
-        k = apply_rope(k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
+        q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = rms_norm(q, self.q_norm[...], eps, offset)
+            k = rms_norm(k, self.k_norm[...], eps, offset)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         return q, k, v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
 
     def finish(self, cfg: ArchConfig, h: jax.Array, attn: jax.Array) -> jax.Array:
@@ -174,25 +205,35 @@ class DecoderLayer(nnx.Module):
         out = linear(attn.reshape(h.shape[0], -1), self.o_proj, mm)
         if cfg.o_bias:
             out = out + self.o_bias[...]
+        eps, offset = cfg.rms_norm_eps, cfg.norm_offset
+        if cfg.sandwich_norms:
+            out = rms_norm(out, self.attn_out_norm[...], eps, offset)
         h = h + out
-        x = rms_norm(h, self.post_attention_norm[...], cfg.rms_norm_eps)
+        x = rms_norm(h, self.post_attention_norm[...], eps, offset)
         gate = linear(x, self.gate_proj, mm)
         up = linear(x, self.up_proj, mm)
-        return h + linear(jax.nn.silu(gate) * up, self.down_proj, mm)
+        out = linear(ACTIVATIONS[cfg.hidden_act](gate) * up, self.down_proj, mm)
+        if cfg.sandwich_norms:
+            out = rms_norm(out, self.mlp_out_norm[...], eps, offset)
+        return h + out
 
 
 def _dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
-                            cfg: ArchConfig) -> jax.Array:
+                            cfg: ArchConfig, layer: int) -> jax.Array:
     """One sequence's causal attention without a cache (q [T, Hq, D], k, v [T, Hkv, D])."""
     t, hq, d = q.shape
     group = hq // k.shape[1]
     kk, vv = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)      # [T, Hq, D]
-    scores = jnp.einsum("qhd,khd->hqk", q, kk, precision=dot_precision(q.dtype)) * d ** -0.5
+    scores = jnp.einsum("qhd,khd->hqk", q, kk, precision=dot_precision(q.dtype))
+    scores = scores.astype(jnp.float32) * cfg.softmax_scale
+    if cfg.attn_softcap is not None:
+        scores = jnp.tanh(scores / cfg.attn_softcap) * cfg.attn_softcap
     pos = jnp.arange(t)
     mask = pos[None, :] <= pos[:, None]
-    if cfg.sliding_window is not None:
-        mask &= pos[None, :] > pos[:, None] - cfg.sliding_window
-    probs = jax.nn.softmax(jnp.where(mask[None], scores.astype(jnp.float32), -jnp.inf), axis=-1)
+    window = cfg.window(layer)
+    if window is not None:
+        mask &= pos[None, :] > pos[:, None] - window
+    probs = jax.nn.softmax(jnp.where(mask[None], scores, -jnp.inf), axis=-1)
     return jnp.einsum("hqk,khd->qhd", probs.astype(v.dtype), vv, precision=dot_precision(v.dtype))
 
 
@@ -223,7 +264,7 @@ class CausalLM(nnx.Module):
         self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs, quant_plan=quant_plan,
                                              matmul_backend=self.matmul_backend)
                                 for _ in range(cfg.num_layers)])
-        self.final_norm = init.ones(hidden)
+        self.final_norm = (init.zeros if cfg.norm_offset else init.ones)(hidden)
         if not cfg.tie_word_embeddings:
             self.lm_head = init.weight("lm_head", hidden, vocab)
         if kv_format is not None:
@@ -236,13 +277,12 @@ class CausalLM(nnx.Module):
                  batch: dict[str, jax.Array]) -> tuple[jax.Array, KVCache]:
         """input_ids, positions: int32 [T] -> hidden [T, hidden_size], updated kv_cache."""
         cfg = self.cfg
-        inv_freq = jnp.asarray(cfg.rope_inv_freq())
         attention = self._sharded(self._attention)
 
         k_cache, v_cache = kv_cache                   # [L, N, B, Hkv, D] each
         h = self.embed_tokens(input_ids)                                   # [T, hidden]
         for index, layer in enumerate(self.layers):
-            q, k, v = layer.qkv(cfg, h, positions, inv_freq)
+            q, k, v = layer.qkv(cfg, h, positions, self._inv_freq(index))
             scales = ()
             if self.kv_format is not None:  # this layer's [Hkv, D] key and value scales
                 scales = (self.kv_scale[...][0, index], self.kv_scale[...][1, index])
@@ -253,21 +293,25 @@ class CausalLM(nnx.Module):
                 batch["block_tables"], batch["cu_q_lens"], batch["num_seqs"], *scales,
                 layer=index)
             h = layer.finish(cfg, h, attn)
-        return rms_norm(h, self.final_norm[...], cfg.rms_norm_eps), (k_cache, v_cache)
+        return (rms_norm(h, self.final_norm[...], cfg.rms_norm_eps, cfg.norm_offset),
+                (k_cache, v_cache))
+
+    def _inv_freq(self, layer: int) -> jax.Array:
+        """RoPE inverse frequencies of ``layer`` (sliding layers may have their own base)."""
+        return jnp.asarray(self.cfg.rope_inv_freq(local=self.cfg.window(layer) is not None))
 
     def kv_amax(self, input_ids: jax.Array) -> jax.Array:
         """The largest |k| and |v| of one sequence's forward pass (input_ids int32 [T]),
         per layer, KV head and channel: float32 [2, L, Hkv, D]. Dense causal attention,
         no cache: what a quantized KV cache calibrates its scales from."""
         cfg = self.cfg
-        inv_freq = jnp.asarray(cfg.rope_inv_freq())
         positions = jnp.arange(input_ids.shape[0], dtype=jnp.int32)
         h = self.embed_tokens(input_ids)
         amax = []
-        for layer in self.layers:
-            q, k, v = layer.qkv(cfg, h, positions, inv_freq)
+        for index, layer in enumerate(self.layers):
+            q, k, v = layer.qkv(cfg, h, positions, self._inv_freq(index))
             amax.append(jnp.stack([jnp.abs(k).max(axis=0), jnp.abs(v).max(axis=0)]))
-            h = layer.finish(cfg, h, _dense_causal_attention(q, k, v, cfg))
+            h = layer.finish(cfg, h, _dense_causal_attention(q, k, v, cfg, index))
         return jnp.stack(amax, axis=1).astype(jnp.float32)
 
     def _attention(self, q, k, v, k_cache, v_cache, slot_mapping, kv_lens, block_tables,
@@ -281,8 +325,9 @@ class CausalLM(nnx.Module):
         """
         return write_and_attend(
             q, k, v, slot_mapping, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
-            num_seqs, layer=layer, sm_scale=self.cfg.head_dim ** -0.5,
-            sliding_window=self.cfg.sliding_window, backend=self.attention_backend,
+            num_seqs, layer=layer, sm_scale=self.cfg.softmax_scale,
+            sliding_window=self.cfg.window(layer), soft_cap=self.cfg.attn_softcap,
+            backend=self.attention_backend,
             kv_format=self.kv_format, k_scale=k_scale, v_scale=v_scale)
 
     def _sharded(self, attention):
@@ -305,8 +350,12 @@ class CausalLM(nnx.Module):
     def embed_tokens(self, input_ids: jax.Array) -> jax.Array:
         """input_ids int32 [T] -> embeddings [T, hidden] in the model dtype."""
         if isinstance(self.embed, QuantizedWeight):
-            return gather_columns(self.embed.parts(), input_ids, self.final_norm[...].dtype)
-        return self.embed[...][input_ids]
+            h = gather_columns(self.embed.parts(), input_ids, self.final_norm[...].dtype)
+        else:
+            h = self.embed[...][input_ids]
+        if self.cfg.embed_scale is not None:  # in the model dtype, as Hugging Face rounds it
+            h = h * jnp.asarray(self.cfg.embed_scale, h.dtype)
+        return h
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
@@ -316,4 +365,7 @@ class CausalLM(nnx.Module):
             logits = linear(hidden, self.embed, self.matmul_backend)
         else:
             logits = project("nh,vh->nv", hidden, self.embed[...])
-        return logits.astype(jnp.float32)
+        logits = logits.astype(jnp.float32)
+        if self.cfg.final_softcap is not None:
+            logits = jnp.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
+        return logits

@@ -35,6 +35,8 @@ PARAM_SPECS: dict[str, P] = {
     "final_norm": P(),
     "input_norm": P(),
     "post_attention_norm": P(),
+    "attn_out_norm": P(), "mlp_out_norm": P(),  # Gemma 2/3
+    "q_norm": P(), "k_norm": P(),  # [head_dim], shared by the heads (Qwen3, Gemma 3)
     "q_proj": P(None, TP), "k_proj": P(None, TP), "v_proj": P(None, TP),
     "q_bias": P(TP), "k_bias": P(TP), "v_bias": P(TP),
     "o_proj": P(TP, None), "o_bias": P(),
