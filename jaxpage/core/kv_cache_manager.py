@@ -14,6 +14,12 @@ Invariants:
   before the next step.
 * Swapped-out requests hold host blocks only; ``pending_swap_out`` / ``pending_swap_in``
   list the (device, host) block copies the device must run, swap-outs first.
+* With ``sliding_window`` (a model whose every layer attends only to the last
+  ``sliding_window`` positions), a block no future query can see (every position
+  ``<= num_computed_tokens - sliding_window``) is given back and its place in the list
+  taken by the pool's null block (id 0, never counted, never freed), so lists stay
+  aligned with positions and a long sequence holds about window / block_size + 2 blocks.
+  Queries never look there: the kernels mask those positions.
 """
 
 from __future__ import annotations
@@ -48,9 +54,15 @@ class HostBlockPool:
 
 
 class KVCacheManager:
-    def __init__(self, block_pool: BlockPool, block_size: int, *, num_host_blocks: int = 0) -> None:
+    def __init__(self, block_pool: BlockPool, block_size: int, *, num_host_blocks: int = 0,
+                 sliding_window: int | None = None) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window={sliding_window} must be positive")
         self.block_pool = block_pool
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.null_block = block_pool.null_block
+        self.num_dropped: dict[str, int] = {}  # leading blocks given back (behind the window)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.num_hashed_blocks: dict[str, int] = {}  # leading blocks already put in the cache
         self.host_pool = HostBlockPool(num_host_blocks)
@@ -95,6 +107,13 @@ class KVCacheManager:
 
     def cache_full_blocks(self, request: Request) -> None:
         """Put every block fully covered by computed tokens into the prefix cache."""
+        if self.sliding_window is not None:
+            self._hash_full_blocks(request)  # before their blocks are given back
+            self.drop_behind_window(request)
+        else:
+            self._hash_full_blocks(request)
+
+    def _hash_full_blocks(self, request: Request) -> None:
         if not self.block_pool.enable_caching:
             return
         blocks = self.req_to_blocks.get(request.request_id, [])
@@ -104,9 +123,45 @@ class KVCacheManager:
             return
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
                             request.extra_keys)
+        null = self.null_block
         for i in range(done, num_full):
-            self.block_pool.cache_block(blocks[i], request.block_hashes[i])
+            if blocks[i] is not null:
+                self.block_pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_hashed_blocks[request.request_id] = num_full
+
+    def drop_behind_window(self, request: Request) -> None:
+        """Give back the blocks no future query of ``request`` can see (``sliding_window``
+        set): block j once ``(j + 1) * block_size <= num_computed_tokens - window + 1``.
+        Every future query is at a position >= num_computed_tokens, so it reads only
+        positions above ``num_computed_tokens - window``. Full blocks are hashed first
+        (``cache_full_blocks``), so a later request can still find them in the cache."""
+        request_id = request.request_id
+        dead = (request.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        done = self.num_dropped.get(request_id, 0)
+        if dead <= done:
+            return
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        dead = min(dead, len(blocks))
+        null = self.null_block
+        given = [b for b in blocks[done:dead] if b is not null]
+        blocks[done:dead] = [null] * (dead - done)
+        self.num_dropped[request_id] = dead
+        self._changed_from(request_id, done)
+        self.block_pool.free_blocks(given)
+
+    def num_live_blocks(self, request_id: str) -> int:
+        """Device blocks ``request_id`` holds (those behind its window not counted)."""
+        return len(self.req_to_blocks.get(request_id, ())) - self.num_dropped.get(request_id, 0)
+
+    def most_blocks_held(self, num_tokens: int, max_step_tokens: int) -> int:
+        """The most device blocks a sequence of ``num_tokens`` ever holds at once when no
+        step computes more than ``max_step_tokens`` of it."""
+        full = self.num_blocks_for(num_tokens)
+        if self.sliding_window is None:
+            return full
+        return min(full, self.num_blocks_for(self.sliding_window + max_step_tokens) + 1)
 
     # -- allocation -------------------------------------------------------------------
 
@@ -117,6 +172,8 @@ class KVCacheManager:
         ``computed_blocks`` (from ``get_computed_blocks``) are taken first; the caller
         then advances ``num_computed_tokens`` by ``len(computed_blocks) * block_size``.
         """
+        if self.sliding_window is not None:
+            self.drop_behind_window(request)
         blocks = self.req_to_blocks.get(request.request_id, [])
         if not computed_blocks:
             # Hot path (a decode whose slot is already there, unshared): nothing to do.
@@ -158,17 +215,22 @@ class KVCacheManager:
         if child.request_id in self.req_to_blocks:
             raise ValueError(f"request {child.request_id!r} already holds blocks")
         blocks = list(self.req_to_blocks.get(parent.request_id, []))
-        self.block_pool.touch(blocks)
+        null = self.null_block
+        self.block_pool.touch([b for b in blocks if b is not null])
         self.req_to_blocks[child.request_id] = blocks
         self._changed_from(child.request_id, 0)
         self.num_hashed_blocks[child.request_id] = self.num_hashed_blocks.get(parent.request_id, 0)
+        if parent.request_id in self.num_dropped:
+            self.num_dropped[child.request_id] = self.num_dropped[parent.request_id]
 
     def free(self, request: Request) -> None:
         """Release all blocks of a request, last block first (so its tail is evicted first)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._changed_from(request.request_id, 0)
         self.num_hashed_blocks.pop(request.request_id, None)
-        self.block_pool.free_blocks(list(reversed(blocks)))
+        self.num_dropped.pop(request.request_id, None)
+        null = self.null_block
+        self.block_pool.free_blocks([b for b in reversed(blocks) if b is not null])
         self.host_pool.give_back(self.req_to_host_blocks.pop(request.request_id, []))
 
     def free_tail(self, request: Request) -> None:
@@ -187,17 +249,19 @@ class KVCacheManager:
     # -- swapping ---------------------------------------------------------------------
 
     def can_swap_out(self, request: Request) -> bool:
-        return len(self.req_to_blocks.get(request.request_id, [])) <= self.host_pool.num_free_blocks
+        return self.num_live_blocks(request.request_id) <= self.host_pool.num_free_blocks
 
     def swap_out(self, request: Request) -> None:
-        """Move a request's blocks to host memory; its device blocks are released."""
+        """Move a request's blocks to host memory; its device blocks are released. Blocks
+        behind its window stay dropped: the swapped list starts after them."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._changed_from(request.request_id, 0)
-        host = self.host_pool.take(len(blocks))
-        self.pending_swap_out.extend((b.block_id, h) for b, h in zip(blocks, host))
+        live = blocks[self.num_dropped.get(request.request_id, 0):]
+        host = self.host_pool.take(len(live))
+        self.pending_swap_out.extend((b.block_id, h) for b, h in zip(live, host))
         self.req_to_host_blocks[request.request_id] = host
         self.num_hashed_blocks.pop(request.request_id, None)
-        self.block_pool.free_blocks(list(reversed(blocks)))
+        self.block_pool.free_blocks(list(reversed(live)))
 
     def adopt_host_blocks(self, request: Request, count: int) -> list[int]:
         """Host blocks for ``count`` pages of a request prefilled elsewhere, which the
@@ -218,7 +282,8 @@ class KVCacheManager:
         host = self.req_to_host_blocks.pop(request.request_id)
         blocks = self.block_pool.get_new_blocks(len(host))
         self.pending_swap_in.extend((h, b.block_id) for h, b in zip(host, blocks))
-        self.req_to_blocks[request.request_id] = blocks
+        dropped = self.num_dropped.get(request.request_id, 0)
+        self.req_to_blocks[request.request_id] = [self.null_block] * dropped + blocks
         self._changed_from(request.request_id, 0)
         self.host_pool.give_back(host)
 

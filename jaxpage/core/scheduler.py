@@ -319,7 +319,7 @@ class Scheduler(AheadOfHost, SpeculativeScheduling):
     def _preempt(self, request: Request) -> None:
         self.num_preemptions += 1
         request.num_preemptions += 1
-        num_blocks = len(self.kv.req_to_blocks.get(request.request_id, []))
+        num_blocks = self.kv.num_live_blocks(request.request_id)
         mode = self.config.preemption_mode
         swap = mode == "swap" or (mode == "auto" and self.cost_model.prefer_swap(
             num_blocks, request.num_computed_tokens))

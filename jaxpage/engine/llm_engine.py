@@ -9,6 +9,7 @@ turns moved sequences into ``RequestOutput``s. Nothing here waits on the device.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -122,8 +123,9 @@ class LLMEngine:
         per_block = bytes_per_block(self.arch, block_size, dtype)
         num_host_blocks = int(cc.swap_space * 2**30) // per_block
         self.block_pool = BlockPool(num_kv_blocks + 1, enable_caching=cc.enable_prefix_caching)
-        self.kv_cache_manager = KVCacheManager(self.block_pool, block_size,
-                                               num_host_blocks=num_host_blocks)
+        self.kv_cache_manager = KVCacheManager(
+            self.block_pool, block_size, num_host_blocks=num_host_blocks,
+            sliding_window=_droppable_window(self.arch, None if draft is None else draft.arch))
         self.runner = ModelRunner(loaded, num_blocks=num_kv_blocks + 1, block_size=block_size,
                                   max_num_seqs=config.scheduler.max_num_seqs,
                                   executable_dir=(os.path.join(cache_dir(), "executables")
@@ -157,7 +159,10 @@ class LLMEngine:
             tokenizer=self.tokenizer, vocab_size=self.arch.vocab_size,
             max_model_len=self.max_model_len, eos_token_ids=eos_token_ids,
             engine_seed=mc.seed, max_num_seqs=config.scheduler.max_num_seqs,
-            num_blocks_for=self.kv_cache_manager.num_blocks_for, num_kv_blocks=num_kv_blocks)
+            num_blocks_for=functools.partial(
+                self.kv_cache_manager.most_blocks_held,
+                max_step_tokens=config.scheduler.max_num_batched_tokens),
+            num_kv_blocks=num_kv_blocks)
         self.beam_search = BeamSearchDriver(self.scheduler, eos_token_ids, self._decode)
         self._ids = itertools.count()
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
@@ -395,3 +400,12 @@ class LLMEngine:
                 "kv_cache_dtype": self.kv_cache_dtype,
                 "kv_bytes_per_block": self.kv_bytes_per_block,
                 **self.scheduler.stats(), "kv_usage": 1.0 - free / self.num_kv_blocks}
+
+
+def _droppable_window(arch, draft_arch=None) -> int | None:
+    """The window behind which a sequence's KV blocks are given back: set when every
+    layer of the model (and of a draft model sharing its block tables) slides."""
+    archs = [arch] + ([draft_arch] if draft_arch is not None else [])
+    if not all(a.all_layers_local for a in archs):
+        return None
+    return max(a.sliding_window for a in archs)
