@@ -41,6 +41,14 @@ class ArchConfig:
     rotary_dim: int | None = None    # RoPE on the first rotary_dim channels only (None: all)
     local_rope_theta: float | None = None  # RoPE base of sliding layers, unscaled (Gemma 3)
     fused_projections: bool = False  # the checkpoint stores qkv_proj / gate_up_proj (Phi-3)
+    # -- mixture of experts (num_experts 0: every MLP dense) ---------------------------
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0   # each expert's hidden width
+    shared_expert_intermediate_size: int = 0  # an always-on expert, sigmoid-gated (Qwen2-MoE)
+    norm_topk_prob: bool = True      # renormalize the top-k routing weights to sum 1
+    # per layer, True where the MLP is the experts; None: every layer (when num_experts)
+    sparse_layers: tuple[bool, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -52,6 +60,12 @@ class ArchConfig:
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise ValueError(f"hidden_act={self.hidden_act!r} is not supported "
                              "(supported: silu, gelu_tanh)")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                             f"[1, num_experts={self.num_experts}]")
+        if self.sparse_layers is not None and len(self.sparse_layers) != self.num_layers:
+            raise ValueError(f"sparse_layers has {len(self.sparse_layers)} entries for "
+                             f"{self.num_layers} layers")
         rotary = self.rotary_dim
         if rotary is not None and (rotary % 2 or not 0 < rotary <= self.head_dim):
             raise ValueError(f"rotary_dim={rotary} must be even and in (0, {self.head_dim}]")
@@ -59,6 +73,12 @@ class ArchConfig:
     @property
     def softmax_scale(self) -> float:
         return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is the mixture of experts."""
+        if not self.num_experts:
+            return False
+        return self.sparse_layers is None or self.sparse_layers[layer]
 
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` (None: it attends to the whole context)."""

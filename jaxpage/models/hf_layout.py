@@ -38,10 +38,25 @@ LAYER_TENSORS = {
 _KV_TENSORS = ("k_proj", "v_proj", "k_bias", "v_bias")
 
 
-def layer_tensor_names(arch: ArchConfig) -> dict[str, tuple[str, bool]]:
-    """Our per-layer parameter -> (Hugging Face suffix, transposed?) for ``arch`` (fused
-    Phi-3 projections are split by ``HFTensorSource._split_fused`` instead)."""
+# A mixture-of-experts layer's tensors, per family: (module, expert gate / up / down)
+_MOE_NAMES = {"MixtralForCausalLM": ("block_sparse_moe", "w1", "w3", "w2")}
+_QWEN_MOE = ("mlp", "gate_proj", "up_proj", "down_proj")
+
+
+def layer_tensor_names(arch: ArchConfig, layer: int = 0) -> dict[str, tuple[str, bool]]:
+    """Our parameter -> (Hugging Face suffix, transposed?) for layer ``layer`` of ``arch``
+    (fused Phi-3 projections are split by ``HFTensorSource._split_fused``, experts stacked
+    by ``_experts`` instead)."""
     names = dict(LAYER_TENSORS)
+    if arch.is_sparse(layer):
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            del names[name]
+        module = _MOE_NAMES.get(arch.architecture, _QWEN_MOE)[0]
+        names["router"] = (f"{module}.gate.weight", True)
+        if arch.shared_expert_intermediate_size:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                names[f"shared_{name}"] = (f"mlp.shared_expert.{name}.weight", True)
+            names["shared_expert_gate"] = ("mlp.shared_expert_gate.weight", True)
     if arch.sandwich_norms:  # Gemma 2/3: HF's post_attention_layernorm is on the attention
         # output; the norm before the MLP is pre_feedforward_layernorm
         names.update(post_attention_norm=("pre_feedforward_layernorm.weight", False),
@@ -57,7 +72,7 @@ def layer_tensor_names(arch: ArchConfig) -> dict[str, tuple[str, bool]]:
         names["o_bias"] = ("self_attn.o_proj.bias", False)
     if arch.fused_projections:
         for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
-            del names[name]
+            names.pop(name, None)
     return names
 
 
@@ -109,13 +124,25 @@ class HFTensorSource:
         yield ("final_norm",), self.get("model.norm.weight")
         if not arch.tie_word_embeddings:
             yield ("lm_head",), self.tensor("lm_head", "lm_head.weight", True)
-        layer_tensors = layer_tensor_names(arch)
         for i in range(arch.num_layers):
             prefix = f"model.layers.{i}."
             if arch.fused_projections:
                 yield from self._split_fused(arch, i, prefix)
-            for name, (suffix, transpose) in layer_tensors.items():
+            if arch.is_sparse(i):
+                yield from self._experts(arch, i, prefix)
+            for name, (suffix, transpose) in layer_tensor_names(arch, i).items():
                 yield ("layers", i, name), self.tensor(name, prefix + suffix, transpose)
+
+    def _experts(self, arch: ArchConfig, i: int,
+                 prefix: str) -> Iterator[tuple[tuple, np.ndarray]]:
+        """The experts' projections stacked: gate / up [E, hidden, I], down [E, I, hidden]
+        (each expert's [out, in] tensor transposed)."""
+        module, *names = _MOE_NAMES.get(arch.architecture, _QWEN_MOE)
+        for ours, theirs in zip(("expert_gate", "expert_up", "expert_down"), names):
+            stacked = np.stack([
+                self.get(f"{prefix}{module}.experts.{e}.{theirs}.weight").T
+                for e in range(arch.num_experts)])
+            yield ("layers", i, ours), stacked
 
     def _split_fused(self, arch: ArchConfig, i: int,
                      prefix: str) -> Iterator[tuple[tuple, np.ndarray]]:

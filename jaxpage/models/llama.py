@@ -39,6 +39,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxpage.arch_config import ArchConfig
+from jaxpage.models.moe import moe_mlp
 from jaxpage.models.quantize import QuantFormat
 from jaxpage.parallel.sharding_rules import TP
 from pallas_kernels.kv_quant import encode
@@ -152,7 +153,8 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, cfg: ArchConfig, *, dtype: Any, rngs: nnx.Rngs | None,
                  quant_plan: dict[str, QuantFormat] | None = None,
-                 matmul_backend: str = "auto") -> None:
+                 matmul_backend: str = "auto", sparse: bool = False,
+                 mesh: jax.sharding.Mesh | None = None) -> None:
         H, I = cfg.hidden_size, cfg.intermediate_size
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         init = ParamInit(rngs, dtype, quant_plan)
@@ -176,8 +178,22 @@ class DecoderLayer(nnx.Module):
             self.v_bias = init.zeros(kv_dim)
         if cfg.o_bias:
             self.o_bias = init.zeros(H)
-        self.gate_proj, self.up_proj = weight("gate_proj", H, I), weight("up_proj", H, I)
-        self.down_proj = weight("down_proj", I, H)
+        self.sparse = sparse  # static: the MLP is a mixture of experts (jaxpage.models.moe)
+        self.mesh = mesh      # static: experts are split over its axis
+        if not sparse:
+            self.gate_proj, self.up_proj = weight("gate_proj", H, I), weight("up_proj", H, I)
+            self.down_proj = weight("down_proj", I, H)
+            return
+        E, M = cfg.num_experts, cfg.moe_intermediate_size
+        self.router = init.normal(H, E)
+        self.expert_gate, self.expert_up = init.normal(E, H, M), init.normal(E, H, M)
+        self.expert_down = init.normal(E, M, H)
+        S = cfg.shared_expert_intermediate_size
+        if S:
+            self.shared_gate_proj, self.shared_up_proj = weight("shared_gate_proj", H, S), \
+                weight("shared_up_proj", H, S)
+            self.shared_down_proj = weight("shared_down_proj", S, H)
+            self.shared_expert_gate = init.normal(H, 1)
 
     def qkv(self, cfg: ArchConfig, h: jax.Array, positions: jax.Array,
             inv_freq: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -210,12 +226,30 @@ class DecoderLayer(nnx.Module):
             out = rms_norm(out, self.attn_out_norm[...], eps, offset)
         h = h + out
         x = rms_norm(h, self.post_attention_norm[...], eps, offset)
-        gate = linear(x, self.gate_proj, mm)
-        up = linear(x, self.up_proj, mm)
-        out = linear(ACTIVATIONS[cfg.hidden_act](gate) * up, self.down_proj, mm)
+        act = ACTIVATIONS[cfg.hidden_act]
+        if self.sparse:
+            out = self._experts(cfg, x, act)
+        else:
+            gate = linear(x, self.gate_proj, mm)
+            up = linear(x, self.up_proj, mm)
+            out = linear(act(gate) * up, self.down_proj, mm)
         if cfg.sandwich_norms:
             out = rms_norm(out, self.mlp_out_norm[...], eps, offset)
         return h + out
+
+
+    def _experts(self, cfg: ArchConfig, x: jax.Array, act) -> jax.Array:
+        """The mixture-of-experts MLP of x [T, hidden] (plus the gated shared expert)."""
+        out = moe_mlp(x, self.router[...], self.expert_gate[...], self.expert_up[...],
+                      self.expert_down[...], k=cfg.num_experts_per_tok,
+                      normalize=cfg.norm_topk_prob, act=act, mesh=self.mesh)
+        if cfg.shared_expert_intermediate_size:
+            mm = self.matmul_backend
+            shared = linear(act(linear(x, self.shared_gate_proj, mm))
+                            * linear(x, self.shared_up_proj, mm), self.shared_down_proj, mm)
+            out = out + jax.nn.sigmoid(project("th,ho->to", x, self.shared_expert_gate[...])) \
+                * shared
+        return out
 
 
 def _dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
@@ -262,8 +296,9 @@ class CausalLM(nnx.Module):
         else:
             self.embed = init.normal(vocab, hidden)
         self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs, quant_plan=quant_plan,
-                                             matmul_backend=self.matmul_backend)
-                                for _ in range(cfg.num_layers)])
+                                             matmul_backend=self.matmul_backend,
+                                             sparse=cfg.is_sparse(i), mesh=mesh)
+                                for i in range(cfg.num_layers)])
         self.final_norm = (init.zeros if cfg.norm_offset else init.ones)(hidden)
         if not cfg.tie_word_embeddings:
             self.lm_head = init.weight("lm_head", hidden, vocab)

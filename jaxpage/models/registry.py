@@ -92,6 +92,40 @@ def phi3_config(hf: dict[str, Any]) -> ArchConfig:
                       **_windowed(hf, hf.get("sliding_window"), _layer_types(hf)))
 
 
+def _experts(hf: dict[str, Any], *, normalize: bool | None = None) -> dict[str, Any]:
+    """Mixture-of-experts fields: experts, top-k, expert width, the shared expert, and
+    which layers are sparse (Qwen: ``mlp_only_layers`` and ``decoder_sparse_step``)."""
+    count = hf.get("num_experts") or hf.get("num_local_experts")
+    layers = hf["num_hidden_layers"]
+    dense = set(hf.get("mlp_only_layers") or ())
+    step = hf.get("decoder_sparse_step") or 1
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+    return dict(num_experts=int(count), num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                moe_intermediate_size=int(hf.get("moe_intermediate_size")
+                                          or hf["intermediate_size"]),
+                shared_expert_intermediate_size=int(
+                    hf.get("shared_expert_intermediate_size") or 0),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)) if normalize is None
+                else normalize,
+                sparse_layers=None if all(sparse) else sparse)
+
+
+def mixtral_config(hf: dict[str, Any]) -> ArchConfig:
+    return ArchConfig(**_common(hf, "MixtralForCausalLM"), **_experts(hf, normalize=True),
+                      **_windowed(hf, hf.get("sliding_window"), _layer_types(hf)))
+
+
+def qwen2_moe_config(hf: dict[str, Any]) -> ArchConfig:
+    return ArchConfig(**_common(hf, "Qwen2MoeForCausalLM"), qkv_bias=True, **_experts(hf),
+                      **_qwen_windows(hf))
+
+
+def qwen3_moe_config(hf: dict[str, Any]) -> ArchConfig:
+    bias = bool(hf.get("attention_bias", False))
+    return ArchConfig(**_common(hf, "Qwen3MoeForCausalLM"), qkv_bias=bias, qk_norm=True,
+                      **_experts(hf), **_qwen_windows(hf))
+
+
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 
 
@@ -145,6 +179,9 @@ MODEL_REGISTRY: dict[str, tuple[type, Callable[[dict[str, Any]], ArchConfig]]] =
     "Phi3ForCausalLM": (CausalLM, phi3_config),
     "Gemma2ForCausalLM": (CausalLM, gemma2_config),
     "Gemma3ForCausalLM": (CausalLM, gemma3_config),
+    "MixtralForCausalLM": (CausalLM, mixtral_config),
+    "Qwen2MoeForCausalLM": (CausalLM, qwen2_moe_config),
+    "Qwen3MoeForCausalLM": (CausalLM, qwen3_moe_config),
 }
 
 

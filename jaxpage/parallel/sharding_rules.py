@@ -43,6 +43,11 @@ PARAM_SPECS: dict[str, P] = {
     "gate_proj": P(None, TP), "up_proj": P(None, TP),
     "down_proj": P(TP, None),
     "kv_scale": P(None, None, TP, None),  # [2, L, Hkv, D]: a byte KV cache's scales
+    # mixture of experts (models/moe.py): experts split over the axis (expert parallelism)
+    "router": P(), "expert_gate": P(TP, None, None), "expert_up": P(TP, None, None),
+    "expert_down": P(TP, None, None),
+    "shared_gate_proj": P(None, TP), "shared_up_proj": P(None, TP),
+    "shared_down_proj": P(TP, None), "shared_expert_gate": P(),
 }
 KV_CACHE_SPEC = P(None, None, None, TP, None)  # [L, num_blocks, block_size, kv_heads, head_dim]
 VOCAB_PARAMS = ("embed", "lm_head")

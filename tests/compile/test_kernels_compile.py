@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
-from jaxpage.parallel.targets import compile_on_device, target_devices
+from jaxpage.parallel.targets import compile_on_device, single_device_spec, target_devices
 from pallas_kernels.kv_cache_update.gpu import kv_cache_update_gpu
 from pallas_kernels.kv_cache_update.tpu import kv_cache_update_tpu
 from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
@@ -123,3 +123,29 @@ def test_quantized_matmul_compiles_for_target(target, bits):
     compiled = compile_on_device(device, matmul, ((64, k), jnp.bfloat16), *parts)
     stats = compiled.memory_analysis()
     assert stats is not None
+
+
+@pytest.mark.parametrize("target", ["v5e:1x1", "h100"])
+@pytest.mark.parametrize("tokens", [8, 256])  # decode (gathered on a CPU only) and prefill
+def test_moe_experts_compile_for_target(target, tokens):
+    """The mixture-of-experts MLP (Mixtral-8x7B's expert shape, bfloat16): routing and the
+    grouped ``ragged_dot`` matmuls as the target's compiler takes them."""
+    import jax
+
+    from jaxpage.models.moe import moe_mlp
+
+    device = target_devices(target)[0]
+    hidden, width, experts = 4096, 14336, 8
+
+    def mlp(x, router, gate, up, down):
+        return moe_mlp(x, router, gate, up, down, k=2, normalize=True, act=jax.nn.silu)
+
+    bf16 = jnp.bfloat16
+    specs = [((tokens, hidden), bf16), ((hidden, experts), bf16),
+             ((experts, hidden, width), bf16), ((experts, hidden, width), bf16),
+             ((experts, width, hidden), bf16)]
+    compiled = compile_on_device(device, mlp, *specs)
+    assert compiled.memory_analysis() is not None
+    with jax.default_device(device):  # on a device the experts are grouped matmuls
+        lowered = jax.jit(mlp).lower(*[single_device_spec(device, *spec) for spec in specs])
+    assert "ragged_dot" in lowered.as_text()

@@ -30,6 +30,12 @@ FAMILY_SHAPES = {
                        "full_attention": {"rope_type": "linear", "factor": 2.0,
                                           "rope_theta": 1_000_000.0},
                        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}),
+    # more experts than the top-k; Qwen2-MoE with a shared expert and one dense layer
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, mlp_only_layers=[1]),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                      head_dim=16, norm_topk_prob=True),
 }
 
 
