@@ -69,6 +69,7 @@ class ArchConfig:
         rotary = self.rotary_dim
         if rotary is not None and (rotary % 2 or not 0 < rotary <= self.head_dim):
             raise ValueError(f"rotary_dim={rotary} must be even and in (0, {self.head_dim}]")
+        self.rope_inv_freq()  # an unsupported RoPE scaling fails here, at load
 
     @property
     def softmax_scale(self) -> float:
