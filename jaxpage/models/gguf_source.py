@@ -30,8 +30,48 @@ from jaxpage.parallel.placement import Placement
 logger = logging.getLogger("jaxpage")
 
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                       "qwen2": "Qwen2ForCausalLM"}
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                       "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                       "gemma3": "Gemma3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+                       "qwen3moe": "Qwen3MoeForCausalLM"}
 _PERMUTED_ARCHES = ("llama", "mistral")
+# llama.cpp's converter stores Gemma's (1 + w) norm scales with the 1 added
+_NORM_PLUS_ONE_ARCHES = ("gemma2", "gemma3")
+# architectures whose tensor names come from gguf-py's own map (``_mapped_names``)
+_MAPPED_ARCHES = ("qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe")
+# Hugging Face per-layer names (without .weight / .bias) the mapped architectures may hold;
+# "mlp.experts.{gate,up,down}_proj" stand for the stacked [E, out, in] expert tensors
+_MAPPED_LAYER_NAMES = (
+    "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+    "post_feedforward_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+    "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj",
+    "mlp.down_proj", "mlp.gate", "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
+    "mlp.shared_expert.down_proj", "mlp.shared_expert_gate", "mlp.experts.gate_proj",
+    "mlp.experts.up_proj", "mlp.experts.down_proj")
+_FUSED_LAYER_NAMES = ("self_attn.qkv_proj", "mlp.gate_up_proj")  # Phi-3's
+
+
+def _mapped_names(arch: str, num_layers: int) -> dict[str, str]:
+    """GGUF tensor name -> Hugging Face name for ``arch``, from gguf-py's tensor map."""
+    import gguf
+    from gguf.tensor_mapping import get_tensor_name_map
+
+    model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    table = get_tensor_name_map(model_arch, num_layers)
+    layer_names = _MAPPED_LAYER_NAMES
+    if arch == "phi3":  # its ffn_up is gate|up, attn_qkv is q|k|v
+        layer_names = tuple(n for n in layer_names if n not in (
+            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+            "mlp.up_proj")) + _FUSED_LAYER_NAMES
+    names = ["model.embed_tokens", "model.norm", "lm_head"] + [
+        f"model.layers.{i}.{n}" for i in range(num_layers) for n in layer_names]
+    mapped = {}
+    for hf in names:
+        ours = table.get_name(hf)
+        if ours is not None:
+            for suffix in (".weight", ".bias"):
+                mapped[ours + suffix] = hf + suffix
+    return mapped
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -42,6 +82,11 @@ _LAYER_NAMES = {
     "attn_v.bias": "self_attn.v_proj.bias",
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # Mixtral (stored as llama): the router and the stacked experts [E, out, in]
+    "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
+    "ffn_gate_exps.weight": "block_sparse_moe.experts.gate_proj.weight",
+    "ffn_up_exps.weight": "block_sparse_moe.experts.up_proj.weight",
+    "ffn_down_exps.weight": "block_sparse_moe.experts.down_proj.weight",
 }
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                  "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
@@ -93,12 +138,14 @@ class GGUFSource(HFTensorSource):
                              f"architectures: {sorted(_GGUF_ARCHITECTURES)}")
         self.arch = arch
         self._tensors = {}
+        mapped = (_mapped_names(arch, int(self.metadata[f"{arch}.block_count"]))
+                  if arch in _MAPPED_ARCHES else {})
         for tensor in self.reader.tensors:
-            name = _hf_name(tensor.name)
+            name = mapped.get(tensor.name) if mapped else _hf_name(tensor.name)
             if name is not None:
                 self._tensors[name] = tensor
-            elif tensor.name == "rope_freqs.weight":
-                raise ValueError(f"{path}: GGUF rope frequency factors (rope_freqs) are not supported")
+            elif tensor.name == "rope_freqs.weight" or tensor.name.startswith("rope_factors"):
+                raise ValueError(f"{path}: GGUF rope frequency factors ({tensor.name}) are not supported")
         self.hf_config = self._hf_config()
 
     def _field(self, key: str):
@@ -109,9 +156,10 @@ class GGUFSource(HFTensorSource):
 
     def _hf_config(self) -> dict:
         m, a = self.metadata, self.arch
-        if m.get(f"{a}.rope.scaling.type") not in (None, "none"):
-            raise ValueError(f"{self.path}: GGUF rope scaling "
-                             f"{m.get(f'{a}.rope.scaling.type')!r} is not supported")
+        scaling = m.get(f"{a}.rope.scaling.type")
+        if scaling not in (None, "none") and not (scaling == "linear" and a == "gemma3"):
+            raise ValueError(f"{self.path}: GGUF rope scaling {scaling!r} is not supported"
+                             + (" (gemma3: linear only)" if a == "gemma3" else ""))
         embed = self._tensors["model.embed_tokens.weight"]
         num_heads = int(m[f"{a}.attention.head_count"])
         hidden = int(m[f"{a}.embedding_length"])
@@ -133,7 +181,52 @@ class GGUFSource(HFTensorSource):
             "sliding_window": m.get(f"{a}.attention.sliding_window"),
             "use_sliding_window": m.get(f"{a}.attention.sliding_window") is not None,
             "eos_token_id": int(eos.contents()) if eos is not None else None,
+            **self._family_config(),
         }
+
+    def _family_config(self) -> dict:
+        """The HF config keys of the newer families, from their GGUF metadata."""
+        m, a = self.metadata, self.arch
+        config: dict = {}
+        if m.get(f"{a}.expert_count"):
+            config.update(
+                num_experts=int(m[f"{a}.expert_count"]),
+                num_experts_per_tok=int(m[f"{a}.expert_used_count"]),
+                moe_intermediate_size=int(m.get(f"{a}.expert_feed_forward_length")
+                                          or m[f"{a}.feed_forward_length"]),
+                shared_expert_intermediate_size=int(
+                    m.get(f"{a}.expert_shared_feed_forward_length") or 0),
+                norm_topk_prob=bool(m.get(f"{a}.expert_weights_norm", a == "qwen3moe")))
+            if a == "llama":  # Mixtral is stored as llama with experts
+                config["architectures"] = ["MixtralForCausalLM"]
+        if a in ("gemma2", "gemma3"):
+            heads = int(m[f"{a}.attention.head_count"])
+            hidden = int(m[f"{a}.embedding_length"])
+            head_dim = int(m.get(f"{a}.attention.key_length") or hidden // heads)
+            # GGUF has no query_pre_attn_scalar; llama.cpp uses hidden / heads for the
+            # 27B models (46 / 62 layers) and head_dim otherwise
+            big = int(m[f"{a}.block_count"]) == {"gemma2": 46, "gemma3": 62}[a]
+            config.update(query_pre_attn_scalar=hidden // heads if big else head_dim,
+                          attn_logit_softcapping=m.get(f"{a}.attn_logit_softcapping"),
+                          final_logit_softcapping=m.get(f"{a}.final_logit_softcapping"))
+            pattern = m.get(f"{a}.attention.sliding_window_pattern")
+            if isinstance(pattern, (list, tuple)):  # per layer, True = sliding
+                config["layer_types"] = ["sliding_attention" if p else "full_attention"
+                                         for p in pattern]
+            elif pattern:
+                config["sliding_window_pattern"] = int(pattern)
+        if a == "gemma3":
+            config["rope_local_base_freq"] = float(m.get(f"{a}.rope.freq_base_swa", 10000.0))
+            if m.get(f"{a}.rope.scaling.type") == "linear":
+                config["rope_scaling"] = {"rope_type": "linear",
+                                          "factor": float(m[f"{a}.rope.scaling.factor"])}
+        if a == "phi3":
+            rotary = m.get(f"{a}.rope.dimension_count")
+            head_dim = int(m.get(f"{a}.attention.key_length") or int(
+                m[f"{a}.embedding_length"]) // int(m[f"{a}.attention.head_count"]))
+            if rotary:
+                config["partial_rotary_factor"] = int(rotary) / head_dim
+        return config
 
     def read_params(self, arch: ArchConfig, run_arch: ArchConfig, template: dict[str, Any],
                     placement: Placement, dtype: Any) -> dict[str, Any]:
@@ -172,8 +265,9 @@ class GGUFSource(HFTensorSource):
         if not arch.tie_word_embeddings:
             names["lm_head"] = ["lm_head.weight"]
         for name, (suffix, _) in LAYER_TENSORS.items():
-            if suffix.endswith("proj.weight"):
-                names[name] = [f"model.layers.{i}.{suffix}" for i in range(arch.num_layers)]
+            tensors = [f"model.layers.{i}.{suffix}" for i in range(arch.num_layers)]
+            if suffix.endswith("proj.weight") and all(t in self._tensors for t in tensors):
+                names[name] = tensors  # (absent: fused (Phi-3) or experts (MoE) there)
         plan: dict[str, QuantFormat] = {}
         for name, tensors in names.items():
             types = {self._tensors[t].tensor_type.name for t in tensors}
@@ -227,7 +321,22 @@ class GGUFSource(HFTensorSource):
             array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
         if self.arch in _PERMUTED_ARCHES and name.endswith(("q_proj.weight", "k_proj.weight")):
             array = _unpermute_rows(array, self._heads(name))
+        if self.arch in _NORM_PLUS_ONE_ARCHES and name.endswith("norm.weight"):
+            array = array - 1.0
         return array
+
+    def expert_stack(self, experts: str, name: str, count: int) -> np.ndarray:
+        """GGUF stores each expert projection stacked, [E, out, in]: -> [E, in, out]."""
+        stacked = f"{experts}.{_STACKED.get(name, name)}.weight"
+        if stacked not in self._tensors:
+            return super().expert_stack(experts, name, count)
+        array = self.get(stacked)
+        if array.shape[0] != count:
+            raise ValueError(f"{stacked} holds {array.shape[0]} experts, expected {count}")
+        return np.ascontiguousarray(array.transpose(0, 2, 1))
+
+
+_STACKED = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtral -> stacked names
 
 
 def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:

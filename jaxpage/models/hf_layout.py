@@ -139,10 +139,13 @@ class HFTensorSource:
         (each expert's [out, in] tensor transposed)."""
         module, *names = _MOE_NAMES.get(arch.architecture, _QWEN_MOE)
         for ours, theirs in zip(("expert_gate", "expert_up", "expert_down"), names):
-            stacked = np.stack([
-                self.get(f"{prefix}{module}.experts.{e}.{theirs}.weight").T
-                for e in range(arch.num_experts)])
-            yield ("layers", i, ours), stacked
+            yield ("layers", i, ours), self.expert_stack(
+                f"{prefix}{module}.experts", theirs, arch.num_experts)
+
+    def expert_stack(self, experts: str, name: str, count: int) -> np.ndarray:
+        """Projection ``name`` of experts ``{experts}.0`` ... ``{experts}.{count - 1}``,
+        each [out, in] as saved, stacked in our layout: [count, in, out]."""
+        return np.stack([self.get(f"{experts}.{e}.{name}.weight").T for e in range(count)])
 
     def _split_fused(self, arch: ArchConfig, i: int,
                      prefix: str) -> Iterator[tuple[tuple, np.ndarray]]:
