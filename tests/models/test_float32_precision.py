@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpage.models.llama import project
+from jaxpage.models.layers import project
 from pallas_kernels.precision import dot_precision
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from tests.kernels.cases import make_case
