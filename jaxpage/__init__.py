@@ -27,6 +27,7 @@ _EXPORTS = {
     "BeamSearchParams": "jaxpage.beam_search",
     "BeamSearchOutput": "jaxpage.beam_search",
     "BeamSearchSequence": "jaxpage.beam_search",
+    "LoRARequest": "jaxpage.lora_request",
     "plan": "jaxpage.planning",
     "PlanReport": "jaxpage.planning",
 }

@@ -61,6 +61,10 @@ ENGINE_FLAGS = {
                            "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'"),
     "max_waiting_requests": (int, "server: answer 503 when this many requests wait (default: no cap)"),
     "seed": (int, "engine seed for requests without their own"),
+    "enable_lora": (_bool, "serve PEFT LoRA adapters (true/false; on with --lora-modules)"),
+    "max_loras": (int, "LoRA adapters on the device at once (one batch may mix them)"),
+    "max_lora_rank": (int, "largest LoRA rank accepted"),
+    "max_cpu_loras": (int, "LoRA adapters kept in host memory (default: every one loaded)"),
     "kv_role": (str, "disaggregated serving: prefill or decode (see `jaxpage proxy`)"),
     "kv_transfer_timeout": (float, "decode instance: seconds to wait for a request's KV pages"),
     "attention_backend": (str, "auto, reference, cpu (C++ kernel), gpu or tpu"),
@@ -104,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None,
                        help="model name clients use (default: the model path's name)")
     serve.add_argument("--log-level", default="info", help="uvicorn log level")
+    serve.add_argument("--lora-modules", nargs="+", default=None, type=_lora_module,
+                       metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT directories) served under NAME as the "
+                            "request's model; implies --enable-lora true")
     serve.add_argument("--disaggregated", default=None, metavar="NPMD",
                        help="start N prefill and M decode instances of this model on this "
                             "host (e.g. 1P1D) and serve the proxy on --host/--port")
@@ -181,11 +189,26 @@ def _instance_args(args) -> list[str]:
     return out
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    """``name=path`` (or vLLM's JSON ``{"name": ..., "path": ...}``) -> (name, path)."""
+    if text.lstrip().startswith("{"):
+        value = _json_object(text)
+        if not isinstance(value.get("name"), str) or not isinstance(value.get("path"), str):
+            raise argparse.ArgumentTypeError(f"{text!r} needs string 'name' and 'path'")
+        return value["name"], value["path"]
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PATH")
+    return name, path
+
+
 def _serve(args) -> int:
     from jaxpage.server.disaggregated import die_with_parent
     from jaxpage.server.launch import serve
 
     die_with_parent()  # an instance that `serve --disaggregated` started
+    if args.disaggregated and args.lora_modules:
+        raise ValueError("--lora-modules is not supported with --disaggregated")
     if args.disaggregated:
         from jaxpage.server.disaggregated import parse_layout, serve_disaggregated
 
@@ -194,9 +217,13 @@ def _serve(args) -> int:
                             port=args.port, log_level=args.log_level)
         return 0
     model = args.model or args.model_flag
+    options = _engine_options(args)
+    lora_modules = dict(args.lora_modules or ())
+    if lora_modules:
+        options.setdefault("enable_lora", True)
     serve(model, tokenizer=args.tokenizer, host=args.host, port=args.port, api_key=args.api_key,
           served_model_name=args.served_model_name, log_level=args.log_level,
-          **_engine_options(args))
+          lora_modules=lora_modules, **options)
     return 0
 
 

@@ -46,8 +46,27 @@ class ModelConfig:
     quantization: str | None = None
     # int8 / int4: input rows per scale (None: 128 for int8, 32 for int4); 0: per channel
     quantization_group_size: int | None = None
+    # Multi-LoRA serving (``docs/lora.md``): adapters in PEFT's format, at most
+    # ``max_loras`` of them on the device at once (one batch may mix them all), each of
+    # rank <= ``max_lora_rank``; ``max_cpu_loras`` adapters kept loaded in host memory
+    # (None: unbounded), least recently used dropped first.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
+        _require(isinstance(self.enable_lora, bool),
+                 f"enable_lora={self.enable_lora!r} must be a bool")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                     f"{name}={value!r} must be an integer >= 1")
+        _require(self.max_cpu_loras is None
+                 or (isinstance(self.max_cpu_loras, int) and not isinstance(self.max_cpu_loras, bool)
+                     and self.max_cpu_loras >= self.max_loras),
+                 f"max_cpu_loras={self.max_cpu_loras!r} must be None or an integer >= "
+                 f"max_loras={self.max_loras}")
         _require(self.quantization in SUPPORTED_QUANTIZATION,
                  f"quantization={self.quantization!r} is not supported; choose one of "
                  f"{SUPPORTED_QUANTIZATION}")

@@ -110,3 +110,36 @@ def hf_greedy(model, token_ids: list[int], max_new_tokens: int, eos_token_id) ->
                              pad_token_id=eos_token_id[0] if isinstance(eos_token_id, list) else eos_token_id,
                              min_new_tokens=0)
     return out[0, len(token_ids):].tolist()
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_lora_adapter(base: str, directory: str, *, rank: int, alpha: float, seed: int,
+                      target_modules=tuple(LORA_TARGETS), scale: float = 0.3,
+                      use_rslora: bool = False) -> str:
+    """A random PEFT LoRA adapter for checkpoint ``base``, saved (safetensors) in
+    ``directory``. PEFT starts B at zeros; both A and B are drawn here so the adapter
+    really changes the outputs."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    model = load_hf_model(base)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules),
+                        lora_dropout=0.0, bias="none", use_rslora=use_rslora,
+                        task_type="CAUSAL_LM")
+    peft_model = get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in peft_model.named_parameters():
+            if "lora_" in name:
+                tensor.copy_(scale * torch.randn(tensor.shape, generator=generator))
+    peft_model.save_pretrained(directory)
+    return directory
+
+
+def load_hf_merged(base: str, adapter: str):
+    """The reference model of ``base`` with PEFT adapter ``adapter`` merged in."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(load_hf_model(base), adapter).merge_and_unload().eval()

@@ -21,7 +21,7 @@ PACKAGES = ("jaxpage", "pallas_kernels")
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("kernels", ("pallas_kernels",)),
     ("config", ("jaxpage.config", "jaxpage.arch_config", "jaxpage.sampling_params",
-                "jaxpage.beam_search", "jaxpage.outputs")),
+                "jaxpage.beam_search", "jaxpage.outputs", "jaxpage.lora_request")),
     ("core", ("jaxpage.core",)),
     ("parallel", ("jaxpage.parallel",)),
     ("models", ("jaxpage.models",)),

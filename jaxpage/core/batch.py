@@ -66,6 +66,7 @@ class BatchMetadata:
     frequency_penalty: np.ndarray  # float32 [S]  0 = off
     repetition_penalty: np.ndarray  # float32 [S]  1 = off
     penalty_slot: np.ndarray     # int32 [S]  row of the device's penalty table, -1 = none
+    lora_slot: np.ndarray        # int32 [S]  LoRA adapter slot 1..max_loras, 0 = base model
     # ``packed()``'s arrays, once made (or given: ``from_packed``). Never modified.
     _packed: tuple[np.ndarray, np.ndarray, np.ndarray] | None = field(
         default=None, repr=False, compare=False)
@@ -119,8 +120,8 @@ class BatchMetadata:
 
 # Column order of ``BatchMetadata.packed``'s per-row arrays.
 ROW_INT_FIELDS = ("kv_lens", "logits_indices", "top_k", "sample_index", "min_tokens",
-                  "max_output", "want_logprobs", "penalty_slot", "sample_seeds", "cu_q_lens",
-                  "num_seqs")
+                  "max_output", "want_logprobs", "penalty_slot", "lora_slot", "sample_seeds",
+                  "cu_q_lens", "num_seqs")
 ROW_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                     "repetition_penalty")
 
@@ -227,7 +228,8 @@ class BatchBuilder:
             top_k=zeros(S), top_p=np.ones(S, np.float32), min_p=np.zeros(S, np.float32),
             sample_seeds=np.zeros(S, np.uint32), sample_index=zeros(S),
             stop_token_ids=np.full((S, MAX_STOP_TOKENS), -1, np.int32), min_tokens=zeros(S),
-            max_output=zeros(S), want_logprobs=zeros(S), **_no_penalties(S))
+            max_output=zeros(S), want_logprobs=zeros(S), lora_slot=zeros(S),
+            **_no_penalties(S))
 
     def build(self, out: SchedulerOutput, ahead: int = 0) -> BatchMetadata:
         """Pad ``out`` into a batch.

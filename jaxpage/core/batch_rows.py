@@ -24,7 +24,7 @@ from jaxpage.core.request import MAX_STOP_TOKENS, Request
 SETTINGS: dict[str, tuple[type, float]] = {
     "temperature": (np.float32, 0.0), "top_k": (np.int32, 0), "top_p": (np.float32, 1.0),
     "min_p": (np.float32, 0.0), "sample_seeds": (np.uint32, 0), "min_tokens": (np.int32, 0),
-    "max_output": (np.int32, 0), "want_logprobs": (np.int32, 0),
+    "max_output": (np.int32, 0), "want_logprobs": (np.int32, 0), "lora_slot": (np.int32, 0),
 }
 
 
@@ -113,6 +113,7 @@ class BatchRows:
         values["min_tokens"][row] = params.min_tokens
         values["max_output"][row] = request.max_tokens
         values["want_logprobs"][row] = request.external_sampling or params.logprobs is not None
+        values["lora_slot"][row] = request.lora_slot
         ids = request.stop_token_ids_to_suppress[:MAX_STOP_TOKENS]
         self.stop_token_ids[row, :len(ids)] = ids
         self.has_penalties[row] = params.has_penalties and not request.external_sampling

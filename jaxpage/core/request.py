@@ -105,6 +105,11 @@ class Request:
         self.exported_blocks: list[int] | None = None
         self.kv_transfer_params: dict | None = None
         self.extra_seats = 0  # batch rows held for siblings born later (beam search)
+        # Multi-LoRA: the adapter (an engine ``LoadedLoRA``, opaque here; None: the base
+        # model) and, while the request runs, the device slot holding it (1..max_loras,
+        # ``core.lora_slots``; 0 = none).
+        self.lora = None
+        self.lora_slot = 0
         # More stop token ids than the device's list holds: vector pre-checks cannot rule
         # out a stop, so every token of this request is checked exactly.
         self.has_many_stop_ids = len(self.stop_token_ids_to_suppress) > MAX_STOP_TOKENS

@@ -137,8 +137,9 @@ class AheadOfHost:
         """
         if num_steps <= 1 or self.swapped or self.speculating() or self.has_constrained:
             return None  # speculating: few requests left, each step proposes again
-        if self.waiting and (self._seats_in_use() + self._best_waiting().num_seats
-                             <= self.config.max_num_seqs):
+        head = self._best_waiting(self.adapters_in_use()) if self.waiting else None
+        if head is not None and (self._seats_in_use() + head.num_seats
+                                 <= self.config.max_num_seqs):
             return None  # a seat is free: admit the waiting request first
         alive = [item.request for item in out.scheduled if not item.request.is_finished]
         if not alive or {id(r) for r in alive} != {id(r) for r in self.running}:
@@ -243,8 +244,9 @@ class AheadOfHost:
                 or running != previous.requests):  # list equality: identities first
             return None
         # Every running request is plain (planned_ahead), so each holds one seat.
-        if (self.waiting and n < self.config.max_num_batched_tokens
-                and n + self._best_waiting().num_seats <= self.config.max_num_seqs):
+        head = (self._best_waiting(self.adapters_in_use())
+                if self.waiting and n < self.config.max_num_batched_tokens else None)
+        if head is not None and n + head.num_seats <= self.config.max_num_seqs:
             return None  # a waiting request could be admitted: the row by row path does it
         # Row i computes the token after the one in flight: position num_computed + 1
         # (the in-flight row writes num_computed, so only a block's first slot is new).

@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxpage.config import SchedulerConfig
 from jaxpage.core.kv_cache_manager import KVCacheManager
+from jaxpage.core.lora_slots import LoRASlots
 from jaxpage.core.request import FINISHED_IDS, Request, RequestStatus
 from jaxpage.core.speculation import SpecDecodeStats, SpeculativeScheduling, make_proposer
 from jaxpage.core.schedule_ahead import AheadOfHost, ScheduledRequest, SchedulerOutput  # noqa: F401 (re-exported)
@@ -78,6 +79,8 @@ class Scheduler(AheadOfHost, SpeculativeScheduling):
         self.speculation = config.speculative
         self.proposer = make_proposer(self.speculation)
         self.spec_stats = SpecDecodeStats()
+        # Multi-LoRA (``core.lora_slots``): set by the engine when adapters are enabled.
+        self.lora_slots: LoRASlots | None = None
 
     # -- queue management -------------------------------------------------------------
 
@@ -162,14 +165,45 @@ class Scheduler(AheadOfHost, SpeculativeScheduling):
         else:
             self.running.sort(key=self._priority_key)
 
-    def _best_waiting(self) -> Request:
+    def _best_waiting(self, adapters: set | None = None) -> Request | None:
         """The waiting request to admit next. Under FCFS it is the head of the queue, in
         O(1): requests arrive in order, and a preempted (or forked) one goes back to the
         head having arrived before every request still waiting. Priorities age with the
-        step count, so that policy compares every waiting request."""
+        step count, so that policy compares every waiting request.
+
+        With LoRA slots, ``adapters`` holds the adapters running requests use: requests
+        whose adapter could not be seated now are passed over (None if all are)."""
+        if adapters is not None:
+            fits = [r for r in self.waiting if self._may_seat(r, adapters)]
+            if not fits:
+                return None
+            if self.config.scheduling_policy == "fcfs":
+                return fits[0]
+            return min(fits, key=self._priority_key)
         if self.config.scheduling_policy == "fcfs":
             return self.waiting[0]
         return min(self.waiting, key=self._priority_key)
+
+    # -- LoRA adapter slots (core.lora_slots) -----------------------------------------
+
+    def adapters_in_use(self) -> set | None:
+        """Keys of the adapters running requests use; None when LoRA is off."""
+        if self.lora_slots is None:
+            return None
+        return {r.lora.key for r in self.running if r.lora is not None}
+
+    def _may_seat(self, request: Request, adapters: set) -> bool:
+        return request.lora is None or self.lora_slots.can_seat(request.lora.key, adapters)
+
+    def _seat(self, request: Request, adapters: set | None) -> None:
+        """Give a request joining the running set its adapter's slot (and its unborn
+        siblings, which run with it)."""
+        if adapters is None or request.lora is None:
+            return
+        slot = self.lora_slots.acquire(request.lora.key, request.lora, adapters)
+        adapters.add(request.lora.key)
+        for member in (request, *request.fork_children):
+            member.lora_slot = slot
 
     def _priority_key(self, request: Request) -> tuple[int, int]:
         if self.config.scheduling_policy == "fcfs":
@@ -261,12 +295,15 @@ class Scheduler(AheadOfHost, SpeculativeScheduling):
         if not self.swapped:
             return budget
         self.swapped.sort(key=self._priority_key)
+        adapters = self.adapters_in_use()
         while (self.swapped and budget > 0
                and self._seats_in_use() + self.swapped[0].num_seats <= self.config.max_num_seqs):
             request = self.swapped[0]
-            if not self.kv.can_swap_in(request):
+            if not self.kv.can_swap_in(request) or (
+                    adapters is not None and not self._may_seat(request, adapters)):
                 break
             self.kv.swap_in(request)
+            self._seat(request, adapters)
             self.swapped.pop(0)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -281,8 +318,11 @@ class Scheduler(AheadOfHost, SpeculativeScheduling):
         if not self.waiting:
             return
         seats = self._seats_in_use()
+        adapters = self.adapters_in_use()
         while self.waiting and budget > 0:
-            request = self._best_waiting()
+            request = self._best_waiting(adapters)
+            if request is None:  # every waiting request needs an adapter slot in use
+                break
             if seats + request.num_seats > self.config.max_num_seqs:
                 break
             computed = self.kv.get_computed_blocks(request)
@@ -300,6 +340,7 @@ class Scheduler(AheadOfHost, SpeculativeScheduling):
             else:
                 self.waiting.remove(request)
             seats += request.num_seats
+            self._seat(request, adapters)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._running_unsorted = True

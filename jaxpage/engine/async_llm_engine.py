@@ -30,6 +30,7 @@ from typing import Any, AsyncIterator, Callable
 from jaxpage.engine.input_processor import PromptInput
 from jaxpage.engine.kv_handoff import NoRoomForPages
 from jaxpage.engine.llm_engine import LLMEngine
+from jaxpage.lora_request import LoRARequest
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
 
@@ -184,7 +185,8 @@ class AsyncLLMEngine:
     async def add_request(self, prompt: PromptInput, params: SamplingParams, *,
                           request_id: str | None = None,
                           validate: Callable[[Any], None] | None = None,
-                          kv_transfer: dict | None = None) -> "RequestStream":
+                          kv_transfer: dict | None = None,
+                          lora_request: LoRARequest | None = None) -> "RequestStream":
         """Validate and queue a request; returns its stream of outputs.
 
         ``validate(request)`` runs on the engine thread before queueing and may raise
@@ -203,6 +205,9 @@ class AsyncLLMEngine:
             # Compiled on a pool thread: a slow grammar delays only its own request.
             grammar = await loop.run_in_executor(
                 self._grammar_pool, self.engine.compile_grammar, params.structured_outputs)
+        if lora_request is not None and self.engine.loras is not None:
+            # Its files (if not in host memory) are read on a pool thread, not the engine's.
+            await loop.run_in_executor(self._grammar_pool, self.engine.loras.get, lora_request)
         pages = None
         if kv_transfer is not None:
             ticket = self.engine.check_kv_transfer(kv_transfer)
@@ -214,7 +219,7 @@ class AsyncLLMEngine:
             engine = self.engine
             rid = engine.next_request_id() if request_id is None else str(request_id)
             request = engine.make_request(rid, prompt, params, grammar=grammar,
-                                          kv_transfer=kv_transfer)
+                                          kv_transfer=kv_transfer, lora_request=lora_request)
             if validate is not None:
                 validate(request)
             limit = self.max_waiting_requests
@@ -233,10 +238,12 @@ class AsyncLLMEngine:
         return await self.run(do_add)
 
     async def generate(self, prompt: PromptInput, params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs (one final output, or deltas with
         ``output_kind="delta"``). Leaving the loop early aborts the request."""
-        stream = await self.add_request(prompt, params, request_id=request_id)
+        stream = await self.add_request(prompt, params, request_id=request_id,
+                                        lora_request=lora_request)
         async with stream:
             async for output in stream:
                 yield output

@@ -215,6 +215,9 @@ class DeviceCalls:
         that many tokens past the host's view (a chained multi-step call)."""
         scheduled = time.perf_counter()
         self.runner.apply_block_ops(*self.kv_cache_manager.take_pending_block_ops())
+        if self.scheduler.lora_slots is not None:  # adapters seated for this call
+            for slot, adapter in self.scheduler.lora_slots.take_loads():
+                self.runner.write_lora_slot(slot, adapter.weights)
         batch = self.batch_builder.build(out, ahead=built_ahead)
         # A fill copies the host's tokens: only rows with none on the device get one.
         self.runner.fill_penalty_rows(self.batch_builder.take_penalty_fills())

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from jaxpage.beam_search import BeamSearchOutput, BeamSearchParams
 from jaxpage.config import EngineConfig
 from jaxpage.engine.llm_engine import PromptInput
+from jaxpage.lora_request import LoRARequest
 from jaxpage.outputs import RequestOutput
 from jaxpage.engine.replicas import build_engine
 from jaxpage.sampling_params import SamplingParams
@@ -43,6 +44,16 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter ahead of the requests that name it (see ``LLMEngine.add_lora``)."""
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_name: str) -> bool:
+        return self.llm_engine.remove_lora(lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.llm_engine.list_loras()
+
     def get_stats(self) -> dict[str, Any]:
         return self.llm_engine.get_stats()
 
@@ -59,12 +70,15 @@ class LLM:
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = True,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of ``prompts``.
 
         ``priority`` (with ``scheduling_policy="priority"``): one integer per prompt, lower
-        first. All prompts are validated before any is queued, so a bad one raises
-        ``ValueError`` and leaves the engine untouched.
+        first. ``lora_request`` (with ``enable_lora=True``): one adapter for every prompt,
+        or one per prompt (None: the base model). All prompts are validated before any is
+        queued, so a bad one raises ``ValueError`` and leaves the engine untouched.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -86,7 +100,14 @@ class LLM:
             priority = [0] * len(prompts)
         elif len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
-        return self._run(prompts, params_list, list(priority), use_tqdm)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts; "
+                                 "pass one LoRARequest or one per prompt")
+        return self._run(prompts, params_list, list(priority), use_tqdm, loras)
 
     def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams,
                     *, use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -142,12 +163,15 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, prompts: list[PromptInput], params_list: list[SamplingParams],
-             priorities: list[int], use_tqdm: bool) -> list[RequestOutput]:
+             priorities: list[int], use_tqdm: bool,
+             loras: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         engine = self.llm_engine
+        loras = loras or [None] * len(prompts)
         # Request ids come from the engine's counter, so unseeded sampling (keyed by the
         # engine seed and the request id) replays identically in a new process.
-        requests = [engine.make_request(engine.next_request_id(), p, sp, pr)
-                    for p, sp, pr in zip(prompts, params_list, priorities)]
+        requests = [engine.make_request(engine.next_request_id(), p, sp, pr,
+                                        **({"lora_request": lr} if lr is not None else {}))
+                    for p, sp, pr, lr in zip(prompts, params_list, priorities, loras)]
         results: dict[str, RequestOutput] = {}
         try:
             for request in requests:

@@ -32,12 +32,14 @@ from jaxpage.engine.input_processor import InputProcessor, PromptInput
 from jaxpage.engine.kv_calibration import calibrate_kv_scales
 from jaxpage.engine.kv_sizing import choose_num_kv_blocks
 from jaxpage.engine.logprobs import LogprobsRecorder
+from jaxpage.engine.lora_manager import LoRAAdapters
 from jaxpage.engine.output_processor import OutputProcessor
 from jaxpage.engine.prompt_logits import prompt_logits
 from jaxpage.engine.request_groups import RequestGroups
 from jaxpage.engine.structured_outputs import CompiledGrammar, GrammarCompiler
 from jaxpage.engine.tokenizer import cache_dir, load_tokenizer
 from jaxpage.models.quantize import stored_bytes
+from jaxpage.lora_request import LoRARequest
 from jaxpage.models.loader import load_model, resolve_model_path
 from jaxpage.outputs import RequestOutput
 from jaxpage.parallel.placement import default_mesh
@@ -64,7 +66,7 @@ def _in_background(fn: Any, *args: Any) -> Future:
         pool.shutdown(wait=False)
 
 
-class LLMEngine:
+class LLMEngine(LoRAAdapters):
     """Requests in, ``RequestOutput``s out, one device call per ``step()``.
 
     Invariants: a request id is in the engine from ``add_request`` until its final output
@@ -93,6 +95,7 @@ class LLMEngine:
                             quantization_group_size=mc.quantization_group_size,
                             kv_format=cc.kv_format)
         self.arch = loaded.arch
+        self.loras = self._enable_lora(loaded, mesh) if mc.enable_lora else None
         limit = self.arch.max_position_embeddings
         if mc.max_model_len is not None and mc.max_model_len > limit:
             raise ValueError(f"max_model_len={mc.max_model_len} exceeds the model's context "
@@ -134,6 +137,7 @@ class LLMEngine:
         self.cost_model = PreemptionCostModel(
             bytes_per_block=per_block, host_bandwidth=self.runner.measure_host_bandwidth())
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.cost_model)
+        self.scheduler.lora_slots = self._lora_slots()
         self.batch_builder = BatchBuilder(
             self.kv_cache_manager, max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
@@ -214,16 +218,20 @@ class LLMEngine:
 
     def make_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
                      priority: int = 0, grammar: CompiledGrammar | None = None,
-                     kv_transfer: dict | None = None) -> Request:
+                     kv_transfer: dict | None = None,
+                     lora_request: LoRARequest | None = None) -> Request:
         """Validate a prompt into a Request (nothing is queued); see InputProcessor.
 
         With ``params.structured_outputs`` each sequence gets its own grammar state, from
         ``grammar`` (compiled beforehand by ``compile_grammar``, off this thread) or
-        compiled here; a spec llguidance rejects is a ``ValueError``."""
+        compiled here; a spec llguidance rejects is a ``ValueError``. ``lora_request``
+        runs it with that adapter (loaded now if it is not: ``add_lora``)."""
         ticket = self.check_kv_transfer(kv_transfer)
         if ticket is not None:  # the prompt is the one the prefill instance ran
             prompt = {"prompt_token_ids": list(kv_transfer["prompt_token_ids"])}
+        adapter = self._adapter(lora_request)
         request = self.input_processor.make_request(request_id, prompt, params, priority)
+        self._run_with_adapter(request, adapter)
         request.kv_export = kv_transfer is not None and ticket is None
         spec = params.structured_outputs
         if spec is not None:
@@ -257,11 +265,13 @@ class LLMEngine:
         return str(next(self._ids))
 
     def add_request(self, request_id: str | None, prompt: PromptInput,
-                    params: SamplingParams, priority: int = 0) -> str:
+                    params: SamplingParams, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> str:
         request_id = self.next_request_id() if request_id is None else str(request_id)
         if request_id in self.groups:
             raise ValueError(f"request_id={request_id!r} is already in the engine")
-        self.add_validated_request(self.make_request(request_id, prompt, params, priority))
+        self.add_validated_request(self.make_request(request_id, prompt, params, priority,
+                                                     lora_request=lora_request))
         return request_id
 
     def add_validated_request(self, request: Request) -> None:
@@ -330,6 +340,9 @@ class LLMEngine:
         proposer = self.scheduler.proposer
         if hasattr(proposer, "warmup"):  # a draft model's fill and propose programs
             jobs += [None] * proposer.warmup()
+        if self.loras is not None:  # the slot-write program (slot 1 holds nothing yet)
+            self.runner.write_lora_slot(1, None)
+            jobs.append(None)
         count = len(jobs) + self.runner.compile_penalty_fill() + self.runner.compile_block_ops(
             max_copies=self.config.scheduler.max_num_seqs, max_swaps=self.num_kv_blocks)
         logger.info("warm-up compiled %d programs", count)

@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpage.arch_config import ArchConfig
 from jaxpage.models.layers import ACTIVATIONS, apply_rope, project, rms_norm
+from jaxpage.models.lora import LoRATokens, lora_delta, token_slots
 from jaxpage.models.moe import moe_mlp
 from jaxpage.models.quantize import QuantFormat
 from jaxpage.parallel.sharding_rules import TP
@@ -161,16 +162,25 @@ class DecoderLayer(nnx.Module):
             self.shared_down_proj = weight("shared_down_proj", S, H)
             self.shared_expert_gate = init.normal(H, 1)
 
+    def _linear(self, name: str, x: jax.Array, lora: LoRATokens | None) -> jax.Array:
+        """Projection ``name`` of x [T, in], plus its LoRA slots' delta when the model
+        has them (``jaxpage.models.lora``; ``lora`` says each token's slot)."""
+        out = linear(x, getattr(self, name), self.matmul_backend)
+        if lora is not None and hasattr(self, f"{name}_lora_a"):
+            out = out + lora_delta(x, getattr(self, f"{name}_lora_a")[...],
+                                   getattr(self, f"{name}_lora_b")[...], lora)
+        return out
+
     def qkv(self, cfg: ArchConfig, h: jax.Array, positions: jax.Array,
-            inv_freq: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+            inv_freq: jax.Array, lora: LoRATokens | None = None
+            ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """h [T, hidden] -> rotated q [T, Hq, D], rotated k and v [T, Hkv, D]."""
         num_tokens = h.shape[0]
         eps, offset = cfg.rms_norm_eps, cfg.norm_offset
         x = rms_norm(h, self.input_norm[...], eps, offset)
-        mm = self.matmul_backend
-        q = linear(x, self.q_proj, mm)
-        k = linear(x, self.k_proj, mm)
-        v = linear(x, self.v_proj, mm)
+        q = self._linear("q_proj", x, lora)
+        k = self._linear("k_proj", x, lora)
+        v = self._linear("v_proj", x, lora)
         if cfg.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
@@ -181,10 +191,10 @@ class DecoderLayer(nnx.Module):
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         return q, k, v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
 
-    def finish(self, cfg: ArchConfig, h: jax.Array, attn: jax.Array) -> jax.Array:
+    def finish(self, cfg: ArchConfig, h: jax.Array, attn: jax.Array,
+               lora: LoRATokens | None = None) -> jax.Array:
         """The residual stream after attention (attn [T, Hq, D]) and the MLP: [T, hidden]."""
-        mm = self.matmul_backend
-        out = linear(attn.reshape(h.shape[0], -1), self.o_proj, mm)
+        out = self._linear("o_proj", attn.reshape(h.shape[0], -1), lora)
         if cfg.o_bias:
             out = out + self.o_bias[...]
         eps, offset = cfg.rms_norm_eps, cfg.norm_offset
@@ -196,9 +206,9 @@ class DecoderLayer(nnx.Module):
         if self.sparse:
             out = self._experts(cfg, x, act)
         else:
-            gate = linear(x, self.gate_proj, mm)
-            up = linear(x, self.up_proj, mm)
-            out = linear(act(gate) * up, self.down_proj, mm)
+            gate = self._linear("gate_proj", x, lora)
+            up = self._linear("up_proj", x, lora)
+            out = self._linear("down_proj", act(gate) * up, lora)
         if cfg.sandwich_norms:
             out = rms_norm(out, self.mlp_out_norm[...], eps, offset)
         return h + out
@@ -282,8 +292,12 @@ class CausalLM(nnx.Module):
 
         k_cache, v_cache = kv_cache                   # [L, N, B, Hkv, D] each
         h = self.embed_tokens(input_ids)                                   # [T, hidden]
+        lora = None
+        if getattr(self, "lora_shape", None) is not None:  # each token's adapter slot
+            lora = token_slots(self.lora_shape, batch["lora_slot"], batch["cu_q_lens"],
+                               input_ids.shape[0], h.dtype)
         for index, layer in enumerate(self.layers):
-            q, k, v = layer.qkv(cfg, h, positions, self._inv_freq(index))
+            q, k, v = layer.qkv(cfg, h, positions, self._inv_freq(index), lora)
             scales = ()
             if self.kv_format is not None:  # this layer's [Hkv, D] key and value scales
                 scales = (self.kv_scale[...][0, index], self.kv_scale[...][1, index])
@@ -293,7 +307,7 @@ class CausalLM(nnx.Module):
                 q, k, v, k_cache, v_cache, batch["slot_mapping"], batch["kv_lens"],
                 batch["block_tables"], batch["cu_q_lens"], batch["num_seqs"], *scales,
                 layer=index)
-            h = layer.finish(cfg, h, attn)
+            h = layer.finish(cfg, h, attn, lora)
         return (rms_norm(h, self.final_norm[...], cfg.rms_norm_eps, cfg.norm_offset),
                 (k_cache, v_cache))
 

@@ -64,6 +64,9 @@ def save_state(runner: Any, path: str, metadata: dict[str, Any]) -> None:
     path = os.path.abspath(path)
     params = nnx.to_pure_dict(runner.state)
     params.pop("kv_scale", None)  # a byte KV cache's calibration belongs to the engine run
+    for layer in params.get("layers", {}).values():  # LoRA slots: the engine run's too
+        for name in [n for n in layer if "_lora_" in n]:
+            del layer[name]
     _checkpointer().save(os.path.join(path, "params"), _text_keys(params))  # blocking
     if jax.process_index() == 0:
         with open(os.path.join(path, MARKER), "w") as f:

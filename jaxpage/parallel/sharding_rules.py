@@ -49,6 +49,9 @@ PARAM_SPECS: dict[str, P] = {
     "shared_gate_proj": P(None, TP), "shared_up_proj": P(None, TP),
     "shared_down_proj": P(TP, None), "shared_expert_gate": P(),
 }
+# LoRA slots (models/lora.py): small, replicated; XLA splits their matmuls with the weights'
+PARAM_SPECS.update({f"{target}_lora_{part}": P() for part in ("a", "b") for target in (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")})
 KV_CACHE_SPEC = P(None, None, None, TP, None)  # [L, num_blocks, block_size, kv_heads, head_dim]
 VOCAB_PARAMS = ("embed", "lm_head")
 

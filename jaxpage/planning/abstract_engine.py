@@ -33,6 +33,7 @@ from jaxpage.models.loader import DTYPES
 from jaxpage.models.presets import PREFIX as PRESET_PREFIX
 from jaxpage.models.presets import preset_config
 from jaxpage.models.registry import resolve_architecture
+from jaxpage.models.lora import attach_lora
 from jaxpage.parallel.placement import Placement
 from jaxpage.parallel.sharding_rules import TP, replicated_arch
 from jaxpage.runtime import block_ops
@@ -116,6 +117,8 @@ class AbstractEngine:
         abstract = model_cls(self.arch, dtype=self.dtype, attention_backend=mc.attention_backend,
                              rngs=None, mesh=self.mesh,
                              quant_plan=_quant_plan(mc, self.arch), kv_format=cc.kv_format)
+        if mc.enable_lora:  # the adapter slots every program then takes (models.lora)
+            attach_lora(abstract, mc.max_loras, mc.max_lora_rank, abstract=True)
         self.graphdef, state = nnx.split(abstract)
         self.state = jax.tree.map(
             lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,

@@ -104,6 +104,9 @@ class ModelRunner:
         self.quantization = loaded.quantization  # how the weights are stored (None: floats)
         self.quant_plan = loaded.quant_plan or {}
         self.placement = Placement(loaded.mesh)
+        self.run_arch = loaded.model.cfg  # as the model runs (KV heads repeated under TP)
+        # (max_loras, max_lora_rank) when the model has LoRA slots (``models.lora``)
+        self.lora_shape = getattr(loaded.model, "lora_shape", None)
         graphdef, self.state = nnx.split(loaded.model)
         # What every program takes: the params as a plain dict of arrays. jax flattens it
         # in C++ on each call; an nnx.State's Variables flatten in Python, ~1 us per leaf
@@ -182,6 +185,23 @@ class ModelRunner:
         block_ops.swap_out(self.kv_cache, self.host_pool, swap_out, programs)
         self.kv_cache = block_ops.swap_in(self.kv_cache, self.host_pool, swap_in, programs)
         self.kv_cache = block_ops.copy(self.kv_cache, copies, programs)
+
+    def write_lora_slot(self, slot: int, weights: "LoRAWeights | None") -> None:
+        """Write an adapter (None: zeros) into LoRA slot ``slot`` (1..max_loras). Calls
+        already dispatched keep the weights they were given."""
+        from jaxpage.models import lora
+        from jaxpage.models.registry import resolve_architecture
+
+        if self.lora_shape is None:
+            raise ValueError("this model has no LoRA slots (enable_lora=False)")
+        max_loras, rank = self.lora_shape
+        if not 1 <= slot <= max_loras:
+            raise ValueError(f"LoRA slot {slot} is outside 1..{max_loras}")
+        saved_arch = resolve_architecture(self.hf_config)[1]  # K/V heads as the adapter has them
+        arrays = lora.slot_arrays(weights, saved_arch, self.run_arch, rank)
+        current = lora.lora_params(self.params)
+        lora.set_lora_params(self.params, lora.write_slot(current, arrays, np.int32(slot - 1),
+                                                          rank=rank))
 
     def fill_penalty_rows(self, fills: list[PenaltyFill]) -> None:
         """Write rows of the penalty table (queued before the step that reads them)."""

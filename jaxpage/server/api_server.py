@@ -19,7 +19,9 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxpage.engine.async_llm_engine import AsyncLLMEngine
+from jaxpage.lora_request import LoRARequest
 from jaxpage.server.errors import APIError, error_body, error_response, install_error_handlers
+from jaxpage.server.lora_routes import ServedAdapters, add_lora_routes
 from jaxpage.server.metrics import ServerMetrics
 from jaxpage.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, ErrorResponse, TokenizeRequest)
@@ -139,8 +141,10 @@ def _event_stream(job: GenerationJob, chunks: AsyncIterator[str]) -> EventStream
 
 
 def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
-              api_key: str | None = None) -> FastAPI:
-    """The app serving ``engine`` as the model ``served_model_name``."""
+              api_key: str | None = None,
+              lora_modules: dict[str, str] | None = None) -> FastAPI:
+    """The app serving ``engine`` as the model ``served_model_name``, and each LoRA
+    adapter of ``lora_modules`` (name -> PEFT directory, loaded now) under its name."""
     app = FastAPI(title="jaxpage", version="0.1.0",
                   description="OpenAI-compatible API of a jaxpage engine")
     install_error_handlers(app)
@@ -152,10 +156,22 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
     app.state.engine, app.state.metrics = engine, metrics
     created = int(time.time())
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != served_model_name:
+    adapters = ServedAdapters(engine, served_model_name)
+    for name, path in (lora_modules or {}).items():
+        adapters.add(name, path)
+    add_lora_routes(app, adapters, _ERRORS)
+
+    def check_model(name: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names (None: the base model)."""
+        if name is None or name == served_model_name:
+            return None
+        adapter = adapters.get(name)
+        if adapter is None:
+            served = ", ".join(f"`{n}`" for n in [served_model_name] +
+                               [a.lora_name for a in adapters.names()])
             raise APIError(404, f"The model `{name}` does not exist; this server serves "
-                                f"`{served_model_name}`", param="model", code="model_not_found")
+                                f"{served}", param="model", code="model_not_found")
+        return adapter
 
     def tokenizer():
         if core.tokenizer is None:
@@ -166,9 +182,12 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
 
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [{
-            "id": served_model_name, "object": "model", "created": created,
-            "owned_by": "jaxpage", "root": served_model_name, "max_model_len": max_model_len}]}
+        base = {"id": served_model_name, "object": "model", "created": created,
+                "owned_by": "jaxpage", "root": served_model_name, "parent": None,
+                "max_model_len": max_model_len}
+        return {"object": "list", "data": [base] + [
+            {**base, "id": a.lora_name, "root": a.lora_path, "parent": served_model_name}
+            for a in adapters.names()]}
 
     @app.get("/health")
     async def health():
@@ -212,7 +231,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
 
     @app.post("/v1/completions", responses=_ERRORS)
     async def completions(body: CompletionRequest):
-        check_model(body.model)
+        lora = check_model(body.model)
         if body.echo:
             raise APIError(400, "echo=true is not supported", param="echo")
         if body.suffix:
@@ -231,8 +250,9 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
                                  stream=body.stream, structured_outputs=spec)
         job = GenerationJob(engine, metrics, body.n)
         await job.start(prompts, params, context_check(max_model_len, params),
-                        kv_transfer=body.kv_transfer_params)
-        rid, name = f"cmpl-{job.tracked[0].stream.request_id}", served_model_name
+                        kv_transfer=body.kv_transfer_params, lora_request=lora)
+        rid = f"cmpl-{job.tracked[0].stream.request_id}"
+        name = served_model_name if lora is None else lora.lora_name
         now = int(time.time())
 
         def logprobs_of(choice, token_ids, entries, offset=0):
@@ -274,7 +294,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
 
     @app.post("/v1/chat/completions", responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest):
-        check_model(body.model)
+        lora = check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         tok = tokenizer()
@@ -297,8 +317,9 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
                                  stream=body.stream, structured_outputs=spec)
         job = GenerationJob(engine, metrics, body.n)
         await job.start([{"prompt_token_ids": ids}], params, context_check(max_model_len, params),
-                        kv_transfer=body.kv_transfer_params)
-        rid, name = f"chatcmpl-{job.tracked[0].stream.request_id}", served_model_name
+                        kv_transfer=body.kv_transfer_params, lora_request=lora)
+        rid = f"chatcmpl-{job.tracked[0].stream.request_id}"
+        name = served_model_name if lora is None else lora.lora_name
         now = int(time.time())
 
         def logprobs_of(token_ids, entries):

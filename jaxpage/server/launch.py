@@ -24,11 +24,17 @@ def default_served_name(model: str | None) -> str:
 
 def make_server(model: str | None = None, *, served_model_name: str | None = None,
                 api_key: str | None = None, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+                lora_modules: dict[str, str] | None = None,
                 **engine_options: Any) -> tuple[uvicorn.Server, AsyncLLMEngine]:
-    """Load the engine and build a uvicorn server for it (not started)."""
+    """Load the engine and build a uvicorn server for it (not started); ``lora_modules``:
+    adapter name -> PEFT directory, each served as a model of that name."""
     engine = AsyncLLMEngine.from_options(model, **engine_options)
-    app = build_app(engine, served_model_name=served_model_name or default_served_name(model),
-                    api_key=api_key)
+    try:
+        app = build_app(engine, served_model_name=served_model_name or default_served_name(model),
+                        api_key=api_key, lora_modules=lora_modules)
+    except BaseException:
+        engine.shutdown()
+        raise
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=5)
     return uvicorn.Server(config), engine

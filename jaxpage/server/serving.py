@@ -94,13 +94,15 @@ class GenerationJob:
         self.kv_transfer_params: dict | None = None  # a prefill instance's ticket, once finished
 
     async def start(self, prompts: list[Any], params: SamplingParams, validate=None,
-                    kv_transfer: dict | None = None) -> None:
+                    kv_transfer: dict | None = None, lora_request=None) -> None:
         """Queue every prompt; on any failure, abort the ones queued and raise an APIError.
         ``kv_transfer``: disaggregated serving's ``kv_transfer_params`` (one prompt)."""
         if kv_transfer is not None and (len(prompts) != 1 or params.n != 1):
             raise APIError(400, "kv_transfer_params need one prompt and n=1",
                            param="kv_transfer_params")
         extra = {} if kv_transfer is None else {"kv_transfer": kv_transfer}
+        if lora_request is not None:  # an adapter's name as the model (docs/lora.md)
+            extra["lora_request"] = lora_request
         try:
             for prompt in prompts:
                 arrival = time.monotonic()

@@ -168,3 +168,16 @@ def test_swap_programs_stop_at_one_chunk_of_blocks():
     assert chunk == 256  # 0.35 MiB blocks, 128 MiB per call
     swaps = [p.bucket[0] for p in engine.programs("all") if p.name == "gather_blocks"]
     assert swaps == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+@pytest.mark.slow  # ~60 s each; the step it extends compiles in the default suite
+@pytest.mark.parametrize("target", ["v5e:1x1", "h100"])
+def test_lora_programs_compile(target):
+    """With adapter slots every program takes them: steps of 2 tokens (fewer than the 4
+    slots: each token gathers its adapter) and of 16 (masked), the decode loop."""
+    report = plan(None, target, buckets="all", hf_overrides=SHALLOW, enable_lora=True,
+                  max_loras=4, max_lora_rank=16,
+                  **_swap_scaled(SMALL_LADDERS, SHALLOW, full_depth=30))
+    _assert_compiled_and_fits(report)
+    labels = [p.label for p in report.programs]
+    assert {"step[2, 2, 8]", "step[16, 2, 8]", "decode4[2, 2, 8]"} <= set(labels), labels

@@ -78,6 +78,24 @@ def tensor_parallel(args: dict) -> dict:
     return result
 
 
+def lora_tensor_parallel(args: dict) -> dict:
+    """Greedy tokens of prompts each with its own adapter (or none), per TP size."""
+    _setup(8)
+    from jaxpage import LLM, LoRARequest, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=args["max_tokens"])
+    loras = [None if path is None else LoRARequest(f"a{i}", i + 1, path)
+             for i, path in enumerate(args["adapters"])]
+    prompts = [{"prompt_token_ids": p} for p in args["prompts"]]
+    result = {}
+    for tp in args["tp_sizes"]:
+        llm = LLM(args["model"], tensor_parallel_size=tp, enable_lora=True,
+                  max_loras=len(loras), max_lora_rank=8, **args["engine"])
+        outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+        result[str(tp)] = [o.outputs[0].token_ids for o in outs]
+    return result
+
+
 def data_parallel(args: dict) -> dict:
     _setup(8)
     from jaxpage import LLM, SamplingParams
@@ -164,7 +182,8 @@ def checkpoint(args: dict) -> dict:
             "restore_s": restore_s, "files": sorted(os.listdir(path))}
 
 
-SCENARIOS = {"tensor_parallel": tensor_parallel, "data_parallel": data_parallel,
+SCENARIOS = {"tensor_parallel": tensor_parallel, "lora_tensor_parallel": lora_tensor_parallel,
+             "data_parallel": data_parallel,
              "multi_process": multi_process, "checkpoint": checkpoint}
 
 if __name__ == "__main__":

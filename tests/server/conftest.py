@@ -37,10 +37,12 @@ class Served:
 
 
 def start_server(model: str, *, api_key: str | None = API_KEY, name: str = MODEL_NAME,
+                 lora_modules: dict[str, str] | None = None,
                  **options) -> tuple[Served, BackgroundServer]:
     llm = LLM(model, **{**OPTIONS, **options})
     engine = AsyncLLMEngine(llm.llm_engine)
-    server = BackgroundServer(build_app(engine, served_model_name=name, api_key=api_key)).start()
+    server = BackgroundServer(build_app(engine, served_model_name=name, api_key=api_key,
+                                        lora_modules=lora_modules)).start()
     return Served(server.url, llm, engine), server
 
 

@@ -1,0 +1,97 @@
+"""LoRA adapter slots: LRU assignment with exact slot ids, and the scheduler's rule that
+the adapters of running requests never outnumber the slots."""
+
+from types import SimpleNamespace
+
+import numpy as np
+
+import pytest
+
+from jaxpage.core.lora_slots import LoRASlots
+from jaxpage.core.request import RequestStatus
+
+from tests.core.helpers import make_request, make_scheduler
+
+
+def test_slots_fill_lowest_first_then_evict_least_recently_used():
+    slots = LoRASlots(2)
+    assert slots.acquire("a", "A", set()) == 1
+    assert slots.acquire("b", "B", set()) == 2
+    assert slots.take_loads() == [(1, "A"), (2, "B")]
+    assert slots.acquire("a", "A", set()) == 1          # resident: no load, now most recent
+    assert slots.take_loads() == []
+    assert slots.acquire("c", "C", set()) == 2          # b was least recently used
+    assert slots.take_loads() == [(2, "C")]
+    assert slots.resident() == {"a": 1, "c": 2}
+    assert slots.num_loads == 3
+
+
+def test_adapters_in_use_are_never_evicted():
+    slots = LoRASlots(2)
+    slots.acquire("a", "A", set())
+    slots.acquire("b", "B", set())
+    assert slots.acquire("c", "C", {"a"}) == 2          # a is older but running: b goes
+    assert not slots.can_seat("d", {"a", "c"})
+    with pytest.raises(ValueError, match="no LoRA slot is free"):
+        slots.acquire("d", "D", {"a", "c"})
+    assert slots.can_seat("a", {"a", "c"})
+
+
+def test_forget_frees_the_slot_unless_in_use():
+    slots = LoRASlots(3)
+    for key in "abc":
+        slots.acquire(key, key.upper(), set())
+    slots.forget("b", {"b"})
+    assert slots.slot_of("b") == 2                      # a running request still uses it
+    slots.forget("b", set())
+    assert slots.slot_of("b") is None
+    slots.take_loads()
+    assert slots.acquire("d", "D", {"a", "c"}) == 2      # the freed slot, nothing evicted
+    assert slots.resident() == {"a": 1, "c": 3, "d": 2}
+
+
+def _with_adapter(request, key):
+    request.lora = SimpleNamespace(key=key)
+    return request
+
+
+def test_scheduler_runs_at_most_max_loras_adapters_and_passes_over_the_rest():
+    scheduler = make_scheduler(num_blocks=64, max_num_seqs=8)
+    scheduler.lora_slots = LoRASlots(2)
+    a1 = _with_adapter(make_request("a1", 5), "A")
+    b1 = _with_adapter(make_request("b1", 5), "B")
+    c1 = _with_adapter(make_request("c1", 5), "C")
+    base = make_request("base", 5)
+    a2 = _with_adapter(make_request("a2", 5), "A")
+    for request in (a1, b1, c1, base, a2):
+        scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert [item.request.request_id for item in out.scheduled] == ["a1", "b1", "base", "a2"]
+    assert [r.lora_slot for r in (a1, b1, base, a2)] == [1, 2, 0, 1]
+    assert c1.status is RequestStatus.WAITING and c1.lora_slot == 0
+    assert scheduler.lora_slots.take_loads() == [(1, a1.lora), (2, b1.lora)]
+    # b1 finishes: its adapter's slot is the one C takes, A's stays (a1, a2 run)
+    scheduler.finish_request("b1", RequestStatus.FINISHED_ABORTED)
+    scheduler.update_from_output(out, np.zeros(len(out.scheduled), np.int32))
+    scheduler.schedule()
+    assert c1.status is RequestStatus.RUNNING and c1.lora_slot == 2
+    assert scheduler.lora_slots.take_loads() == [(2, c1.lora)]
+    assert scheduler.lora_slots.resident() == {"A": 1, "C": 2}
+
+
+def test_with_one_slot_the_next_adapter_waits_for_the_running_one_to_finish():
+    scheduler = make_scheduler(num_blocks=64, max_num_seqs=1)
+    scheduler.lora_slots = LoRASlots(1)
+    a = _with_adapter(make_request("a", 5), "A")
+    b = _with_adapter(make_request("b", 5), "B")
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    out = scheduler.schedule()
+    assert [item.request.request_id for item in out.scheduled] == ["a"]
+    scheduler.update_from_output(out, np.zeros(1, np.int32))
+    assert scheduler.schedule().requests == [a]      # b waits: its adapter has no slot
+    scheduler.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    scheduler.update_from_output(out, np.zeros(1, np.int32))
+    out = scheduler.schedule()
+    assert [item.request.request_id for item in out.scheduled] == ["b"] and b.lora_slot == 1
+    assert scheduler.lora_slots.take_loads() == [(1, a.lora), (1, b.lora)]
