@@ -18,12 +18,16 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def median_ms(fn, *args, repeats: int = 20) -> float:

@@ -174,12 +174,10 @@ class Scheduler(AheadOfHost, SpeculativeScheduling):
         With LoRA slots, ``adapters`` holds the adapters running requests use: requests
         whose adapter could not be seated now are passed over (None if all are)."""
         if adapters is not None:
-            fits = [r for r in self.waiting if self._may_seat(r, adapters)]
-            if not fits:
-                return None
+            fits = (r for r in self.waiting if self._may_seat(r, adapters))
             if self.config.scheduling_policy == "fcfs":
-                return fits[0]
-            return min(fits, key=self._priority_key)
+                return next(fits, None)  # usually the head: O(1)
+            return min(fits, key=self._priority_key, default=None)
         if self.config.scheduling_policy == "fcfs":
             return self.waiting[0]
         return min(self.waiting, key=self._priority_key)
