@@ -172,15 +172,28 @@ class Scheduler(AheadOfHost, SpeculativeScheduling):
         step count, so that policy compares every waiting request.
 
         With LoRA slots, ``adapters`` holds the adapters running requests use: requests
-        whose adapter could not be seated now are passed over (None if all are)."""
+        whose adapter could not be seated now are passed over (None if all are), but
+        not for ever: once one has waited ``priority_aging_steps`` steps, no request is
+        admitted past it (the running requests drain until its adapter gets a slot)."""
         if adapters is not None:
-            fits = (r for r in self.waiting if self._may_seat(r, adapters))
-            if self.config.scheduling_policy == "fcfs":
-                return next(fits, None)  # usually the head: O(1)
-            return min(fits, key=self._priority_key, default=None)
+            return self._best_seatable(adapters)
         if self.config.scheduling_policy == "fcfs":
             return self.waiting[0]
         return min(self.waiting, key=self._priority_key)
+
+    def _best_seatable(self, adapters: set) -> Request | None:
+        patience = self.config.priority_aging_steps
+        fcfs = self.config.scheduling_policy == "fcfs"
+        best = None
+        for request in self.waiting:  # FCFS: usually the head fits, O(1)
+            if self._may_seat(request, adapters):
+                if fcfs:
+                    return request
+                if best is None or self._priority_key(request) < self._priority_key(best):
+                    best = request
+            elif self.step_count - request.added_step > patience:
+                return None  # it has been passed over long enough
+        return best
 
     # -- LoRA adapter slots (core.lora_slots) -----------------------------------------
 
@@ -467,4 +480,13 @@ class Scheduler(AheadOfHost, SpeculativeScheduling):
                 "num_swap_preemptions": self.num_swap_preemptions,
                 "prefix_cache_hit_rate": self.kv.num_prefix_hit_tokens / queried if queried else 0.0,
                 "num_cached_blocks": len(self.kv.block_pool.cached_blocks),
-                **(self.spec_stats.as_dict() if self.speculation is not None else {})}
+                **(self.spec_stats.as_dict() if self.speculation is not None else {}),
+                **(self._lora_stats() if self.lora_slots is not None else {})}
+
+    def _lora_stats(self) -> dict[str, int | str]:
+        """Adapters of running and waiting requests (names, comma-separated, sorted)."""
+        def names(requests) -> str:
+            return ",".join(sorted({getattr(r.lora, "name", str(r.lora.key))
+                                    for r in requests if r.lora is not None}))
+        return {"max_lora": self.lora_slots.max_loras, "lora_running": names(self.running),
+                "lora_waiting": names(self.waiting), "lora_slot_loads": self.lora_slots.num_loads}

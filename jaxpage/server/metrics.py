@@ -48,6 +48,17 @@ class _EngineStateCollector:
                                           labels=labels)
         preemptions.add_metric([self.model_name], float(stats.get("num_preemptions", 0)))
         yield preemptions
+        if "lora_running" in stats:  # vLLM's info gauge of the adapters in use
+            info = GaugeMetricFamily(
+                PREFIX + "lora_requests_info", "LoRA adapters of running and waiting requests",
+                labels=labels + ["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            info.add_metric([self.model_name, str(stats["max_lora"]), stats["lora_running"],
+                             stats["lora_waiting"]], 1.0)
+            yield info
+            loads = CounterMetricFamily(PREFIX + "lora_slot_loads",
+                                        "Adapters written into a device slot", labels=labels)
+            loads.add_metric([self.model_name], float(stats["lora_slot_loads"]))
+            yield loads
         if "spec_num_drafts" not in stats:
             return  # no speculative decoding in this engine
         counters = [

@@ -30,7 +30,10 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from prometheus_client import CONTENT_TYPE_LATEST
+
 from jaxpage.server.errors import error_response
+from jaxpage.server.proxy_metrics import gather_metrics
 
 DECODE_ATTEMPTS = 3        # prefill + decode rounds before a full decode instance's 503 is final
 RETRY_AFTER_S = 1.0
@@ -212,7 +215,10 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout_s: float =
 
     @app.get("/metrics")
     async def metrics(request: Request):
-        return await get(decodes.pick(), "/metrics", forward_headers(request))
+        instances = [("prefill", url) for url in prefills.in_flight] + \
+            [("decode", url) for url in decodes.in_flight]
+        text = await gather_metrics(client, instances, forward_headers(request))
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health():

@@ -95,3 +95,28 @@ def test_with_one_slot_the_next_adapter_waits_for_the_running_one_to_finish():
     out = scheduler.schedule()
     assert [item.request.request_id for item in out.scheduled] == ["b"] and b.lora_slot == 1
     assert scheduler.lora_slots.take_loads() == [(1, a.lora), (1, b.lora)]
+
+
+def test_a_request_passed_over_for_its_adapter_does_not_wait_for_ever():
+    """With one slot held by adapter A, requests of A keep arriving; B's request is passed
+    over only for ``priority_aging_steps`` steps, then nothing is admitted past it until
+    A's requests drain and B gets the slot."""
+    scheduler = make_scheduler(num_blocks=256, max_num_seqs=8, priority_aging_steps=3)
+    scheduler.lora_slots = LoRASlots(1)
+    first = _with_adapter(make_request("a0", 5, max_tokens=3), "A")
+    scheduler.add_request(first)
+    blocked = _with_adapter(make_request("b", 5, max_tokens=3), "B")
+    scheduler.add_request(blocked)
+    admitted = []
+    for step in range(12):
+        scheduler.add_request(_with_adapter(make_request(f"a{step + 1}", 5, max_tokens=3), "A"))
+        out = scheduler.schedule()
+        admitted += [i.request.request_id for i in out.scheduled
+                     if i.request.num_computed_tokens == 0]
+        scheduler.update_from_output(out, np.full(len(out.scheduled), 7, np.int32))
+        if blocked.status is RequestStatus.RUNNING:
+            break
+    assert blocked.status is RequestStatus.RUNNING and blocked.lora_slot == 1
+    # A's requests were admitted past it for 3 steps (the patience), then none until A's
+    # running requests finished and B took the slot
+    assert admitted == ["a0", "a1", "a2", "a3", "b"]

@@ -100,6 +100,13 @@ def test_outputs_equal_colocated_greedy_seeded_and_streamed(cluster):
     # Every proxied request was decoded by the decode instance (none ended at its first
     # token: max_tokens >= 8 and no EOS in this random model's first few tokens here).
     assert _finished_requests(cluster["decode"]) - decoded_before == 2 * len(prompts)
+    # The proxy's /metrics holds both instances', each labelled with its role and URL.
+    merged = {f.name: f for f in text_string_to_metric_families(
+        httpx.get(cluster["proxy"] + "/metrics", headers=AUTH).text)}
+    assert {(s.labels["role"], s.labels["instance"]) for s in
+            merged["jaxpage:num_kv_blocks"].samples} == {
+        ("prefill", cluster["prefill"]), ("decode", cluster["decode"])}
+    assert all(s.value == 1 for s in merged["jaxpage:proxy_instance_up"].samples)
 
     # Streamed through the proxy: the same text, in pieces, ending in [DONE].
     for prompt in prompts[:4]:

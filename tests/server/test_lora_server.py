@@ -4,6 +4,7 @@
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from jaxpage import LoRARequest, SamplingParams
 from jaxpage.cli import build_parser
@@ -96,6 +97,14 @@ def test_adapters_are_models_and_load_and_unload_over_http(lora_served, adapter_
     assert [m.id for m in client.models.list().data] == [MODEL_NAME, "every"]
     stats = lora_served.stats()
     assert stats["num_free_blocks"] == stats["num_kv_blocks"]
+    families = {f.name: f for f in text_string_to_metric_families(
+        httpx.get(lora_served.url + "/metrics").text)}
+    info, = families["jaxpage:lora_requests_info"].samples
+    assert info.labels == {"model_name": MODEL_NAME, "max_lora": "2",
+                           "running_lora_adapters": "", "waiting_lora_adapters": ""}
+    loads, = [s for s in families["jaxpage:lora_slot_loads"].samples
+              if s.name.endswith("_total")]
+    assert loads.value == 2  # every, then attn
 
 
 def test_lora_routes_on_a_server_without_lora_are_400(served):
