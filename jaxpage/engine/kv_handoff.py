@@ -34,23 +34,27 @@ class NoRoomForPages(RuntimeError):
     """The decode instance's host pool cannot hold a request's pages now (try later)."""
 
 
-def start_kv_transfer(role: str | None, runner: Any, mesh: Any) -> KVTransfer | None:
-    """The engine's transfer server for ``role`` (None: not disaggregated)."""
+def start_kv_transfer(role: str | None, runner: Any, parallel: Any) -> KVTransfer | None:
+    """The engine's transfer server for ``role`` (None: not disaggregated). Under tensor
+    parallelism pages move shard by shard (``KVTransfer``)."""
     if role is None:
         return None
-    if mesh is not None:
-        raise ValueError(f"kv_role={role!r} is not supported on a device mesh yet "
-                         "(tensor_parallel_size > 1, data_parallel_size > 1 or several "
-                         "processes); run each instance on one device")
+    if parallel.data_parallel_size > 1 or parallel.num_processes > 1:
+        raise ValueError(f"kv_role={role!r} is not supported with data_parallel_size > 1 or "
+                         "several processes; start one instance per replica "
+                         "(tensor_parallel_size is supported)")
     if role == "decode" and runner.host_pool.k.shape[0] == 0:
         raise ValueError("kv_role='decode' needs swap_space > 0: pulled pages wait in host "
                          "blocks until device blocks are free")
-    return KVTransfer(next(iter(runner.kv_cache[0].devices())))
+    sharding = runner.kv_cache[0].sharding if runner.placement.mesh is not None else None
+    return KVTransfer(next(iter(runner.kv_cache[0].devices())), kv_sharding=sharding)
 
 
-def check_request(role: str | None, params: dict | None) -> TransferTicket | None:
-    """Validate a request's ``kv_transfer_params`` for this instance; the ticket to pull
-    on a decode instance, else None."""
+def check_request(role: str | None, params: dict | None,
+                  transfer: KVTransfer | None = None) -> TransferTicket | None:
+    """Validate a request's ``kv_transfer_params`` for this instance (``transfer``: its
+    transfer server, whose KV-head split a ticket must match); the ticket to pull on a
+    decode instance, else None."""
     if params is None:
         return None
     if not isinstance(params, dict):
@@ -70,6 +74,11 @@ def check_request(role: str | None, params: dict | None) -> TransferTicket | Non
             or not outputs or any(not isinstance(t, int) for t in prompt + outputs)):
         raise ValueError("kv_transfer_params need prompt_token_ids and output_token_ids "
                          "(lists of token ids)")
+    if transfer is not None and ticket.kv_shards != transfer.kv_shards:
+        raise ValueError(f"kv_transfer_params come from a prefill instance that splits the KV "
+                         f"heads over {ticket.kv_shards} device(s), this decode instance over "
+                         f"{transfer.kv_shards}: start both with the same "
+                         "tensor_parallel_size")
     return ticket
 
 

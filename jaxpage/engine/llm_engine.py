@@ -173,7 +173,7 @@ class LLMEngine(LoRAAdapters):
         self.logprobs = LogprobsRecorder(lambda token: self._decode([token]))
         self.groups = RequestGroups(self.output_processor, self.logprobs)
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
-        self.kv_transfer = kv_handoff.start_kv_transfer(cc.kv_role, self.runner, mesh)
+        self.kv_transfer = kv_handoff.start_kv_transfer(cc.kv_role, self.runner, config.parallel)
         self.device_calls = DeviceCalls(
             config.scheduler, scheduler=self.scheduler,
             kv_cache_manager=self.kv_cache_manager, block_pool=self.block_pool,
@@ -244,7 +244,7 @@ class LLMEngine(LoRAAdapters):
     def check_kv_transfer(self, params: dict | None):
         """Validate ``kv_transfer_params`` for this instance's ``kv_role``; the ticket to
         pull (a decode instance), else None (``engine.kv_handoff``)."""
-        return kv_handoff.check_request(self.config.cache.kv_role, params)
+        return kv_handoff.check_request(self.config.cache.kv_role, params, self.kv_transfer)
 
     def pull_kv(self, ticket) -> kv_handoff.Pages:
         """A prefill instance's pages for ``ticket`` (thread-safe; TimeoutError)."""

@@ -37,6 +37,7 @@ class TransferTicket:
     shape: tuple[int, ...]  # of K and of V: [layers, P, block_size, kv_heads, head_dim]
     dtype: str
     num_blocks: int        # real blocks among the P
+    kv_shards: int = 1     # devices the sender splits the KV heads over (tensor parallelism)
 
     def to_dict(self) -> dict:
         return dict(asdict(self), shape=list(self.shape))
@@ -46,22 +47,33 @@ class TransferTicket:
         try:
             ticket = cls(address=str(data["address"]), uuid=int(data["uuid"]),
                          shape=tuple(int(x) for x in data["shape"]), dtype=str(data["dtype"]),
-                         num_blocks=int(data["num_blocks"]))
+                         num_blocks=int(data["num_blocks"]),
+                         kv_shards=int(data.get("kv_shards", 1)))
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"kv_transfer_params={data!r} is not a KV transfer ticket "
                              f"({error})") from None
-        if len(ticket.shape) != 5 or not 0 < ticket.num_blocks <= ticket.shape[1]:
-            raise ValueError(f"kv_transfer_params={data!r} has an invalid shape or block count")
+        if (len(ticket.shape) != 5 or not 0 < ticket.num_blocks <= ticket.shape[1]
+                or ticket.kv_shards < 1):
+            raise ValueError(f"kv_transfer_params={data!r} has an invalid shape, block count "
+                             "or shard count")
         return ticket
 
 
 class KVTransfer:
-    """One process's transfer server: offers gathered pages and pulls others' pages."""
+    """One process's transfer server: offers gathered pages and pulls others' pages.
 
-    def __init__(self, device: jax.Device, host: str = "127.0.0.1") -> None:
+    ``kv_sharding``: the KV cache's sharding under tensor parallelism (KV heads split over
+    the mesh axis). Gathered pages keep it, and pulls ask for it, so the pages move shard
+    by shard, each device's KV heads to the device holding the same heads on the other
+    side; both sides must split the heads over the same number of devices."""
+
+    def __init__(self, device: jax.Device, host: str = "127.0.0.1",
+                 kv_sharding: jax.sharding.Sharding | None = None) -> None:
         from jax.experimental import transfer
 
         self.device = device
+        self.sharding = kv_sharding or jax.sharding.SingleDeviceSharding(device)
+        self.kv_shards = len(self.sharding.device_set)
         self.server = transfer.start_transfer_server(device.client, f"{host}:0", [f"{host}:0"])
         self.address = self.server.address()
         # Ids unique across processes that may offer to the same puller.
@@ -77,7 +89,8 @@ class KVTransfer:
         uuid = next(self._ids)
         self.server.await_pull(uuid, (k, v))
         self.num_exported += 1
-        return TransferTicket(self.address, uuid, tuple(k.shape), str(k.dtype), len(block_ids))
+        return TransferTicket(self.address, uuid, tuple(k.shape), str(k.dtype), len(block_ids),
+                              self.kv_shards)
 
     def pull(self, ticket: TransferTicket, timeout_s: float) -> tuple[np.ndarray, np.ndarray]:
         """The pages of ``ticket`` on the host, K and V each ``[layers, num_blocks, ...]``.
@@ -87,8 +100,11 @@ class KVTransfer:
             if connection is None:
                 connection = self._connections[ticket.address] = self.server.connect(
                     ticket.address)
-        sharding = jax.sharding.SingleDeviceSharding(self.device)
-        spec = jax.ShapeDtypeStruct(ticket.shape, np.dtype(ticket.dtype), sharding=sharding)
+        if ticket.kv_shards != self.kv_shards:
+            raise ValueError(f"the prefill instance splits the KV heads over {ticket.kv_shards} "
+                             f"device(s), this decode instance over {self.kv_shards}: start "
+                             "both with the same tensor_parallel_size")
+        spec = jax.ShapeDtypeStruct(ticket.shape, np.dtype(ticket.dtype), sharding=self.sharding)
         result: list = []
 
         def pull() -> None:

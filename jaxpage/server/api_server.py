@@ -189,6 +189,18 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
             {**base, "id": a.lora_name, "root": a.lora_path, "parent": served_model_name}
             for a in adapters.names()]}
 
+    @app.get("/kv_layout")
+    async def kv_layout():
+        """How this instance's KV pages are laid out (disaggregated serving: the proxy
+        checks that prefill and decode instances agree before it starts)."""
+        k_cache = core.runner.kv_cache[0]                       # [L, N, B, Hkv, D]
+        transfer = core.kv_transfer
+        return {"kv_role": core.config.cache.kv_role,
+                "kv_shards": transfer.kv_shards if transfer is not None else 1,
+                "num_layers": k_cache.shape[0], "block_size": k_cache.shape[2],
+                "kv_heads": k_cache.shape[3], "head_dim": k_cache.shape[4],
+                "dtype": str(k_cache.dtype)}
+
     @app.get("/health")
     async def health():
         if engine.errored is not None or not engine.alive:

@@ -21,8 +21,38 @@ from jaxpage.server.proxy import build_proxy_app
 
 def run_proxy(prefill: list[str], decode: list[str], *, host: str = "127.0.0.1",
               port: int = 8000, log_level: str = "info") -> None:
-    """Serve the proxy until interrupted."""
+    """Check the instances' KV layouts, then serve the proxy until interrupted."""
+    check_kv_layouts(prefill, decode)
     uvicorn.run(build_proxy_app(prefill, decode), host=host, port=port, log_level=log_level)
+
+
+def check_kv_layouts(prefill: list[str], decode: list[str],
+                     client: httpx.Client | None = None) -> None:
+    """ValueError unless every instance has its role and they all lay KV pages out alike
+    (layers, block size, KV heads and head size, dtype, devices the heads are split over):
+    pages of a prefill instance must fit every decode instance. Instances that cannot be
+    reached are left to the requests (they answer 503)."""
+    client = client or httpx.Client(timeout=10)
+    layouts = {}
+    for role, urls in (("prefill", prefill), ("decode", decode)):
+        for url in urls:
+            try:
+                response = client.get(url.rstrip("/") + "/kv_layout")
+            except httpx.HTTPError:
+                continue
+            if response.status_code != 200:
+                continue
+            layout = response.json()
+            if layout.get("kv_role") != role:
+                raise ValueError(f"{url} was given as a {role} instance but was started with "
+                                 f"kv_role={layout.get('kv_role')!r}")
+            layouts[url] = {k: v for k, v in layout.items() if k != "kv_role"}
+    if len({tuple(sorted(layout.items())) for layout in layouts.values()}) > 1:
+        described = "; ".join(f"{url}: {layout}" for url, layout in layouts.items())
+        raise ValueError("the instances lay KV pages out differently, so a prefill "
+                         f"instance's pages would not fit a decode instance: {described}. "
+                         "Start every instance with the same model, dtype, kv_cache_dtype, "
+                         "block_size and tensor_parallel_size")
 
 
 def parse_layout(text: str) -> tuple[int, int]:

@@ -96,6 +96,54 @@ def lora_tensor_parallel(args: dict) -> dict:
     return result
 
 
+def disaggregated_tp(args: dict) -> dict:
+    """Prefill and decode engines of one process under tensor parallelism: outputs of a
+    request prefilled by one and decoded by the other, beside a colocated engine's."""
+    _setup(8)
+    from jaxpage import LLM, SamplingParams
+    from jaxpage.runtime.kv_transfer import TransferTicket
+
+    tp, engine = args["tp"], args["engine"]
+    prompts = [{"prompt_token_ids": p} for p in args["prompts"]]
+    params = [SamplingParams(max_tokens=12, temperature=0.0) if i % 2 == 0 else
+              SamplingParams(max_tokens=12, temperature=1.0, seed=i, top_p=0.9)
+              for i in range(len(prompts))]
+    colocated = _generate(LLM(args["model"], tensor_parallel_size=tp, **engine), prompts,
+                          params)
+    prefill = LLM(args["model"], tensor_parallel_size=tp, kv_role="prefill", **engine)
+    decode = LLM(args["model"], tensor_parallel_size=tp, kv_role="decode", swap_space=0.01,
+                 **engine)
+    pe, de = prefill.llm_engine, decode.llm_engine
+    tickets = []
+    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        first = SamplingParams(max_tokens=1, temperature=sp.temperature, seed=sp.seed,
+                               top_p=sp.top_p)
+        pe.add_validated_request(pe.make_request(f"p{i}", prompt, first,
+                                                 kv_transfer={"do_remote_decode": True}))
+    done = {}
+    while pe.has_unfinished_requests():
+        done.update((o.request_id, o) for o in pe.step() if o.finished)
+    tickets = [done[f"p{i}"].kv_transfer_params for i in range(len(prompts))]
+    shards = {TransferTicket.from_dict(t).kv_shards for t in tickets}
+    for i, (ticket, sp) in enumerate(zip(tickets, params)):
+        pages = de.pull_kv(TransferTicket.from_dict(ticket))
+        de.add_prefilled(de.make_request(f"d{i}", None, sp, kv_transfer=ticket), pages, ticket)
+    done = {}
+    while de.has_unfinished_requests():
+        done.update((o.request_id, o) for o in de.step() if o.finished)
+    got = [[done[f"d{i}"].outputs[0].token_ids] for i in range(len(prompts))]
+    free = [(s["num_free_blocks"], s["num_kv_blocks"]) for s in
+            (prefill.get_stats(), decode.get_stats())]
+    refused = None
+    other = LLM(args["model"], kv_role="decode", swap_space=0.01, **engine)  # one device
+    try:
+        other.llm_engine.make_request("x", None, params[0], kv_transfer=tickets[0])
+    except ValueError as error:
+        refused = str(error)
+    return {"colocated": colocated, "disaggregated": got, "kv_shards": sorted(shards),
+            "free": free, "refused": refused}
+
+
 def data_parallel(args: dict) -> dict:
     _setup(8)
     from jaxpage import LLM, SamplingParams
@@ -183,6 +231,7 @@ def checkpoint(args: dict) -> dict:
 
 
 SCENARIOS = {"tensor_parallel": tensor_parallel, "lora_tensor_parallel": lora_tensor_parallel,
+             "disaggregated_tp": disaggregated_tp,
              "data_parallel": data_parallel,
              "multi_process": multi_process, "checkpoint": checkpoint}
 

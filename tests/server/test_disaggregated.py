@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxpage.server.disaggregated import start_instance, wait_healthy
+from jaxpage.server.disaggregated import check_kv_layouts, start_instance, wait_healthy
 from jaxpage.server.launch import BackgroundServer, free_port
 from jaxpage.server.proxy import build_proxy_app
 from tests.engine.prompts import BASE
@@ -107,6 +107,10 @@ def test_outputs_equal_colocated_greedy_seeded_and_streamed(cluster):
             merged["jaxpage:num_kv_blocks"].samples} == {
         ("prefill", cluster["prefill"]), ("decode", cluster["decode"])}
     assert all(s.value == 1 for s in merged["jaxpage:proxy_instance_up"].samples)
+    # The real instances agree on their KV layout, and their roles are checked.
+    check_kv_layouts([cluster["prefill"]], [cluster["decode"]])
+    with pytest.raises(ValueError, match="was started with kv_role='decode'"):
+        check_kv_layouts([cluster["decode"]], [cluster["prefill"]])
 
     # Streamed through the proxy: the same text, in pieces, ending in [DONE].
     for prompt in prompts[:4]:
