@@ -235,7 +235,12 @@ class AsyncLLMEngine:
             self._streams[rid] = stream
             return RequestStream(self, rid, request, stream)
 
-        return await self.run(do_add)
+        try:
+            return await self.run(do_add)
+        except Exception as error:
+            if pages is not None:  # the prefill instance's pages were taken all the same
+                error.kv_pulled = True
+            raise
 
     async def generate(self, prompt: PromptInput, params: SamplingParams,
                        request_id: str | None = None,

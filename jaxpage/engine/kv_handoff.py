@@ -34,7 +34,8 @@ class NoRoomForPages(RuntimeError):
     """The decode instance's host pool cannot hold a request's pages now (try later)."""
 
 
-def start_kv_transfer(role: str | None, runner: Any, parallel: Any) -> KVTransfer | None:
+def start_kv_transfer(role: str | None, runner: Any, parallel: Any,
+                      timeout_s: float = 30.0) -> KVTransfer | None:
     """The engine's transfer server for ``role`` (None: not disaggregated). Under tensor
     parallelism pages move shard by shard (``KVTransfer``)."""
     if role is None:
@@ -47,7 +48,9 @@ def start_kv_transfer(role: str | None, runner: Any, parallel: Any) -> KVTransfe
         raise ValueError("kv_role='decode' needs swap_space > 0: pulled pages wait in host "
                          "blocks until device blocks are free")
     sharding = runner.kv_cache[0].sharding if runner.placement.mesh is not None else None
-    return KVTransfer(next(iter(runner.kv_cache[0].devices())), kv_sharding=sharding)
+    # an offered ticket nobody settles is released after twice the pull deadline
+    return KVTransfer(next(iter(runner.kv_cache[0].devices())), kv_sharding=sharding,
+                      max_age_s=2 * timeout_s)
 
 
 def check_request(role: str | None, params: dict | None,

@@ -173,7 +173,8 @@ class LLMEngine(LoRAAdapters):
         self.logprobs = LogprobsRecorder(lambda token: self._decode([token]))
         self.groups = RequestGroups(self.output_processor, self.logprobs)
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
-        self.kv_transfer = kv_handoff.start_kv_transfer(cc.kv_role, self.runner, config.parallel)
+        self.kv_transfer = kv_handoff.start_kv_transfer(cc.kv_role, self.runner, config.parallel,
+                                                        cc.kv_transfer_timeout)
         self.device_calls = DeviceCalls(
             config.scheduler, scheduler=self.scheduler,
             kv_cache_manager=self.kv_cache_manager, block_pool=self.block_pool,
@@ -245,6 +246,14 @@ class LLMEngine(LoRAAdapters):
         """Validate ``kv_transfer_params`` for this instance's ``kv_role``; the ticket to
         pull (a decode instance), else None (``engine.kv_handoff``)."""
         return kv_handoff.check_request(self.config.cache.kv_role, params, self.kv_transfer)
+
+    def settle_kv(self, uuid: int, pulled: bool) -> bool:
+        """A prefill instance: the pull of an offered ticket is over (``pulled``) or will
+        never come, so its pages are released (``KVTransfer.settle``)."""
+        if self.config.cache.kv_role != "prefill":
+            raise ValueError("settling a KV transfer needs an instance started with "
+                             "kv_role='prefill'")
+        return self.kv_transfer.settle(uuid, pulled)
 
     def pull_kv(self, ticket) -> kv_handoff.Pages:
         """A prefill instance's pages for ``ticket`` (thread-safe; TimeoutError)."""
@@ -412,7 +421,10 @@ class LLMEngine(LoRAAdapters):
                 "quantization": self.quantization, "weight_bytes": self.weight_bytes,
                 "kv_cache_dtype": self.kv_cache_dtype,
                 "kv_bytes_per_block": self.kv_bytes_per_block,
-                **self.scheduler.stats(), "kv_usage": 1.0 - free / self.num_kv_blocks}
+                **self.scheduler.stats(), "kv_usage": 1.0 - free / self.num_kv_blocks,
+                **({"kv_tickets_pending": self.kv_transfer.num_pending,
+                    "kv_tickets_released": self.kv_transfer.num_released}
+                   if self.config.cache.kv_role == "prefill" else {})}
 
 
 def _droppable_window(arch, draft_arch=None) -> int | None:

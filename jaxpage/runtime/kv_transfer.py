@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 from dataclasses import asdict, dataclass
 
 import jax
@@ -68,7 +69,8 @@ class KVTransfer:
     side; both sides must split the heads over the same number of devices."""
 
     def __init__(self, device: jax.Device, host: str = "127.0.0.1",
-                 kv_sharding: jax.sharding.Sharding | None = None) -> None:
+                 kv_sharding: jax.sharding.Sharding | None = None,
+                 max_age_s: float = 60.0) -> None:
         from jax.experimental import transfer
 
         self.device = device
@@ -80,26 +82,75 @@ class KVTransfer:
         self._ids = itertools.count(int.from_bytes(os.urandom(6), "little") << 16)
         self._connections: dict[str, object] = {}
         self._lock = threading.Lock()
+        # Offered tickets not yet settled: uuid -> (ticket, when offered). The server holds
+        # their gathered pages until they are pulled; ``settle`` / ``expire`` end them.
+        self._offered: dict[int, tuple[TransferTicket, float]] = {}
+        self.max_age_s = max_age_s
         self.num_exported = 0
         self.num_imported = 0
+        self.num_released = 0
 
     def offer(self, kv_cache, block_ids: list[int], programs=None) -> TransferTicket:
-        """Gather ``block_ids`` of ``kv_cache`` and offer them for one pull."""
+        """Gather ``block_ids`` of ``kv_cache`` and offer them for one pull (tickets older
+        than ``max_age_s`` that nobody settled are released first)."""
+        self.expire(self.max_age_s)
         k, v = run_program(programs, gather_blocks, kv_cache, jax.device_put(padded(block_ids)))
         uuid = next(self._ids)
         self.server.await_pull(uuid, (k, v))
         self.num_exported += 1
-        return TransferTicket(self.address, uuid, tuple(k.shape), str(k.dtype), len(block_ids),
-                              self.kv_shards)
+        ticket = TransferTicket(self.address, uuid, tuple(k.shape), str(k.dtype),
+                                len(block_ids), self.kv_shards)
+        with self._lock:
+            self._offered[uuid] = (ticket, time.monotonic())
+        return ticket
+
+    @property
+    def num_pending(self) -> int:
+        """Offered tickets not settled yet (their pages held by the transfer server)."""
+        return len(self._offered)
+
+    def settle(self, uuid: int, pulled: bool) -> bool:
+        """End offered ticket ``uuid``: it was pulled, or (``pulled=False``) it never will
+        be (the decode instance refused the request, or it never got there), and its
+        gathered pages are released. False for an id not offered here or already settled.
+        """
+        with self._lock:
+            entry = self._offered.pop(uuid, None)
+        if entry is None:
+            return False
+        if not pulled:
+            self._release(entry[0])
+        return True
+
+    def expire(self, max_age_s: float) -> int:
+        """Release the pages of tickets offered more than ``max_age_s`` ago and never
+        settled (a proxy that died, a message lost); the number released."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [uuid for uuid, (_, at) in self._offered.items() if now - at > max_age_s]
+        return sum(self.settle(uuid, pulled=False) for uuid in stale)
+
+    def _release(self, ticket: TransferTicket) -> None:
+        """Free a ticket's pages. jax 0.10's ``await_pull`` cannot be cancelled, so this
+        process pulls them itself and drops them (on a daemon thread: were they already
+        pulled elsewhere after all, that pull would wait for ever, but never us)."""
+        connection = self._connection(self.address)
+        spec = jax.ShapeDtypeStruct(ticket.shape, np.dtype(ticket.dtype), sharding=self.sharding)
+        threading.Thread(target=lambda: connection.pull(ticket.uuid, (spec, spec)),
+                         name=f"kv-release-{ticket.uuid}", daemon=True).start()
+        self.num_released += 1
+
+    def _connection(self, address: str):
+        with self._lock:
+            connection = self._connections.get(address)
+            if connection is None:
+                connection = self._connections[address] = self.server.connect(address)
+            return connection
 
     def pull(self, ticket: TransferTicket, timeout_s: float) -> tuple[np.ndarray, np.ndarray]:
         """The pages of ``ticket`` on the host, K and V each ``[layers, num_blocks, ...]``.
         Raises ``TimeoutError`` when they do not arrive within ``timeout_s``."""
-        with self._lock:
-            connection = self._connections.get(ticket.address)
-            if connection is None:
-                connection = self._connections[ticket.address] = self.server.connect(
-                    ticket.address)
+        connection = self._connection(ticket.address)
         if ticket.kv_shards != self.kv_shards:
             raise ValueError(f"the prefill instance splits the KV heads over {ticket.kv_shards} "
                              f"device(s), this decode instance over {self.kv_shards}: start "

@@ -20,11 +20,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxpage.engine.async_llm_engine import AsyncLLMEngine
 from jaxpage.lora_request import LoRARequest
-from jaxpage.server.errors import APIError, error_body, error_response, install_error_handlers
+from jaxpage.server.errors import (APIError, bad_request_from, error_body, error_response,
+                                   install_error_handlers)
 from jaxpage.server.lora_routes import ServedAdapters, add_lora_routes
 from jaxpage.server.metrics import ServerMetrics
 from jaxpage.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                     DetokenizeRequest, ErrorResponse, TokenizeRequest)
+                                     DetokenizeRequest, ErrorResponse, SettleKVRequest,
+                                     TokenizeRequest)
 from jaxpage.server.serving import (GenerationJob, chat_logprobs, completion_logprobs,
                                     context_check, sampling_params)
 from jaxpage.server.structured import (structured_outputs_of, template_message, tool_calls_of,
@@ -188,6 +190,21 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
         return {"object": "list", "data": [base] + [
             {**base, "id": a.lora_name, "root": a.lora_path, "parent": served_model_name}
             for a in adapters.names()]}
+
+    @app.post("/kv_transfer/settle", responses=_ERRORS)
+    async def settle_kv(body: SettleKVRequest):
+        """A prefill instance: the proxy says how a ticket's pull ended (``pulled``), or
+        that it never will (its pages are then released)."""
+        def settle() -> bool:
+            settled = core.settle_kv(body.uuid, body.pulled)
+            engine.stats = core.get_stats()  # the snapshot /metrics reads, between steps
+            return settled
+
+        try:
+            settled = await engine.run(settle)
+        except ValueError as error:
+            raise bad_request_from(error) from None
+        return {"settled": settled}
 
     @app.get("/kv_layout")
     async def kv_layout():

@@ -48,6 +48,15 @@ class _EngineStateCollector:
                                           labels=labels)
         preemptions.add_metric([self.model_name], float(stats.get("num_preemptions", 0)))
         yield preemptions
+        if "kv_tickets_pending" in stats:  # a prefill instance (disaggregated serving)
+            for name, doc, key, kind in (
+                    ("kv_transfer_pending_tickets", "Offered KV pages not pulled or released yet",
+                     "kv_tickets_pending", GaugeMetricFamily),
+                    ("kv_transfer_released_tickets", "Offered KV pages released unpulled",
+                     "kv_tickets_released", CounterMetricFamily)):
+                family = kind(PREFIX + name, doc, labels=labels)
+                family.add_metric([self.model_name], float(stats[key]))
+                yield family
         if "lora_running" in stats:  # vLLM's info gauge of the adapters in use
             info = GaugeMetricFamily(
                 PREFIX + "lora_requests_info", "LoRA adapters of running and waiting requests",

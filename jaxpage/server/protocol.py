@@ -190,3 +190,10 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+class SettleKVRequest(_Strict):
+    """Disaggregated serving: how the pull of a prefill instance's ticket ended."""
+
+    uuid: int
+    pulled: bool

@@ -54,7 +54,7 @@ class _Pool:
 def _answer(response: httpx.Response) -> Response:
     """An instance's (error) answer, passed through."""
     headers = {k: v for k, v in response.headers.items()
-               if k.lower() in ("retry-after", "content-type")}
+               if k.lower() in ("retry-after", "content-type", "x-kv-pulled")}
     return Response(response.content, status_code=response.status_code, headers=headers)
 
 
@@ -188,12 +188,35 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout_s: float =
                     return StreamingResponse(_as_events(route, data, usage),
                                              media_type="text/event-stream")
                 return JSONResponse(data)
-            response = await whole(decodes, route, dict(body, kv_transfer_params=ticket), headers)
+            response = None
+            try:
+                response = await whole(decodes, route, dict(body, kv_transfer_params=ticket),
+                                       headers)
+            finally:
+                # The decode instance answers once it has the pages (200) or has failed;
+                # a failure says whether it pulled them first (X-KV-Pulled). Pages nobody
+                # took are released by the prefill instance. Left unsettled (this handler
+                # cancelled mid-way), they are released when they expire there.
+                if response is not None:
+                    settle(url, ticket, headers=headers, pulled=response.status_code == 200
+                           or response.headers.get("x-kv-pulled") == "true")
             if response.status_code != 503 or "retry-after" not in response.headers \
                     or attempt == DECODE_ATTEMPTS - 1:
                 return response
             await asyncio.sleep(RETRY_AFTER_S)  # a full decode instance: try again later
         return response
+
+    settling: set[asyncio.Task] = set()
+
+    def settle(url: str, ticket: dict, *, pulled: bool, headers: dict) -> None:
+        """Tell prefill instance ``url`` how its ticket's pull ended (in the background)."""
+        async def post() -> None:
+            with contextlib.suppress(httpx.HTTPError):
+                await client.post(url + "/kv_transfer/settle", headers=headers,
+                                  json={"uuid": ticket.get("uuid"), "pulled": pulled})
+        task = asyncio.get_running_loop().create_task(post())
+        settling.add(task)
+        task.add_done_callback(settling.discard)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -101,6 +101,10 @@ class GenerationJob:
             raise APIError(400, "kv_transfer_params need one prompt and n=1",
                            param="kv_transfer_params")
         extra = {} if kv_transfer is None else {"kv_transfer": kv_transfer}
+        # A decode instance says whether it pulled the ticket's pages, also when it fails
+        # (the proxy then lets the prefill instance release pages nobody took).
+        pulled = lambda error: ({"X-KV-Pulled": str(getattr(error, "kv_pulled", False)).lower()}  # noqa: E731
+                                if kv_transfer is not None and "uuid" in kv_transfer else {})
         if lora_request is not None:  # an adapter's name as the model (docs/lora.md)
             extra["lora_request"] = lora_request
         try:
@@ -111,13 +115,16 @@ class GenerationJob:
                 self.tracked.append(_Tracked(stream, stream.request.num_prompt_tokens, arrival))
         except QueueFullError as error:
             self.close()
-            raise APIError(503, str(error), headers={"Retry-After": RETRY_AFTER_S}) from None
+            raise APIError(503, str(error), headers={"Retry-After": RETRY_AFTER_S,
+                                                     **pulled(error)}) from None
         except TimeoutError as error:  # a decode instance's pages did not arrive
             self.close()
-            raise APIError(503, str(error)) from None
+            raise APIError(503, str(error), headers=pulled(error)) from None
         except ValueError as error:
             self.close()
-            raise bad_request_from(error) from None
+            api_error = bad_request_from(error)
+            api_error.headers.update(pulled(error))
+            raise api_error from None
         except BaseException:
             self.close()
             raise

@@ -80,3 +80,36 @@ def test_tickets_are_checked(engines):
         decode.llm_engine.make_request("x", "hi", params, kv_transfer={"address": "a"})
     with pytest.raises(ValueError, match="swap_space"):
         LLM(colocated.llm_engine.config.model.model, kv_role="decode", swap_space=0, **TINY)
+
+
+def test_tickets_nobody_pulls_are_released(engines):
+    """Offered pages stay on the prefill instance's transfer server until pulled; a ticket
+    settled as never pulled, or one left unsettled past its age, is released (pulled by
+    the instance itself), and its pages are then gone for any late puller."""
+    _, prefill, decode = engines
+    pe, de = prefill.llm_engine, decode.llm_engine
+    for uuid in list(pe.kv_transfer._offered):  # earlier tests' tickets: all pulled
+        pe.settle_kv(uuid, pulled=True)
+    for i in range(3):
+        pe.add_validated_request(pe.make_request(
+            f"r{i}", BASE[i], SamplingParams(max_tokens=1), kv_transfer={"do_remote_decode": True}))
+    done = {}
+    while pe.has_unfinished_requests():
+        done.update((o.request_id, o) for o in pe.step() if o.finished)
+    tickets = [TransferTicket.from_dict(done[f"r{i}"].kv_transfer_params) for i in range(3)]
+    transfer = pe.kv_transfer
+    released_before = transfer.num_released
+    assert pe.get_stats()["kv_tickets_pending"] == 3
+
+    de.pull_kv(tickets[1])                       # pulled, then settled as pulled
+    assert pe.settle_kv(tickets[1].uuid, pulled=True)
+    assert pe.settle_kv(tickets[0].uuid, pulled=False)   # the decode instance refused it
+    assert not pe.settle_kv(tickets[0].uuid, pulled=False)  # settled once only
+    assert transfer.num_released == released_before + 1
+    assert transfer.expire(0.0) == 1             # the third was never settled
+    stats = pe.get_stats()
+    assert (stats["kv_tickets_pending"], stats["kv_tickets_released"]) == (0, released_before + 2)
+    with pytest.raises(TimeoutError):            # released pages are gone
+        de.kv_transfer.pull(tickets[0], 1.0)
+    with pytest.raises(ValueError, match="kv_role='prefill'"):
+        de.settle_kv(tickets[2].uuid, pulled=False)

@@ -67,6 +67,11 @@ def _finished_requests(url: str) -> float:
                if s.name.endswith("_total"))
 
 
+def _metric(url: str, name: str) -> float:
+    return sum(s.value for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)
+               if f.name == name for s in f.samples if not s.name.endswith("_created"))
+
+
 def _assert_all_free(cluster) -> None:
     for role in ("prefill", "decode"):
         for _ in range(50):  # aborts are applied before the engine's next step
@@ -107,6 +112,22 @@ def test_outputs_equal_colocated_greedy_seeded_and_streamed(cluster):
             merged["jaxpage:num_kv_blocks"].samples} == {
         ("prefill", cluster["prefill"]), ("decode", cluster["decode"])}
     assert all(s.value == 1 for s in merged["jaxpage:proxy_instance_up"].samples)
+    # Every ticket the proxy passed on was settled with the prefill instance (pulled).
+    for _ in range(50):
+        if _metric(cluster["prefill"], "jaxpage:kv_transfer_pending_tickets") == 0:
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    assert _metric(cluster["prefill"], "jaxpage:kv_transfer_pending_tickets") == 0
+    # A ticket nobody will pull is released when settled so (once only).
+    released = _metric(cluster["prefill"], "jaxpage:kv_transfer_released_tickets")
+    ticket = httpx.post(cluster["prefill"] + "/v1/completions", headers=AUTH, timeout=60, json={
+        "model": MODEL_NAME, "prompt": prompts[0], "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
+    for expected in (True, False):
+        settled = httpx.post(cluster["prefill"] + "/kv_transfer/settle",
+                             json={"uuid": ticket["uuid"], "pulled": False}).json()
+        assert settled == {"settled": expected}
+    assert _metric(cluster["prefill"], "jaxpage:kv_transfer_released_tickets") == released + 1
     # The real instances agree on their KV layout, and their roles are checked.
     check_kv_layouts([cluster["prefill"]], [cluster["decode"]])
     with pytest.raises(ValueError, match="was started with kv_role='decode'"):
