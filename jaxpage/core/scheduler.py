@@ -262,8 +262,9 @@ class Scheduler(AheadOfHost, SpeculativeScheduling):
             budget -= num_new
             index += 1
         if not out.preempted:
-            budget = self._swap_in(out, budget)
-            self._admit(out, budget)
+            budget, adapter_blocked = self._swap_in(out, budget)
+            if not adapter_blocked:  # else new work waits: the swapped request comes first
+                self._admit(out, budget)
         if out.scheduled and self.speculating():
             self._propose(out)
         return out
@@ -302,16 +303,20 @@ class Scheduler(AheadOfHost, SpeculativeScheduling):
             self.waiting.appendleft(child)
         return child
 
-    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        """Swap in what fits; (budget left, whether the next swapped request waits for a
+        LoRA slot: then no waiting request is admitted, or steady traffic of the seated
+        adapters would keep its adapter out for ever)."""
         if not self.swapped:
-            return budget
+            return budget, False
         self.swapped.sort(key=self._priority_key)
         adapters = self.adapters_in_use()
         while (self.swapped and budget > 0
                and self._seats_in_use() + self.swapped[0].num_seats <= self.config.max_num_seqs):
             request = self.swapped[0]
-            if not self.kv.can_swap_in(request) or (
-                    adapters is not None and not self._may_seat(request, adapters)):
+            if adapters is not None and not self._may_seat(request, adapters):
+                return budget, True
+            if not self.kv.can_swap_in(request):
                 break
             self.kv.swap_in(request)
             self._seat(request, adapters)
@@ -323,7 +328,7 @@ class Scheduler(AheadOfHost, SpeculativeScheduling):
             if num_new and self.kv.allocate_slots(request, num_new):
                 out.scheduled.append(ScheduledRequest(request, num_new))
                 budget -= num_new
-        return budget
+        return budget, False
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         if not self.waiting:

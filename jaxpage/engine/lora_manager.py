@@ -76,10 +76,12 @@ class LoRAManager:
         weights = load_peft_adapter(lora_request.lora_path, self.arch, self.max_rank)
         with self._lock:
             loaded = self._loaded.get(lora_request.lora_name)
-            if loaded is None:  # (another thread may have loaded it meanwhile)
-                loaded = LoadedLoRA(lora_request, weights)
-                self._loaded[lora_request.lora_name] = loaded
-                self._trim()
+            if loaded is not None:  # another thread loaded that name meanwhile
+                self._check_same(loaded.request, lora_request)
+                return loaded
+            loaded = LoadedLoRA(lora_request, weights)
+            self._loaded[lora_request.lora_name] = loaded
+            self._trim()
             return loaded
 
     def remove(self, name: str) -> LoadedLoRA | None:

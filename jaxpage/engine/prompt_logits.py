@@ -39,6 +39,9 @@ def prompt_logits(engine: Any, prompts: list[PromptInput]) -> list[np.ndarray]:
             if out.is_empty:
                 continue
             runner.apply_block_ops(*engine.kv_cache_manager.take_pending_block_ops())
+            if scheduler.lora_slots is not None:  # adapters of other requests seated here
+                for slot, adapter in scheduler.lora_slots.take_loads():
+                    runner.write_lora_slot(slot, adapter.weights)
             batch = builder.build(out)
             builder.penalty_slots.forget([s.request for s in out.scheduled])
             logits = runner.logits(batch)                                   # [T, V]

@@ -86,7 +86,11 @@ def load_peft_adapter(path: str, arch: ArchConfig, max_rank: int) -> LoRAWeights
         if not 0 <= layer < arch.num_layers:
             raise ValueError(f"adapter {path!r}: tensor {key!r} names layer {layer}, but the "
                              f"model has {arch.num_layers}")
-        pairs.setdefault((layer, module), {})[which] = np.asarray(value, np.float32)
+        pair = pairs.setdefault((layer, module), {})
+        if which in pair:  # e.g. "lora_A.default.weight" and "lora_A.other.weight"
+            raise ValueError(f"adapter {path!r} holds more than one lora_{which} for layer "
+                             f"{layer} {module} (several adapters in one file?)")
+        pair[which] = np.asarray(value, np.float32)
     if not pairs:
         raise ValueError(f"adapter {path!r} holds no LoRA weights")
     weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}

@@ -40,6 +40,7 @@ class ServedAdapters:
         self.base_name = base_name
         self._by_name: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
+        self._loading: set[str] = set()
         self._lock = threading.Lock()
 
     @property
@@ -62,15 +63,24 @@ class ServedAdapters:
             raise ValueError(f"lora_name={name!r} must be non-empty and differ from the "
                              f"base model's name {self.base_name!r}")
         with self._lock:
-            if name in self._by_name:
+            if name in self._by_name or name in self._loading:
                 raise ValueError(f"The lora adapter '{name}' has already been loaded.")
+            self._loading.add(name)  # reserved while its files are read
             request = LoRARequest(name, next(self._ids), path)
-        self.engine.engine.add_lora(request)  # raises before the name is taken
-        with self._lock:
-            self._by_name[name] = request
+        try:
+            # A request that resolved the name before an unload may have loaded it into
+            # the engine again since: that copy is stale, this load replaces it.
+            self.engine.engine.loras.remove(name)
+            self.engine.engine.add_lora(request)
+            with self._lock:
+                self._by_name[name] = request
+        finally:
+            with self._lock:
+                self._loading.discard(name)
         return request
 
     def remove(self, name: str) -> bool:
+        """Unload ``name`` (runs on the engine thread: it frees the adapter's slot)."""
         with self._lock:
             request = self._by_name.pop(name, None)
         if request is None:

@@ -120,3 +120,35 @@ def test_a_request_passed_over_for_its_adapter_does_not_wait_for_ever():
     # A's requests were admitted past it for 3 steps (the patience), then none until A's
     # running requests finished and B took the slot
     assert admitted == ["a0", "a1", "a2", "a3", "b"]
+
+
+def test_a_swapped_request_waiting_for_its_adapter_holds_new_work_back():
+    """A request swapped out while its adapter lost its slot comes back before new work:
+    no waiting request is admitted until the swapped one gets a slot."""
+    scheduler = make_scheduler(num_blocks=64, max_num_seqs=8, num_host_blocks=16,
+                               preemption_mode="swap")
+    scheduler.lora_slots = LoRASlots(2)
+    a0 = _with_adapter(make_request("a0", 5, max_tokens=50), "A")
+    b = _with_adapter(make_request("b", 5, max_tokens=50), "B")
+    for request in (a0, b):
+        scheduler.add_request(request)
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, np.full(2, 7, np.int32))
+    scheduler.running.remove(b)
+    scheduler._preempt(b)                             # swapped out, as under memory pressure
+    assert b.status is RequestStatus.SWAPPED
+    c = _with_adapter(make_request("c", 5, max_tokens=2), "C")
+    scheduler.add_request(c)
+    can_swap_in = scheduler.kv.can_swap_in
+    scheduler.kv.can_swap_in = lambda request: False  # one step without room to swap b in
+    scheduler.schedule()                              # C takes B's slot (B runs nowhere)
+    scheduler.kv.can_swap_in = can_swap_in
+    assert c.status is RequestStatus.RUNNING and scheduler.lora_slots.slot_of("B") is None
+    a1 = _with_adapter(make_request("a1", 5), "A")   # its adapter is seated, but...
+    scheduler.add_request(a1)
+    out = scheduler.schedule()
+    assert a1.status is RequestStatus.WAITING and b.status is RequestStatus.SWAPPED
+    scheduler.finish_request("c", RequestStatus.FINISHED_ABORTED)
+    scheduler.schedule()
+    assert b.status is RequestStatus.RUNNING and b.lora_slot == scheduler.lora_slots.slot_of("B")
+    assert a1.status is RequestStatus.RUNNING

@@ -71,6 +71,9 @@ def _pair(module: str, rows: int, cols: int, layer: int = 0) -> dict:
     ({}, {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
           np.ones((2, 64), np.float32)}, "without its partner"),
     ({}, _pair("self_attn.q_proj", 64, 64) | {
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.other.weight":
+            np.ones((2, 64), np.float32)}, "more than one lora_A"),
+    ({}, _pair("self_attn.q_proj", 64, 64) | {
         "base_model.model.model.layers.1.mlp.up_proj.lora_A.weight": np.ones((32, 64), np.float32),
         "base_model.model.model.layers.1.mlp.up_proj.lora_B.weight": np.ones((128, 32), np.float32)},
      "rank 32"),

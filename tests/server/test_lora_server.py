@@ -95,6 +95,14 @@ def test_adapters_are_models_and_load_and_unload_over_http(lora_served, adapter_
     with pytest.raises(openai.NotFoundError, match="cannot be found"):
         client.post("/unload_lora_adapter", cast_to=httpx.Response, body={"lora_name": "attn"})
     assert [m.id for m in client.models.list().data] == [MODEL_NAME, "every"]
+    # A request that resolved "attn" before the unload loads it into the engine again;
+    # loading the name anew (other files) replaces that stale copy.
+    lora_served.reference(lambda llm: llm.llm_engine.loras.get(attn))
+    reloaded = client.post("/load_lora_adapter", cast_to=httpx.Response,
+                           body={"lora_name": "attn", "lora_path": adapter_paths["every"]})
+    assert reloaded.status_code == 200
+    assert _complete(client, "attn") == expected  # now "every"'s weights under that name
+    client.post("/unload_lora_adapter", cast_to=httpx.Response, body={"lora_name": "attn"})
     stats = lora_served.stats()
     assert stats["num_free_blocks"] == stats["num_kv_blocks"]
     families = {f.name: f for f in text_string_to_metric_families(
@@ -104,7 +112,7 @@ def test_adapters_are_models_and_load_and_unload_over_http(lora_served, adapter_
                            "running_lora_adapters": "", "waiting_lora_adapters": ""}
     loads, = [s for s in families["jaxpage:lora_slot_loads"].samples
               if s.name.endswith("_total")]
-    assert loads.value == 2  # every, then attn
+    assert loads.value == 3  # every, attn, then attn anew
 
 
 def test_lora_routes_on_a_server_without_lora_are_400(served):
