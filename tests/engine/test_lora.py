@@ -192,3 +192,29 @@ def test_fused_projection_and_moe_adapters_equal_hf_merged(kind, tmp_path, smoll
     expected = _references(base, loras, prompt_ids, eos)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert expected[0] != _references(base, [None], prompt_ids[:1], eos)[0]
+
+
+def test_adapters_under_ngram_speculation_and_beam_width_equal_plain(tiny_checkpoints, adapters):
+    """Verify steps carry several tokens per row (each row's adapter over all of them),
+    and n > 1 siblings run with their leader's adapter."""
+    base = tiny_checkpoints["llama"]
+    loras = [adapters["llama"]["every"], None, adapters["llama"]["mlp"], adapters["llama"]["attn"]]
+    prompts = BASE[:4]
+    greedy = SamplingParams(temperature=0, max_tokens=40)  # long enough to repeat itself
+    options = dict(enable_lora=True, max_loras=3, max_lora_rank=16, **CONFIG, num_kv_blocks=64)
+    plain = LLM(base, **options)
+    want = [o.outputs[0].token_ids
+            for o in plain.generate(prompts, greedy, lora_request=loras, use_tqdm=False)]
+    spec = LLM(base, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                         "prompt_lookup_min": 1, "disable_by_batch_size": 16},
+               **options)
+    got = spec.generate(prompts, greedy, lora_request=loras, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert spec.get_stats()["spec_num_draft_tokens"] > 0
+    sampled = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=8)
+    pair = plain.generate(prompts[:1], sampled, lora_request=loras[:1], use_tqdm=False)[0]
+    alone = plain.generate(prompts[:1], SamplingParams(temperature=1.0, seed=3, max_tokens=8),
+                           lora_request=loras[:1], use_tqdm=False)[0]
+    assert pair.outputs[0].token_ids == alone.outputs[0].token_ids  # the leader's stream
+    assert_all_blocks_free(plain)
+    assert_all_blocks_free(spec)
