@@ -275,3 +275,20 @@ def write_report(out_dir: str | Path, stem: str, *, title: str, payload: dict[st
         body += [f"![{title}]({stem}.png)", ""]
     paths["md"].write_text("\n".join(body))
     return paths
+
+
+def median_ms(fn: Callable, *args: Any, repeats: int = 10) -> float:
+    """Median milliseconds of ``fn(*args)`` (a jitted function; the first call, which
+    compiles, is not timed), each call waited for."""
+    import statistics
+    import time
+
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)

@@ -13,12 +13,11 @@ the dense loop; median milliseconds per call on this machine's default JAX backe
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
+from bench_common import median_ms
 from jaxpage.models.moe import expert_mlp, gathered_experts, ragged_experts, route
 
 
@@ -30,16 +29,6 @@ def dense_mlp(x, ids, weights, gate, up, down):
     h = jax.nn.silu(jnp.einsum("th,ehi->eti", x, gate)) * jnp.einsum("th,ehi->eti", x, up)
     out = jnp.einsum("eti,eih->eth", h, down)                              # [E, T, H]
     return jnp.einsum("eth,te->th", out, dense_weights).astype(x.dtype)
-
-
-def median_ms(fn, *args, repeats: int = 10) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:

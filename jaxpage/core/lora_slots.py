@@ -23,6 +23,7 @@ class LoRASlots:
     def __init__(self, max_loras: int) -> None:
         self.max_loras = max_loras
         self._slot_of: OrderedDict[Hashable, int] = OrderedDict()  # key -> slot, LRU first
+        self._adapter_of: dict[Hashable, Any] = {}  # key -> adapter, for resident keys
         self._free = list(range(max_loras, 0, -1))  # pop() gives the lowest free slot
         self._loads: list[tuple[int, Any]] = []
         self.num_loads = 0
@@ -52,7 +53,9 @@ class LoRASlots:
                 raise ValueError(f"no LoRA slot is free: all {self.max_loras} hold adapters "
                                  "of running requests")
             slot = self._slot_of.pop(victim)
+            del self._adapter_of[victim]
         self._slot_of[key] = slot
+        self._adapter_of[key] = adapter
         self._loads.append((slot, adapter))
         self.num_loads += 1
         return slot
@@ -62,12 +65,17 @@ class LoRASlots:
         its slot becomes free. A key in use stays until evicted later."""
         if key in self._slot_of and key not in in_use:
             self._free.append(self._slot_of.pop(key))
+            del self._adapter_of[key]
             self._free.sort(reverse=True)
 
     def take_loads(self) -> list[tuple[int, Any]]:
         """(slot, adapter) writes due before the next device call, in order; cleared."""
         loads, self._loads = self._loads, []
         return loads
+
+    def holder(self, slot: int) -> Any:
+        """The adapter assigned to ``slot`` (None: free)."""
+        return next((self._adapter_of[k] for k, s in self._slot_of.items() if s == slot), None)
 
     def resident(self) -> dict[Hashable, int]:
         """Adapter key -> slot, least recently used first."""

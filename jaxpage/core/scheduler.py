@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxpage.config import SchedulerConfig
 from jaxpage.core.kv_cache_manager import KVCacheManager
+from jaxpage.core.lora_seating import LoRASeating
 from jaxpage.core.lora_slots import LoRASlots
 from jaxpage.core.request import FINISHED_IDS, Request, RequestStatus
 from jaxpage.core.speculation import SpecDecodeStats, SpeculativeScheduling, make_proposer
@@ -55,7 +56,7 @@ class PreemptionCostModel:
 _ARRIVAL = operator.attrgetter("arrival_seq")
 
 
-class Scheduler(AheadOfHost, SpeculativeScheduling):
+class Scheduler(AheadOfHost, SpeculativeScheduling, LoRASeating):
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  cost_model: PreemptionCostModel | None = None) -> None:
         self.config = config
@@ -180,41 +181,6 @@ class Scheduler(AheadOfHost, SpeculativeScheduling):
         if self.config.scheduling_policy == "fcfs":
             return self.waiting[0]
         return min(self.waiting, key=self._priority_key)
-
-    def _best_seatable(self, adapters: set) -> Request | None:
-        patience = self.config.priority_aging_steps
-        fcfs = self.config.scheduling_policy == "fcfs"
-        best = None
-        for request in self.waiting:  # FCFS: usually the head fits, O(1)
-            if self._may_seat(request, adapters):
-                if fcfs:
-                    return request
-                if best is None or self._priority_key(request) < self._priority_key(best):
-                    best = request
-            elif self.step_count - request.added_step > patience:
-                return None  # it has been passed over long enough
-        return best
-
-    # -- LoRA adapter slots (core.lora_slots) -----------------------------------------
-
-    def adapters_in_use(self) -> set | None:
-        """Keys of the adapters running requests use; None when LoRA is off."""
-        if self.lora_slots is None:
-            return None
-        return {r.lora.key for r in self.running if r.lora is not None}
-
-    def _may_seat(self, request: Request, adapters: set) -> bool:
-        return request.lora is None or self.lora_slots.can_seat(request.lora.key, adapters)
-
-    def _seat(self, request: Request, adapters: set | None) -> None:
-        """Give a request joining the running set its adapter's slot (and its unborn
-        siblings, which run with it)."""
-        if adapters is None or request.lora is None:
-            return
-        slot = self.lora_slots.acquire(request.lora.key, request.lora, adapters)
-        adapters.add(request.lora.key)
-        for member in (request, *request.fork_children):
-            member.lora_slot = slot
 
     def _priority_key(self, request: Request) -> tuple[int, int]:
         if self.config.scheduling_policy == "fcfs":
@@ -488,10 +454,3 @@ class Scheduler(AheadOfHost, SpeculativeScheduling):
                 **(self.spec_stats.as_dict() if self.speculation is not None else {}),
                 **(self._lora_stats() if self.lora_slots is not None else {})}
 
-    def _lora_stats(self) -> dict[str, int | str]:
-        """Adapters of running and waiting requests (names, comma-separated, sorted)."""
-        def names(requests) -> str:
-            return ",".join(sorted({getattr(r.lora, "name", str(r.lora.key))
-                                    for r in requests if r.lora is not None}))
-        return {"max_lora": self.lora_slots.max_loras, "lora_running": names(self.running),
-                "lora_waiting": names(self.waiting), "lora_slot_loads": self.lora_slots.num_loads}

@@ -85,13 +85,8 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} "
-                                 "prompts; pass one SamplingParams or one per prompt")
+        params_list = _one_per_prompt(sampling_params, SamplingParams, len(prompts),
+                                      "sampling_params")
         for params in params_list:
             if isinstance(params, SamplingParams) and params.output_kind != "final":
                 raise ValueError(f"output_kind={params.output_kind!r}: LLM.generate returns "
@@ -100,13 +95,7 @@ class LLM:
             priority = [0] * len(prompts)
         elif len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            loras = [lora_request] * len(prompts)
-        else:
-            loras = list(lora_request)
-            if len(loras) != len(prompts):
-                raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts; "
-                                 "pass one LoRARequest or one per prompt")
+        loras = _one_per_prompt(lora_request, LoRARequest, len(prompts), "lora_request")
         return self._run(prompts, params_list, list(priority), use_tqdm, loras)
 
     def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams,
@@ -187,3 +176,14 @@ class LLM:
                 if request.request_id not in results:
                     engine.abort_request(request.request_id)
         return [results[r.request_id] for r in requests]
+
+
+def _one_per_prompt(value: Any, kind: type, count: int, name: str) -> list:
+    """``value`` for every prompt: one ``kind`` (or None) for all, or a sequence of one each."""
+    if value is None or isinstance(value, kind):
+        return [value] * count
+    values = list(value)
+    if len(values) != count:
+        raise ValueError(f"got {len(values)} {name} for {count} prompts; pass one "
+                         f"{kind.__name__} or one per prompt")
+    return values

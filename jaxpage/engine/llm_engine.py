@@ -349,8 +349,9 @@ class LLMEngine(LoRAAdapters):
         proposer = self.scheduler.proposer
         if hasattr(proposer, "warmup"):  # a draft model's fill and propose programs
             jobs += [None] * proposer.warmup()
-        if self.loras is not None:  # the slot-write program (slot 1 holds nothing yet)
-            self.runner.write_lora_slot(1, None)
+        if self.loras is not None:  # the slot-write program: slot 1 written as it is
+            holder = self.scheduler.lora_slots.holder(1)
+            self.runner.write_lora_slot(1, None if holder is None else holder.weights)
             jobs.append(None)
         count = len(jobs) + self.runner.compile_penalty_fill() + self.runner.compile_block_ops(
             max_copies=self.config.scheduler.max_num_seqs, max_swaps=self.num_kv_blocks)

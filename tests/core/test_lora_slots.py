@@ -24,6 +24,7 @@ def test_slots_fill_lowest_first_then_evict_least_recently_used():
     assert slots.take_loads() == [(2, "C")]
     assert slots.resident() == {"a": 1, "c": 2}
     assert slots.num_loads == 3
+    assert (slots.holder(1), slots.holder(2)) == ("A", "C")
 
 
 def test_adapters_in_use_are_never_evicted():
