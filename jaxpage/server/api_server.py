@@ -20,13 +20,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxpage.engine.async_llm_engine import AsyncLLMEngine
 from jaxpage.lora_request import LoRARequest
-from jaxpage.server.errors import (APIError, bad_request_from, error_body, error_response,
-                                   install_error_handlers)
+from jaxpage.server.errors import APIError, error_body, error_response, install_error_handlers
+from jaxpage.server.kv_routes import add_kv_routes
 from jaxpage.server.lora_routes import ServedAdapters, add_lora_routes
 from jaxpage.server.metrics import ServerMetrics
 from jaxpage.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                     DetokenizeRequest, ErrorResponse, SettleKVRequest,
-                                     TokenizeRequest)
+                                     DetokenizeRequest, ErrorResponse, TokenizeRequest)
 from jaxpage.server.serving import (GenerationJob, chat_logprobs, completion_logprobs,
                                     context_check, sampling_params)
 from jaxpage.server.structured import (structured_outputs_of, template_message, tool_calls_of,
@@ -191,32 +190,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
             {**base, "id": a.lora_name, "root": a.lora_path, "parent": served_model_name}
             for a in adapters.names()]}
 
-    @app.post("/kv_transfer/settle", responses=_ERRORS)
-    async def settle_kv(body: SettleKVRequest):
-        """A prefill instance: the proxy says how a ticket's pull ended (``pulled``), or
-        that it never will (its pages are then released)."""
-        def settle() -> bool:
-            settled = core.settle_kv(body.uuid, body.pulled)
-            engine.stats = core.get_stats()  # the snapshot /metrics reads, between steps
-            return settled
-
-        try:
-            settled = await engine.run(settle)
-        except ValueError as error:
-            raise bad_request_from(error) from None
-        return {"settled": settled}
-
-    @app.get("/kv_layout")
-    async def kv_layout():
-        """How this instance's KV pages are laid out (disaggregated serving: the proxy
-        checks that prefill and decode instances agree before it starts)."""
-        k_cache = core.runner.kv_cache[0]                       # [L, N, B, Hkv, D]
-        transfer = core.kv_transfer
-        return {"kv_role": core.config.cache.kv_role,
-                "kv_shards": transfer.kv_shards if transfer is not None else 1,
-                "num_layers": k_cache.shape[0], "block_size": k_cache.shape[2],
-                "kv_heads": k_cache.shape[3], "head_dim": k_cache.shape[4],
-                "dtype": str(k_cache.dtype)}
+    add_kv_routes(app, engine, _ERRORS)
 
     @app.get("/health")
     async def health():
