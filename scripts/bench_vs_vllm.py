@@ -51,7 +51,8 @@ if __name__ == "__main__":
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
-    run(spec["warmup"])
+    if spec["warmup"]:
+        run(spec["warmup"])
     wall, tokens = run(spec["requests"])
     import vllm
     print("RESULT " + json.dumps({"wall_s": wall, "output_tokens": tokens,
@@ -121,7 +122,8 @@ def run_jaxpage(model_dir: str, requests, warmup, sampling: dict, max_model_len:
         outs = llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
 
-    run(warmup)
+    if warmup:
+        run(warmup)
     wall, tokens = run(requests)
     profile = llm.llm_engine.step_profile
     return {"wall_s": wall, "output_tokens": tokens, "host_s": profile["host_s"],
@@ -154,8 +156,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--systems", default="jaxpage,vllm")
     parser.add_argument("--jaxpage-options", default="{}",
                         help="JSON of engine options for jaxpage beyond its defaults")
-    parser.add_argument("--warmup", choices=("some", "full"), default="some",
-                        help="untimed pass first: 8 requests, or the whole workload")
+    parser.add_argument("--warmup", choices=("none", "some", "full"), default="some",
+                        help="untimed pass first: none (a first run, as a new user's), "
+                             "8 requests, or the whole workload")
     parser.add_argument("--vllm-python", default=os.environ.get(
         "VLLM_PYTHON", "/tmp/vllm-venv/bin/python"))
     parser.add_argument("--vllm-kv-space-gib", type=int, default=4)
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
     requests = [(r.prompt_token_ids, r.output_len) for r in workload.requests]
     # Warm-up: other prompts (ids shifted by one) of the first 8 requests' lengths, or of
     # every request's (``--warmup full``: every program jaxpage will need is compiled).
-    count = len(requests) if args.warmup == "full" else 8
+    count = {"none": 0, "some": 8, "full": len(requests)}[args.warmup]
     warmup = [([(t + 1) % vocab_of(model_dir) for t in ids], n) for ids, n in requests[:count]]
     max_model_len = workload.max_total_len + 16
     sampling = {} if args.temperature is None else {"temperature": args.temperature}

@@ -34,6 +34,10 @@ from jaxpage.core.request import MAX_STOP_TOKENS
 from jaxpage.core.scheduler import SchedulerOutput
 from jaxpage.sampling_params import MAX_LOGPROBS
 
+# A step with prefill holds at least one sequence seat per this many tokens of its rung
+# (``BatchBuilder.seats``).
+TOKENS_PER_SEAT = 8
+
 # Top log-probabilities the step returns per sequence when any sequence asks for them: as
 # many as a request may ask for.
 MAX_TOP_LOGPROBS = MAX_LOGPROBS
@@ -179,6 +183,18 @@ class BatchBuilder:
         self.rows = BatchRows(max_num_seqs, max_blocks)
         self._last: tuple[SchedulerOutput, BatchMetadata] | None = None  # the latest build
 
+    def seats(self, num_tokens_rung: int, num_seqs: int, decodes_only: bool) -> int:
+        """S of a batch: the sequence rung of ``num_seqs``, and for a step with prefill at
+        least the rung of ``T / TOKENS_PER_SEAT`` (capped by the largest), so that each
+        token rung has one program for every count of sequences up to that, not one per
+        sequence rung. The extra rows cost at most 1 / TOKENS_PER_SEAT of a token's work
+        each (their logits and sampling); every program avoided is a compile avoided
+        (seconds on the CPU, minutes on a TPU) and an executable to load at start-up."""
+        if decodes_only:
+            return self.seq_ladder.fit(num_seqs)
+        floor = min(num_tokens_rung // TOKENS_PER_SEAT, self.seq_ladder.rungs[-1])
+        return self.seq_ladder.fit(max(num_seqs, floor))
+
     def decode_tokens(self, num_seqs: int) -> int:
         """T of a batch of ``num_seqs`` decodes: the sequence rung, capped by the token rung."""
         return min(self.seq_ladder.fit(num_seqs), self.token_ladder.fit(num_seqs))
@@ -190,10 +206,9 @@ class BatchBuilder:
                  for n in range(1, self.seq_ladder.rungs[-1] + 1)}
         max_tokens = self.token_ladder.rungs[-1]
         for n in range(1, self.seq_ladder.rungs[-1] + 1):
-            seats = self.seq_ladder.fit(n)
             for rung in self.token_ladder.rungs:
                 if rung >= n:
-                    pairs.add((rung, seats))
+                    pairs.add((rung, self.seats(rung, n, decodes_only=False)))
             if n > max_tokens:
                 break
         return sorted((t, s, m) for t, s in pairs for m in self.block_ladder.rungs)
@@ -285,7 +300,7 @@ class BatchBuilder:
             T = self.verify_ladder.fit(num_tokens)
         else:
             T = self.decode_tokens(n) if decodes_only else self.token_ladder.fit(num_tokens)
-        S = self.seq_ladder.fit(n)
+        S = self.seats(T, n, decodes_only or bool(out.num_draft_tokens))
         M = self.block_ladder.fit(int(rows.table_len[:n].max()))
         bs = self.block_size
 

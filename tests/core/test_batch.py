@@ -25,9 +25,9 @@ def test_ladder_growth_trades_programs_for_padding():
                        bucket_growth=4096)
     many = BatchBuilder(s.kv, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64)
     # (T, S) of decodes: 1 sequence alone, else all 8 seats; mixed steps use 16 or 64 tokens
-    assert few.step_shapes() == [(1, 1, 8), (1, 1, 16), (8, 8, 8), (8, 8, 16), (16, 1, 8),
-                                 (16, 1, 16), (16, 8, 8), (16, 8, 16), (64, 1, 8),
-                                 (64, 1, 16), (64, 8, 8), (64, 8, 16)]
+    # and at least T / 8 seats (the 8 of the top rung for both)
+    assert few.step_shapes() == [(1, 1, 8), (1, 1, 16), (8, 8, 8), (8, 8, 16), (16, 8, 8),
+                                 (16, 8, 16), (64, 8, 8), (64, 8, 16)]
     assert len(many.step_shapes()) > 2 * len(few.step_shapes())
 
 
@@ -59,6 +59,28 @@ def test_mixed_prefill_and_decode_batch_layout():
     np.testing.assert_array_equal(batch.stop_token_ids[1, :3], [2, 9, -1])
     np.testing.assert_array_equal(batch.min_tokens, [0, 2])
     np.testing.assert_array_equal(batch.max_output, [16, 16])
+
+
+def test_steps_with_prefill_seat_at_least_one_sequence_per_8_tokens():
+    """A step with prefill pads S to the rung of max(n, T / 8): one program per token rung
+    for every smaller count of sequences. Decodes keep the sequence rung of n."""
+    s = make_scheduler(num_blocks=200, block_size=4, max_num_seqs=16, max_num_batched_tokens=128)
+    builder = BatchBuilder(s.kv, max_num_batched_tokens=128, max_num_seqs=16, max_model_len=64)
+    assert builder.seats(128, 1, decodes_only=False) == 16
+    assert builder.seats(64, 1, decodes_only=False) == 8
+    assert builder.seats(64, 9, decodes_only=False) == 16
+    assert builder.seats(16, 3, decodes_only=False) == 4
+    assert builder.seats(128, 1, decodes_only=True) == 1
+    s.add_request(make_request("long", 40, max_tokens=2))        # 40 tokens: rung 64
+    batch = builder.build(s.schedule())
+    assert batch.shape_key == (64, 8, 16)
+    np.testing.assert_array_equal(batch.num_seqs, [1])
+    np.testing.assert_array_equal(batch.kv_lens, [40] + [0] * 7)
+    np.testing.assert_array_equal(batch.cu_q_lens, [0] + [40] * 8)
+    np.testing.assert_array_equal(batch.logits_indices, [39] + [0] * 7)
+    assert batch.shape_key in set(builder.step_shapes())
+    # no (T, S) pair of a step with prefill has fewer than T / 8 seats
+    assert all(s_ >= min(t // 8, 16) for t, s_, _ in builder.step_shapes() if t >= 16)
 
 
 def test_padding_sequences_repeat_the_last_offset():
