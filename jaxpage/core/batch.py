@@ -37,6 +37,8 @@ from jaxpage.sampling_params import MAX_LOGPROBS
 # A step with prefill holds at least one sequence seat per this many tokens of its rung
 # (``BatchBuilder.seats``).
 TOKENS_PER_SEAT = 8
+# A batch of 2 or more decodes holds at least this many seats (``BatchBuilder.decode_seats``).
+MIN_DECODE_SEATS = 8
 
 # Top log-probabilities the step returns per sequence when any sequence asks for them: as
 # many as a request may ask for.
@@ -169,7 +171,11 @@ class BatchBuilder:
 
     def __init__(self, kv_cache_manager: KVCacheManager, *, max_num_batched_tokens: int,
                  max_num_seqs: int, max_model_len: int, num_penalty_slots: int | None = None,
-                 bucket_growth: int = 2) -> None:
+                 bucket_growth: int = 2, one_block_rung: bool = False) -> None:
+        """``one_block_rung``: every batch's block tables are ``max_model_len`` wide (one
+        rung, so the block width never multiplies the programs), for attention kernels
+        whose cost does not depend on that width (the C++ CPU kernel reads each
+        sequence's blocks up to its own length)."""
         self.kv = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
         self.token_ladder = BucketLadder(min(16, max_num_batched_tokens), max_num_batched_tokens,
@@ -178,7 +184,8 @@ class BatchBuilder:
         # Verify steps (decodes with speculative proposals) pad their tokens from 1 up.
         self.verify_ladder = BucketLadder(1, max_num_batched_tokens, bucket_growth)
         max_blocks = kv_cache_manager.num_blocks_for(max_model_len)
-        self.block_ladder = BucketLadder(min(8, max_blocks), max_blocks, bucket_growth)
+        self.block_ladder = BucketLadder(max_blocks if one_block_rung else min(8, max_blocks),
+                                         max_blocks, bucket_growth)
         self.penalty_slots = PenaltySlots(num_penalty_slots or max_num_seqs)
         self.rows = BatchRows(max_num_seqs, max_blocks)
         self._last: tuple[SchedulerOutput, BatchMetadata] | None = None  # the latest build
@@ -191,18 +198,28 @@ class BatchBuilder:
         each (their logits and sampling); every program avoided is a compile avoided
         (seconds on the CPU, minutes on a TPU) and an executable to load at start-up."""
         if decodes_only:
-            return self.seq_ladder.fit(num_seqs)
+            return self.decode_seats(num_seqs)
         floor = min(num_tokens_rung // TOKENS_PER_SEAT, self.seq_ladder.rungs[-1])
         return self.seq_ladder.fit(max(num_seqs, floor))
 
+    def decode_seats(self, num_seqs: int) -> int:
+        """S of a batch of ``num_seqs`` decodes: 1 alone, else the sequence rung of at least
+        ``MIN_DECODE_SEATS`` (capped by the largest). A decode of a few rows reads the
+        weights once like a decode of 8 (a memory-bound step on every platform: on this
+        project's CPU 2 rows cost ~1.2x one row and 8 rows ~1.5x), so rows 2..8 share one
+        program instead of three."""
+        if num_seqs <= 1:
+            return self.seq_ladder.fit(num_seqs)
+        return self.seq_ladder.fit(max(num_seqs, min(MIN_DECODE_SEATS, self.seq_ladder.rungs[-1])))
+
     def decode_tokens(self, num_seqs: int) -> int:
-        """T of a batch of ``num_seqs`` decodes: the sequence rung, capped by the token rung."""
-        return min(self.seq_ladder.fit(num_seqs), self.token_ladder.fit(num_seqs))
+        """T of a batch of ``num_seqs`` decodes: its seats, capped by the token rung."""
+        return min(self.decode_seats(num_seqs), self.token_ladder.fit(num_seqs))
 
     def step_shapes(self) -> list[tuple[int, int, int]]:
         """Every (T, S, M) that ``build`` can produce: n sequences carry n..max tokens
         (decodes only: ``decode_tokens(n)``)."""
-        pairs = {(self.decode_tokens(n), self.seq_ladder.fit(n))
+        pairs = {(self.decode_tokens(n), self.decode_seats(n))
                  for n in range(1, self.seq_ladder.rungs[-1] + 1)}
         max_tokens = self.token_ladder.rungs[-1]
         for n in range(1, self.seq_ladder.rungs[-1] + 1):
@@ -215,7 +232,7 @@ class BatchBuilder:
 
     def decode_shapes(self) -> list[tuple[int, int, int]]:
         """Every (T, S, M) of an all-decode batch (n sequences, one token each)."""
-        pairs = {(self.decode_tokens(n), self.seq_ladder.fit(n))
+        pairs = {(self.decode_tokens(n), self.decode_seats(n))
                  for n in range(1, self.seq_ladder.rungs[-1] + 1)}
         return sorted((t, s, m) for t, s in pairs for m in self.block_ladder.rungs)
 
@@ -300,7 +317,7 @@ class BatchBuilder:
             T = self.verify_ladder.fit(num_tokens)
         else:
             T = self.decode_tokens(n) if decodes_only else self.token_ladder.fit(num_tokens)
-        S = self.seats(T, n, decodes_only or bool(out.num_draft_tokens))
+        S = self.seq_ladder.fit(n) if out.num_draft_tokens else self.seats(T, n, decodes_only)
         M = self.block_ladder.fit(int(rows.table_len[:n].max()))
         bs = self.block_size
 

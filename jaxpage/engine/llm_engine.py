@@ -142,7 +142,9 @@ class LLMEngine(LoRAAdapters):
             self.kv_cache_manager, max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
             num_penalty_slots=self.runner.penalty_table.shape[0],
-            bucket_growth=config.scheduler.bucket_growth)
+            bucket_growth=config.scheduler.bucket_growth,
+            one_block_rung=resolve_attention_backend(
+                mc.attention_backend, dtype=loaded.model.final_norm[...].dtype) == "cpu")
         self.quantization = loaded.quantization
         self.kv_cache_dtype = cc.kv_cache_dtype
         self.weight_bytes = stored_bytes(self.runner.params)  # every device's share together

@@ -28,7 +28,7 @@ def test_ladder_growth_trades_programs_for_padding():
     # and at least T / 8 seats (the 8 of the top rung for both)
     assert few.step_shapes() == [(1, 1, 8), (1, 1, 16), (8, 8, 8), (8, 8, 16), (16, 8, 8),
                                  (16, 8, 16), (64, 8, 8), (64, 8, 16)]
-    assert len(many.step_shapes()) > 2 * len(few.step_shapes())
+    assert len(many.step_shapes()) >= 2 * len(few.step_shapes())
 
 
 def test_mixed_prefill_and_decode_batch_layout():
@@ -117,10 +117,10 @@ def test_enumerated_shapes_cover_every_batch_the_builder_makes():
     assert len(seen) > 4
 
 
-@pytest.mark.parametrize("n, tokens", [(1, 1), (2, 2), (3, 4), (5, 6), (6, 6)])
+@pytest.mark.parametrize("n, tokens", [(1, 1), (2, 6), (3, 6), (5, 6), (6, 6)])
 def test_decode_only_batches_pad_tokens_like_sequences(n, tokens):
-    """Decodes pad T to the sequence rung (1, 2, 4, 6), not to the token ladder's 16; the
-    token rung caps it when the token ladder is the smaller one."""
+    """Decodes pad T to their seats (1 alone, else at least min(8, the top rung 6)), not to
+    the token ladder's 16; the token rung caps it when the token ladder is the smaller one."""
     s = make_scheduler(num_blocks=200, block_size=4, max_num_seqs=6, max_num_batched_tokens=40)
     builder = BatchBuilder(s.kv, max_num_batched_tokens=40, max_num_seqs=6, max_model_len=64)
     for i in range(n):
@@ -129,9 +129,11 @@ def test_decode_only_batches_pad_tokens_like_sequences(n, tokens):
     assert builder.build(prefill).shape_key[0] == builder.token_ladder.fit(3 * n) >= 16
     s.update_from_output(prefill, np.full(n, 7, np.int32))
     batch = builder.build(s.schedule())
-    assert batch.shape_key == (tokens, builder.seq_ladder.fit(n), 8)
+    assert batch.shape_key == (tokens, tokens, 8)
     assert batch.shape_key in set(builder.decode_shapes()) <= set(builder.step_shapes())
     np.testing.assert_array_equal(batch.input_ids[:n], [7] * n)
     np.testing.assert_array_equal(batch.slot_mapping[n:], [-1] * (tokens - n))
     capped = BatchBuilder(s.kv, max_num_batched_tokens=4, max_num_seqs=6, max_model_len=64)
     assert capped.decode_tokens(3) == 4 and capped.decode_tokens(1) == 1
+    wide = BatchBuilder(s.kv, max_num_batched_tokens=64, max_num_seqs=32, max_model_len=64)
+    assert [wide.decode_seats(n) for n in (1, 2, 7, 8, 9, 17)] == [1, 8, 8, 8, 16, 32]
