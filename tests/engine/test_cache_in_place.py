@@ -32,6 +32,7 @@ def test_step_and_decode_programs_copy_no_cache(backend, tiny_checkpoints):
     names = {name for name, _ in programs}
     assert "step" in names and any(name.startswith("decode") for name in names), names
     buckets = {bucket[:2] for name, bucket in programs if name.startswith("decode")}
-    assert (1, 1) in buckets and (4, 4) in buckets, buckets   # decodes at T = S
+    seats = engine.batch_builder.decode_seats(4)                 # 8 (4 rows pad to 8)
+    assert (1, 1) in buckets and (seats, seats) in buckets, buckets   # decodes at T = S
     for key, program in programs.items():
         assert not _cache_copies(program.as_text(), cache_shape), key
