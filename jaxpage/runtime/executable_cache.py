@@ -40,30 +40,6 @@ _persistent_cache_hits = [0]  # programs JAX's persistent compilation cache supp
 _SHARED_PROGRAMS: dict[tuple, Callable] = {}
 
 
-# XLA:CPU hands dots, elementwise ops and reductions to its YNNPACK library by default;
-# its reductions of a step's [rows, vocab] logits (the sampler's maxima) took ~8 ms each
-# at 64 rows of a 49k vocabulary, 3x XLA's own loops. Dots stay with YNNPACK, each on its
-# own (measured equal to the default on SmolLM2's matmuls, 1 to 512 rows).
-CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type":
-                        "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
-_cpu_options_supported = [True]
-
-
-def compile_lowered(lowered: Any) -> Any:
-    """``lowered.compile()``, with ``CPU_COMPILER_OPTIONS`` on the CPU (dropped for good,
-    with a log line, by an XLA that no longer knows them)."""
-    if jax.default_backend() != "cpu" or not _cpu_options_supported[0]:
-        return lowered.compile()
-    try:
-        return lowered.compile(compiler_options=CPU_COMPILER_OPTIONS)
-    except jax.errors.JaxRuntimeError as error:
-        if "xla_cpu_experimental_ynn_fusion_type" not in str(error):
-            raise
-        logger.info("this XLA has no %s: compiling with its defaults", CPU_COMPILER_OPTIONS)
-        _cpu_options_supported[0] = False
-        return lowered.compile()
-
-
 def clear_shared_programs() -> None:
     """Forget the programs shared in memory (each cache keeps the ones it already holds)."""
     _SHARED_PROGRAMS.clear()
@@ -168,7 +144,7 @@ class ExecutableCache:
 
     def _compile(self, key: tuple[str, tuple], jitted: Any, args: tuple) -> Callable:
         hits = _persistent_cache_hits[0]
-        compiled = compile_lowered(jitted.lower(*args))
+        compiled = jitted.lower(*args).compile()
         self.num_compiled += 1
         path = self._path(key)
         # An executable that XLA's persistent cache handed back serializes without its code
