@@ -27,18 +27,13 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from jaxpage.core.batch_rows import BatchRows
+from jaxpage.core.batch_shapes import BatchShapes
 from jaxpage.core.bucket_ladder import BucketLadder  # noqa: F401 (re-exported)
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.penalty_slots import PenaltyFill, PenaltySlots
 from jaxpage.core.request import MAX_STOP_TOKENS
 from jaxpage.core.scheduler import SchedulerOutput
 from jaxpage.sampling_params import MAX_LOGPROBS
-
-# A step with prefill holds at least one sequence seat per this many tokens of its rung
-# (``BatchBuilder.seats``).
-TOKENS_PER_SEAT = 8
-# A batch of 2 or more decodes holds at least this many seats (``BatchBuilder.decode_seats``).
-MIN_DECODE_SEATS = 8
 
 # Top log-probabilities the step returns per sequence when any sequence asks for them: as
 # many as a request may ask for.
@@ -163,8 +158,9 @@ def _prepend_zero(values):
     return xp.concatenate([xp.zeros(1, dtype=values.dtype), values])
 
 
-class BatchBuilder:
-    """Turns a SchedulerOutput into a padded BatchMetadata."""
+class BatchBuilder(BatchShapes):
+    """Turns a SchedulerOutput into a padded BatchMetadata, of a shape ``BatchShapes``
+    allows."""
 
     # Tests set this: every continuing build is checked against a build from the requests.
     check_fast_paths = False
@@ -172,82 +168,17 @@ class BatchBuilder:
     def __init__(self, kv_cache_manager: KVCacheManager, *, max_num_batched_tokens: int,
                  max_num_seqs: int, max_model_len: int, num_penalty_slots: int | None = None,
                  bucket_growth: int = 2, one_block_rung: bool = False) -> None:
-        """``one_block_rung``: every batch's block tables are ``max_model_len`` wide (one
-        rung, so the block width never multiplies the programs), for attention kernels
-        whose cost does not depend on that width (the C++ CPU kernel reads each
-        sequence's blocks up to its own length)."""
+        """Ladders and shape rules: ``BatchShapes`` (``one_block_rung`` there)."""
         self.kv = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
-        self.token_ladder = BucketLadder(min(16, max_num_batched_tokens), max_num_batched_tokens,
-                                         bucket_growth)
-        self.seq_ladder = BucketLadder(1, max_num_seqs, bucket_growth)
-        # Verify steps (decodes with speculative proposals) pad their tokens from 1 up.
-        self.verify_ladder = BucketLadder(1, max_num_batched_tokens, bucket_growth)
         max_blocks = kv_cache_manager.num_blocks_for(max_model_len)
-        self.block_ladder = BucketLadder(max_blocks if one_block_rung else min(8, max_blocks),
-                                         max_blocks, bucket_growth)
+        super().__init__(max_num_batched_tokens=max_num_batched_tokens,
+                         max_num_seqs=max_num_seqs, max_blocks=max_blocks,
+                         bucket_growth=bucket_growth, one_block_rung=one_block_rung)
         self.penalty_slots = PenaltySlots(num_penalty_slots or max_num_seqs)
         self.rows = BatchRows(max_num_seqs, max_blocks)
         self._last: tuple[SchedulerOutput, BatchMetadata] | None = None  # the latest build
 
-    def seats(self, num_tokens_rung: int, num_seqs: int, decodes_only: bool) -> int:
-        """S of a batch: the sequence rung of ``num_seqs``, and for a step with prefill at
-        least the rung of ``T / TOKENS_PER_SEAT`` (capped by the largest), so that each
-        token rung has one program for every count of sequences up to that, not one per
-        sequence rung. The extra rows cost at most 1 / TOKENS_PER_SEAT of a token's work
-        each (their logits and sampling); every program avoided is a compile avoided
-        (seconds on the CPU, minutes on a TPU) and an executable to load at start-up."""
-        if decodes_only:
-            return self.decode_seats(num_seqs)
-        floor = min(num_tokens_rung // TOKENS_PER_SEAT, self.seq_ladder.rungs[-1])
-        return self.seq_ladder.fit(max(num_seqs, floor))
-
-    def decode_seats(self, num_seqs: int) -> int:
-        """S of a batch of ``num_seqs`` decodes: 1 alone, else the sequence rung of at least
-        ``MIN_DECODE_SEATS`` (capped by the largest). A decode of a few rows reads the
-        weights once like a decode of 8 (a memory-bound step on every platform: on this
-        project's CPU 2 rows cost ~1.2x one row and 8 rows ~1.5x), so rows 2..8 share one
-        program instead of three."""
-        if num_seqs <= 1:
-            return self.seq_ladder.fit(num_seqs)
-        return self.seq_ladder.fit(max(num_seqs, min(MIN_DECODE_SEATS, self.seq_ladder.rungs[-1])))
-
-    def decode_tokens(self, num_seqs: int) -> int:
-        """T of a batch of ``num_seqs`` decodes: its seats, capped by the token rung."""
-        return min(self.decode_seats(num_seqs), self.token_ladder.fit(num_seqs))
-
-    def step_shapes(self) -> list[tuple[int, int, int]]:
-        """Every (T, S, M) that ``build`` can produce: n sequences carry n..max tokens
-        (decodes only: ``decode_tokens(n)``)."""
-        pairs = {(self.decode_tokens(n), self.decode_seats(n))
-                 for n in range(1, self.seq_ladder.rungs[-1] + 1)}
-        max_tokens = self.token_ladder.rungs[-1]
-        for n in range(1, self.seq_ladder.rungs[-1] + 1):
-            for rung in self.token_ladder.rungs:
-                if rung >= n:
-                    pairs.add((rung, self.seats(rung, n, decodes_only=False)))
-            if n > max_tokens:
-                break
-        return sorted((t, s, m) for t, s in pairs for m in self.block_ladder.rungs)
-
-    def decode_shapes(self) -> list[tuple[int, int, int]]:
-        """Every (T, S, M) of an all-decode batch (n sequences, one token each)."""
-        pairs = {(self.decode_tokens(n), self.decode_seats(n))
-                 for n in range(1, self.seq_ladder.rungs[-1] + 1)}
-        return sorted((t, s, m) for t, s in pairs for m in self.block_ladder.rungs)
-
-    def verify_shapes(self, max_rows: int, max_proposals: int) -> list[tuple[int, int, int]]:
-        """Every (T, S, M) of a verify batch (decodes with speculative proposals): up to
-        ``max_rows`` sequences, each with its last token and up to ``max_proposals``
-        proposals, at least one proposal in the batch."""
-        budget = self.verify_ladder.rungs[-1]
-        pairs = set()
-        for n in range(1, min(max_rows, self.seq_ladder.rungs[-1]) + 1):
-            low = self.verify_ladder.fit(min(n + 1, budget))
-            high = self.verify_ladder.fit(min(n * (1 + max_proposals), budget))
-            seats = self.seq_ladder.fit(n)
-            pairs.update((rung, seats) for rung in self.verify_ladder.rungs if low <= rung <= high)
-        return sorted((t, s, m) for t, s in pairs for m in self.block_ladder.rungs)
 
     def empty(self, T: int, S: int, M: int) -> BatchMetadata:
         """A batch of the given shape holding no sequence (for compiling ahead of time)."""
