@@ -72,6 +72,7 @@ ENGINE_FLAGS = {
     "weight_cache": (_bool, "keep GGUF weights converted for the next start (true/false)"),
     "warmup": (_bool, "compile every bucket at start-up (default: on accelerators only)"),
     "async_scheduling": (_bool, "dispatch the next call before processing the last one's tokens (true/false)"),
+    "compile_ahead": (_bool, "build the decode programs of smaller batches in the background (true/false; default: on accelerators only)"),
     "tensor_parallel_size": (int, "devices per model replica (sharded Megatron-style)"),
     "data_parallel_size": (int, "model replicas on disjoint device groups"),
     "coordinator_address": (str, "host:port of process 0 (several processes / hosts)"),

@@ -161,6 +161,10 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # > 0: most prompt tokens one request takes a step
     num_scheduler_steps: int = 8  # decode iterations run on device per call when all decode
     async_scheduling: bool = True  # dispatch the next call before the last one's tokens are processed
+    # Build the decode programs a running batch drains into on a background thread while
+    # the device runs; None: on accelerators only (on a CPU the compiler and the step share
+    # the same cores, and measured no faster).
+    compile_ahead: bool | None = None
     max_waiting_requests: int | None = None  # server: more waiting than this is a 503; None: no cap
     # Factor between neighbouring rungs of the bucket ladders (tokens, sequences, blocks per
     # sequence): 2 pads a batch by less than 2x; a larger factor compiles fewer programs
@@ -199,6 +203,8 @@ class SchedulerConfig:
                  f"num_scheduler_steps={self.num_scheduler_steps!r} must be an integer >= 1")
         _require(isinstance(self.async_scheduling, bool),
                  f"async_scheduling={self.async_scheduling!r} must be a bool")
+        _require(self.compile_ahead is None or isinstance(self.compile_ahead, bool),
+                 f"compile_ahead={self.compile_ahead!r} must be None (auto), True or False")
         _require(self.max_waiting_requests is None
                  or (isinstance(self.max_waiting_requests, int)
                      and not isinstance(self.max_waiting_requests, bool)

@@ -24,11 +24,15 @@ import hashlib
 import logging
 import os
 import pickle
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import jax
+
+from jaxpage.runtime import background_compile
 
 logger = logging.getLogger("jaxpage")
 
@@ -101,20 +105,60 @@ class ExecutableCache:
         self.num_loaded = 0      # programs read from disk
         self.num_compiled = 0    # programs traced and compiled in this process
         self.num_shared = 0      # programs another cache of the process had compiled
+        self.num_prefetched = 0  # programs built on the background thread (``prefetch``)
+        self._pending: dict[tuple[str, tuple], Future] = {}  # queued background builds
+        self._lock = threading.Lock()
 
     def get(self, name: str, bucket: tuple, jitted: Any, args: tuple) -> Callable:
         key = (name, bucket)
         program = self._programs.get(key)
         if program is None:
-            shared_key = (*self._shared_key, name, bucket)
-            program = _SHARED_PROGRAMS.get(shared_key)
-            if program is not None:
-                self.num_shared += 1
-            else:
-                program = self._load(key) or self._compile(key, jitted, args)
-                _SHARED_PROGRAMS[shared_key] = program
+            with self._lock:
+                future = self._pending.get(key)
+            if future is not None:  # being built in the background: wait for it
+                try:
+                    program = future.result()
+                except Exception as error:  # noqa: BLE001 - build it here instead
+                    logger.info("background build of %s failed (%s); building it now",
+                                key, error)
+            if program is None:
+                program = self._find_or_build(key, jitted, args)
             self._programs[key] = program
         return program
+
+    def prefetch(self, name: str, bucket: tuple, jitted: Any, args: tuple) -> bool:
+        """Build the program for ``args`` on the background thread (``background_compile``)
+        unless it is held or already on its way; ``get`` then waits for it instead of
+        building it again. ``args`` may be ``jax.ShapeDtypeStruct``s (only their shapes,
+        dtypes and shardings count). True when a build was queued."""
+        key = (name, bucket)
+        with self._lock:
+            if key in self._programs or key in self._pending:
+                return False
+            future = background_compile.submit(
+                lambda: self._background_build(key, jitted, args))
+            self._pending[key] = future
+        return True
+
+    def _background_build(self, key: tuple[str, tuple], jitted: Any, args: tuple) -> Callable:
+        try:
+            program = self._find_or_build(key, jitted, args)
+            self._programs.setdefault(key, program)
+            self.num_prefetched += 1
+            return program
+        finally:
+            with self._lock:
+                self._pending.pop(key, None)
+
+    def _find_or_build(self, key: tuple[str, tuple], jitted: Any, args: tuple) -> Callable:
+        """The program shared in memory, else loaded from disk, else compiled (and saved)."""
+        shared_key = (*self._shared_key, *key)
+        program = _SHARED_PROGRAMS.get(shared_key)
+        if program is not None:
+            self.num_shared += 1
+            return program
+        program = self._load(key) or self._compile(key, jitted, args)
+        return _SHARED_PROGRAMS.setdefault(shared_key, program)
 
     def programs(self) -> dict[tuple[str, tuple], Callable]:
         """The programs held in memory, by (name, bucket): for inspection."""

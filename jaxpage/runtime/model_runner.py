@@ -360,6 +360,27 @@ class ModelRunner:
         self._last_call = PendingMultiStep(tokens, carry, logprobs)
         return self._last_call
 
+    def prefetch(self, batch: BatchMetadata, num_steps: int) -> bool:
+        """Start building, in the background, the program a plain step (``num_steps`` 1) or
+        a multi-step decode call of ``batch``'s shape runs (``ExecutableCache.prefetch``);
+        ``batch``'s values do not matter. True when a build was queued."""
+        prefetch = getattr(self.executables, "prefetch", None)
+        if prefetch is None:  # plain jit dispatch on a mesh: nothing to build ahead
+            return False
+        # Shapes, dtypes and shardings only: the live caches are donated by every call.
+        fixed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                             (self.params, (self.kv_cache, self.penalty_table)))
+        if num_steps == 1:
+            args = (*fixed, batch.packed(), self._no_carry[0])
+            return prefetch("step", batch.shape_key, self._step, args)
+        loop = self._decode_loops.get(num_steps)
+        if loop is None:
+            loop = self._decode_loops[num_steps] = make_decode_loop(
+                self._graphdef, num_steps, self._block_size, jit=self._jit_with_caches)
+        row_map = np.full(batch.block_tables.shape[0], -1, np.int32)
+        args = (*fixed, batch.packed(), *self._no_carry, row_map)
+        return prefetch(f"decode{num_steps}", batch.shape_key, loop, args)
+
     def execute_multi_step(self, batch: BatchMetadata, num_steps: int) -> np.ndarray:
         """Run ``num_steps`` decode iterations; int32 [num_steps, S], -1 after a row stops."""
         return self.dispatch_multi_step(batch, num_steps).fetch()

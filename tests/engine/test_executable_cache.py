@@ -57,3 +57,62 @@ def test_an_engine_like_another_runs_its_programs_without_compiling(tiny_llm, ti
     other = LLM(tiny_checkpoints["llama"], **{**TINY, "num_kv_blocks": 100})  # other shapes
     other.generate(prompt, params, use_tqdm=False)
     assert other.llm_engine.runner.executables.num_shared == 0
+
+
+def test_a_prefetched_program_is_built_once_in_the_background(tmp_path):
+    """``prefetch`` compiles from shapes alone on the background thread; ``get`` then
+    hands back that program (waiting for it if needed) instead of compiling again."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxpage.runtime.executable_cache import ExecutableCache
+
+    cache = ExecutableCache(tmp_path, "prefetch-test")
+    jitted = jax.jit(lambda x, y: x @ y + 1.0)
+    x = jnp.arange(6.0).reshape(2, 3)
+    y = np.ones((3, 4), np.float32)
+    shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), y)
+    assert cache.prefetch("f", (2, 3, 4), jitted, shapes)
+    assert not cache.prefetch("f", (2, 3, 4), jitted, shapes)   # already on its way
+    program = cache.get("f", (2, 3, 4), jitted, (x, y))
+    assert cache.num_compiled == 1 and cache.num_prefetched == 1
+    np.testing.assert_array_equal(np.asarray(program(x, y)), np.asarray(x) @ y + 1.0)
+    assert cache.get("f", (2, 3, 4), jitted, (x, y)) is program
+
+
+def test_a_failed_background_build_is_redone_by_the_caller(tmp_path):
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpage.runtime.executable_cache import ExecutableCache
+
+    cache = ExecutableCache(None, "prefetch-fail")
+    jitted = jax.jit(lambda x: x * 2)
+    wrong = (jax.ShapeDtypeStruct((2, 2), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.int32))
+    cache.prefetch("g", (2,), jitted, wrong)       # two arguments for one: fails to lower
+    x = jnp.ones(2)
+    program = cache.get("g", (2,), jitted, (x,))
+    assert list(program(x)) == [2.0, 2.0] and cache.num_prefetched == 0
+
+
+def test_compile_ahead_builds_the_drain_programs_and_changes_no_token(tiny_checkpoints):
+    """With ``compile_ahead`` the decode programs of the smaller batches a workload drains
+    into are built on the background thread before the engine needs them, and every
+    token is what the engine without it produces."""
+    from jaxpage import LLM, SamplingParams
+
+    options = dict(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32, block_size=8,
+                   num_kv_blocks=40, num_scheduler_steps=4)
+    prompts = [{"prompt_token_ids": [3 + i, 7, 11 + i]} for i in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=2 + 5 * i, ignore_eos=True)
+              for i in range(5)]
+    ahead = LLM(tiny_checkpoints["llama"], compile_ahead=True, **options)
+    got = [o.outputs[0].token_ids for o in ahead.generate(prompts, params, use_tqdm=False)]
+    programs = ahead.llm_engine.runner.executables
+    decodes = {bucket for name, bucket in programs.programs() if name == "decode4"}
+    assert programs.num_prefetched >= 2 and len(decodes) >= 2
+    plain = LLM(tiny_checkpoints["llama"], compile_ahead=False, **options)
+    assert not plain.llm_engine.device_calls.compile_ahead
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert got == want
