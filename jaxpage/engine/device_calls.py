@@ -66,6 +66,7 @@ from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.request import Request, RequestStatus
 from jaxpage.core.scheduler import PreemptionCostModel, Scheduler, SchedulerOutput
 from jaxpage.engine.beam_search_driver import BeamSearchDriver
+from jaxpage.engine.compile_ahead import DrainPrograms
 from jaxpage.engine.logprobs import LogprobsRecorder
 from jaxpage.engine.output_processor import OutputProcessor
 from jaxpage.engine.structured_outputs import GrammarCompiler, advance
@@ -123,10 +124,7 @@ class DeviceCalls:
         self._results_at = 0.0
         self._pending_outputs: list[RequestOutput] = []  # collected by drain()
         self._empty_steps = 0  # consecutive empty schedules (see _check_not_stalled)
-        self.compile_ahead = (config.compile_ahead if config.compile_ahead is not None
-                              else runner.placement_platform() != "cpu")
-        self._asked_ahead: set[tuple] = set()  # (T, S, M, steps) queued by _compile_ahead
-        self._ahead_of: tuple[int, int] | None = None  # (sequences, width) it last looked at
+        self.drain_programs = DrainPrograms.for_config(config, batch_builder, runner)
 
     def step(self) -> list[RequestOutput]:
         """Process one device call (the in-flight one, else a new one); its outputs."""
@@ -238,30 +236,9 @@ class DeviceCalls:
         self._phases["schedule"] += scheduled - began
         self._phases["batch"] += dispatched_at - scheduled
         self._phases["dispatch"] += time.perf_counter() - dispatched_at
-        if self.compile_ahead:
-            self._compile_ahead(batch)
+        if self.drain_programs is not None:  # compile_ahead
+            self.drain_programs.after_dispatch(batch, self.scheduler)
         return DeviceCall(out, num_steps, pending, dispatched_at, batch)
-
-    def _compile_ahead(self, batch: BatchMetadata) -> None:
-        """Queue background builds of the all-decode programs the unfinished requests will
-        run as they drain: one per decode seat rung from theirs down to one sequence,
-        largest first, at this call's block-table width (``ModelRunner.prefetch``). Each
-        program is asked for once; with the request count unchanged this costs nothing."""
-        scheduler = self.scheduler
-        live = min(len(scheduler.running) + len(scheduler.waiting),
-                   self.config.max_num_seqs)
-        width = batch.block_tables.shape[1]
-        if live < 1 or (live, width) == self._ahead_of:
-            return
-        self._ahead_of = (live, width)
-        builder = self.batch_builder
-        steps = self.config.num_scheduler_steps
-        shapes = sorted({(builder.decode_tokens(n), builder.decode_seats(n), width, steps)
-                         for n in range(1, live + 1)}, key=lambda shape: -shape[1])
-        for shape in shapes:
-            if shape not in self._asked_ahead and shape[:3] != batch.shape_key:
-                self._asked_ahead.add(shape)
-                self.runner.prefetch(builder.empty(*shape[:3]), steps)
 
     def _grammar_masks(self, out: SchedulerOutput, batch: BatchMetadata) -> np.ndarray | None:
         """The step's packed grammar masks (int32 [S, ceil(V / 32)]) when some row has a

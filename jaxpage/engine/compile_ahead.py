@@ -1,0 +1,59 @@
+"""``compile_ahead``: which programs a running workload will need next, asked for early.
+
+As requests finish, an all-decode batch shrinks through the decode seat rungs
+(``BatchShapes.decode_seats``) down to one sequence. ``DrainPrograms`` asks the runner to
+build those programs on the background thread (``ModelRunner.prefetch``) while the
+device runs the current call, so that the call which first needs one finds it built.
+
+Invariants: each program is asked for at most once per engine; nothing is asked while
+the number of unfinished requests and the block-table width stay as they were, so a
+steady step costs a comparison.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxpage.config import SchedulerConfig
+from jaxpage.core.batch import BatchBuilder, BatchMetadata
+
+
+class DrainPrograms:
+    """Asks for the all-decode programs of every batch size below the current one."""
+
+    def __init__(self, builder: BatchBuilder, runner: Any, num_steps: int,
+                 max_num_seqs: int) -> None:
+        self.builder = builder
+        self.runner = runner
+        self.num_steps = num_steps  # the kind of decode call: K iterations (1: plain steps)
+        self.max_num_seqs = max_num_seqs
+        self.asked: set[tuple[int, int, int, int]] = set()  # (T, S, M, steps) asked for
+        self._seen: tuple[int, int] | None = None  # (sequences, width) last looked at
+
+    @classmethod
+    def for_config(cls, config: SchedulerConfig, builder: BatchBuilder,
+                   runner: Any) -> "DrainPrograms | None":
+        """The engine's, or None when ``compile_ahead`` is off (None: off on the CPU,
+        where the compiler and the step share the cores)."""
+        enabled = config.compile_ahead
+        if enabled is None:
+            enabled = runner.placement_platform() != "cpu"
+        return cls(builder, runner, config.num_scheduler_steps, config.max_num_seqs) \
+            if enabled else None
+
+    def after_dispatch(self, batch: BatchMetadata, scheduler: Any) -> None:
+        """``batch`` was just dispatched: queue the decode programs for 1 to as many
+        sequences as ``scheduler`` has unfinished (running and waiting, at most
+        ``max_num_seqs``) at ``batch``'s block-table width, largest first."""
+        unfinished = min(len(scheduler.running) + len(scheduler.waiting), self.max_num_seqs)
+        width = batch.block_tables.shape[1]
+        if unfinished < 1 or (unfinished, width) == self._seen:
+            return
+        self._seen = (unfinished, width)
+        builder, steps = self.builder, self.num_steps
+        shapes = sorted({(builder.decode_tokens(n), builder.decode_seats(n), width, steps)
+                         for n in range(1, unfinished + 1)}, key=lambda shape: -shape[1])
+        for shape in shapes:
+            if shape not in self.asked and shape[:3] != batch.shape_key:
+                self.asked.add(shape)
+                self.runner.prefetch(builder.empty(*shape[:3]), steps)
