@@ -21,10 +21,8 @@ from jaxpage.core.batch import BatchBuilder, BatchMetadata
 class DrainPrograms:
     """Asks for the all-decode programs of every batch size below the current one."""
 
-    def __init__(self, builder: BatchBuilder, runner: Any, num_steps: int,
-                 max_num_seqs: int) -> None:
+    def __init__(self, builder: BatchBuilder, num_steps: int, max_num_seqs: int) -> None:
         self.builder = builder
-        self.runner = runner
         self.num_steps = num_steps  # the kind of decode call: K iterations (1: plain steps)
         self.max_num_seqs = max_num_seqs
         self.asked: set[tuple[int, int, int, int]] = set()  # (T, S, M, steps) asked for
@@ -38,12 +36,11 @@ class DrainPrograms:
         enabled = config.compile_ahead
         if enabled is None:
             enabled = runner.placement_platform() != "cpu"
-        return cls(builder, runner, config.num_scheduler_steps, config.max_num_seqs) \
-            if enabled else None
+        return cls(builder, config.num_scheduler_steps, config.max_num_seqs) if enabled else None
 
-    def after_dispatch(self, batch: BatchMetadata, scheduler: Any) -> None:
-        """``batch`` was just dispatched: queue the decode programs for 1 to as many
-        sequences as ``scheduler`` has unfinished (running and waiting, at most
+    def after_dispatch(self, batch: BatchMetadata, scheduler: Any, runner: Any) -> None:
+        """``batch`` was just dispatched: ask ``runner`` for the decode programs for 1 to as
+        many sequences as ``scheduler`` has unfinished (running and waiting, at most
         ``max_num_seqs``) at ``batch``'s block-table width, largest first."""
         unfinished = min(len(scheduler.running) + len(scheduler.waiting), self.max_num_seqs)
         width = batch.block_tables.shape[1]
@@ -56,4 +53,4 @@ class DrainPrograms:
         for shape in shapes:
             if shape not in self.asked and shape[:3] != batch.shape_key:
                 self.asked.add(shape)
-                self.runner.prefetch(builder.empty(*shape[:3]), steps)
+                runner.prefetch(builder.empty(*shape[:3]), steps)

@@ -237,7 +237,7 @@ class DeviceCalls:
         self._phases["batch"] += dispatched_at - scheduled
         self._phases["dispatch"] += time.perf_counter() - dispatched_at
         if self.drain_programs is not None:  # compile_ahead
-            self.drain_programs.after_dispatch(batch, self.scheduler)
+            self.drain_programs.after_dispatch(batch, self.scheduler, self.runner)
         return DeviceCall(out, num_steps, pending, dispatched_at, batch)
 
     def _grammar_masks(self, out: SchedulerOutput, batch: BatchMetadata) -> np.ndarray | None:
