@@ -14,8 +14,7 @@ One ``DeviceCalls.step()`` takes one device call through its life:
    from what the host knows (``Scheduler.schedule_ahead``): every row of the running call
    counted as done, its sampled token read on the device (``input_src``); that schedule
    may itself be a multi-step call. The new call is then *in flight*: the next ``step()``
-   processes it instead of scheduling, so the host's bookkeeping overlaps the device's
-   work.
+   processes it instead of scheduling, so the host's bookkeeping overlaps the device's work.
 3. **wait and apply**: the host waits for the call's tokens (the only place it waits on
    the device) and applies them to the requests: scheduler updates, logprobs, beam
    search expansions, stop strings. Outputs are collected by ``collect``.
@@ -45,10 +44,11 @@ Invariants:
 ``step_profile`` splits ``step()``'s wall time (``grammar_s``: the part of the host's
 spent filling grammar masks and advancing grammars): ``device_s`` (waiting for results),
 ``host_s`` (the host's own work), ``idle_s`` (the device had nothing dispatched, counted
-from when the host saw the last results: an upper bound), ``chained`` (calls
-dispatched before the previous call's tokens were processed) and ``steady`` (those of
-them scheduled and built in the steady state of decoding, from the call before alone:
-``Scheduler.schedule_ahead``, ``BatchBuilder.build``).
+from when the host saw the last results: an upper bound), ``chained`` (calls dispatched
+before the previous call's tokens were processed) and ``steady`` (those of them scheduled
+and built in the steady state of decoding, from the call before alone:
+``Scheduler.schedule_ahead``, ``BatchBuilder.build``). After each dispatch,
+``compile_ahead`` asks for the programs the batch will drain into (``engine.compile_ahead``).
 """
 
 from __future__ import annotations
