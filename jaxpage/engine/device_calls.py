@@ -71,7 +71,8 @@ from jaxpage.engine.logprobs import LogprobsRecorder
 from jaxpage.engine.output_processor import OutputProcessor
 from jaxpage.engine.structured_outputs import GrammarCompiler, advance
 from jaxpage.outputs import RequestOutput
-from jaxpage.runtime.model_runner import ModelRunner, PendingMultiStep, PendingStep
+from jaxpage.runtime.model_runner import ModelRunner
+from jaxpage.runtime.pending_calls import PendingMultiStep, PendingStep
 
 
 # The host's work per call, by phase (seconds in ``step_profile["phases"]``): scheduling

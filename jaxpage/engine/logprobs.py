@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from jaxpage.core.request import Request
 from jaxpage.outputs import CompletionOutput, Logprob, SampleLogprobs
-from jaxpage.runtime.model_runner import StepResult
+from jaxpage.runtime.pending_calls import StepResult
 
 
 class LogprobsRecorder:

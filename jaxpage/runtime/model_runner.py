@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -18,71 +17,12 @@ from jaxpage.runtime.decode_loop import make_decode_loop
 from jaxpage.parallel.placement import JitDispatch, Placement
 from jaxpage.runtime.executable_cache import ExecutableCache, fingerprint
 from jaxpage.runtime.kv_cache import allocate_kv_cache
+from jaxpage.runtime.pending_calls import PendingMultiStep, PendingStep, StepResult
 from jaxpage.core.penalty_slots import PenaltyFill
 from jaxpage.runtime.step import make_forward_logits, make_penalty_fill, make_step
 
 # Tokens per call of the penalty-fill program (one compiled shape; long rows take several).
 PENALTY_FILL_WIDTH = 512
-
-
-@dataclass
-class PendingStep:
-    """A dispatched single step whose outputs may still be on the device."""
-
-    last_tokens: jax.Array                  # int32 [R]  tokens padded, for a step behind it
-    sampled: jax.Array                      # int32 [2, S]  tokens; may-stop flags (step.may_stop)
-    top_ids: jax.Array | None = None        # int32 [S, K] (only when a row wants logprobs)
-    top_logprobs: jax.Array | None = None   # float32 [S, K]
-    token_logprobs: jax.Array | None = None  # float32 [S]  (likewise)
-    token_ranks: jax.Array | None = None     # int32 [S]
-
-    def is_ready(self) -> bool:
-        return self.sampled.is_ready()
-
-    def fetch(self) -> "StepResult":
-        """Wait for the step and bring its outputs to the host."""
-        sampled = np.asarray(self.sampled)
-        result = _fetch(sampled[0], self.top_ids, self.top_logprobs, self.token_logprobs,
-                        self.token_ranks)
-        result.may_stop = sampled[1]
-        if sampled.shape[0] > 2:  # a verify step: per token, with its emitted flags
-            result.emitted = sampled[2]
-        return result
-
-
-@dataclass
-class PendingMultiStep:
-    """A dispatched multi-step decode call; ``carry`` stays on the device for chaining."""
-
-    tokens: jax.Array                       # int32 [K, S], -1 after a row stops
-    carry: tuple[jax.Array, jax.Array]      # (last token int32 [R], done bool [R])
-    # (top_ids [K, S, N], top_logprobs [K, S, N], token_logprobs [K, S], token_ranks [K, S])
-    # when some row wants logprobs, else None
-    logprobs: tuple[jax.Array, ...] | None = None
-
-    def is_ready(self) -> bool:
-        return self.tokens.is_ready()
-
-    def fetch(self) -> np.ndarray:
-        """Tokens int32 [K, S] on the host (see ``fetch_result`` for the logprobs too)."""
-        return np.asarray(self.tokens)
-
-    def fetch_result(self) -> "StepResult":
-        """Tokens and logprob arrays, each with a leading [K] axis."""
-        return _fetch(self.tokens, *(self.logprobs or (None,) * 4))
-
-
-@dataclass
-class StepResult:
-    """One device call's results on the host; multi-step calls add a leading [K] axis."""
-
-    tokens: np.ndarray                      # int32 [S] sampled token per sequence
-    top_ids: np.ndarray | None              # int32 [S, K] when some row asked for logprobs
-    top_logprobs: np.ndarray | None         # float32 [S, K]
-    token_logprobs: np.ndarray | None = None  # float32 [S]  logprob of the sampled token
-    token_ranks: np.ndarray | None = None     # int32 [S]  its 1-based rank in the vocabulary
-    may_stop: np.ndarray | None = None        # int32 [S]  single steps: step.may_stop's flags
-    emitted: np.ndarray | None = None         # int32 [T]  verify steps: the tokens emitted
 
 
 class ModelRunner:
@@ -390,13 +330,6 @@ class ModelRunner:
         self.kv_cache, logits = self._forward_logits(self.params, self.kv_cache,
                                                      jax.device_put(batch.packed()))
         return np.asarray(logits)
-
-
-def _fetch(tokens, top_ids, top_logprobs, token_logprobs, token_ranks) -> StepResult:
-    if top_ids is None:
-        return StepResult(np.asarray(tokens), None, None)
-    return StepResult(np.asarray(tokens), np.asarray(top_ids), np.asarray(top_logprobs),
-                      np.asarray(token_logprobs), np.asarray(token_ranks))
 
 
 def _powers_of_two_upto(limit: int) -> list[int]:
