@@ -5,9 +5,9 @@ As requests finish, an all-decode batch shrinks through the decode seat rungs
 build those programs on the background thread (``ModelRunner.prefetch``) while the
 device runs the current call, so that the call which first needs one finds it built.
 
-Invariants: each program is asked for at most once per engine; nothing is asked while
-the number of unfinished requests and the block-table width stay as they were, so a
-steady step costs a comparison.
+Invariants: each program is asked for at most once per engine; nothing is computed
+unless the number of unfinished requests exceeds the most already covered at this
+block-table width, so a step whose batch holds or drains costs a dictionary lookup.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class DrainPrograms:
         self.num_steps = num_steps  # the kind of decode call: K iterations (1: plain steps)
         self.max_num_seqs = max_num_seqs
         self.asked: set[tuple[int, int, int, int]] = set()  # (T, S, M, steps) asked for
-        self._seen: tuple[int, int] | None = None  # (sequences, width) last looked at
+        self._covered: dict[int, int] = {}  # width -> most sequences whose programs were asked
 
     @classmethod
     def for_config(cls, config: SchedulerConfig, builder: BatchBuilder,
@@ -44,9 +44,9 @@ class DrainPrograms:
         ``max_num_seqs``) at ``batch``'s block-table width, largest first."""
         unfinished = min(len(scheduler.running) + len(scheduler.waiting), self.max_num_seqs)
         width = batch.block_tables.shape[1]
-        if unfinished < 1 or (unfinished, width) == self._seen:
+        if unfinished <= self._covered.get(width, 0):
             return
-        self._seen = (unfinished, width)
+        self._covered[width] = unfinished
         builder, steps = self.builder, self.num_steps
         shapes = sorted({(builder.decode_tokens(n), builder.decode_seats(n), width, steps)
                          for n in range(1, unfinished + 1)}, key=lambda shape: -shape[1])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -263,6 +264,14 @@ class ModelRunner:
         """Run one step and wait for it. Rows past ``num_seqs`` are junk."""
         return self.dispatch(batch, token_mask=token_mask).fetch()
 
+    def _decode_loop(self, num_steps: int) -> Any:
+        """The jitted multi-step decode loop of ``num_steps`` iterations (made once)."""
+        loop = self._decode_loops.get(num_steps)
+        if loop is None:
+            loop = self._decode_loops[num_steps] = make_decode_loop(
+                self._graphdef, num_steps, self._block_size, jit=self._jit_with_caches)
+        return loop
+
     def dispatch_multi_step(self, batch: BatchMetadata, num_steps: int,
                             row_map: np.ndarray | None = None) -> "PendingMultiStep":
         """Launch up to ``num_steps`` decode iterations without waiting.
@@ -272,10 +281,7 @@ class ModelRunner:
         input token and done flag from the device; the host built ``batch`` as far ahead
         as that call goes.
         """
-        loop = self._decode_loops.get(num_steps)
-        if loop is None:
-            loop = self._decode_loops[num_steps] = make_decode_loop(
-                self._graphdef, num_steps, self._block_size, jit=self._jit_with_caches)
+        loop = self._decode_loop(num_steps)
         num_rows = batch.block_tables.shape[0]
         if row_map is None:
             prev_tokens, prev_done = self._no_carry
@@ -313,10 +319,7 @@ class ModelRunner:
         if num_steps == 1:
             args = (*fixed, batch.packed(), self._no_carry[0])
             return prefetch("step", batch.shape_key, self._step, args)
-        loop = self._decode_loops.get(num_steps)
-        if loop is None:
-            loop = self._decode_loops[num_steps] = make_decode_loop(
-                self._graphdef, num_steps, self._block_size, jit=self._jit_with_caches)
+        loop = self._decode_loop(num_steps)
         row_map = np.full(batch.block_tables.shape[0], -1, np.int32)
         args = (*fixed, batch.packed(), *self._no_carry, row_map)
         return prefetch(f"decode{num_steps}", batch.shape_key, loop, args)
