@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--host", default="127.0.0.1", help="address to listen on")
     proxy.add_argument("--port", type=int, default=8000, help="port to listen on")
     proxy.add_argument("--log-level", default="info", help="uvicorn log level")
+    proxy.add_argument("--max-imbalance", type=int, default=8, metavar="N",
+                       help="requests in flight an instance that recently took a request's "
+                            "prefix may be ahead of the least loaded one and still get it")
 
     gen = commands.add_parser("generate", help="generate a completion for one prompt, streamed",
                               description="Generate for one prompt, printing text as it comes.")
@@ -263,7 +266,7 @@ def _proxy(args) -> int:
     from jaxpage.server.disaggregated import run_proxy
 
     run_proxy(args.prefill, args.decode, host=args.host, port=args.port,
-              log_level=args.log_level)
+              log_level=args.log_level, max_imbalance=args.max_imbalance)
     return 0
 
 

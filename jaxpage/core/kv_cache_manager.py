@@ -13,7 +13,8 @@ Invariants:
   (copy-on-write); the copy is queued in ``pending_copies`` and must run on the device
   before the next step.
 * Swapped-out requests hold host blocks only; ``pending_swap_out`` / ``pending_swap_in``
-  list the (device, host) block copies the device must run, swap-outs first.
+  list the (device, host) block copies the device must run, swap-outs first. A swap-in
+  shares the leading full blocks the prefix cache holds instead of copying them.
 * With ``sliding_window`` (a model whose every layer attends only to the last
   ``sliding_window`` positions), a block no future query can see (every position
   ``<= num_computed_tokens - sliding_window``) is given back and its place in the list
@@ -72,6 +73,7 @@ class KVCacheManager:
         self.pending_swap_in: list[tuple[int, int]] = []    # (host block, device block)
         self.num_prefix_queried_tokens = 0
         self.num_prefix_hit_tokens = 0
+        self.num_swap_in_shared_blocks = 0  # swapped-in blocks taken from the prefix cache
         # Requests whose block list changed since the batch builder last looked, each with
         # the index of its first block that may differ: the builder keeps block tables row
         # by row and rewrites only from there (``take_changed``).
@@ -88,11 +90,17 @@ class KVCacheManager:
         At least one token is left to compute (its logits are needed), so a fully cached
         prompt still recomputes its last token. Only for a request holding no blocks.
         """
-        if not self.block_pool.enable_caching or request.request_id in self.req_to_blocks:
+        if request.request_id in self.req_to_blocks:
+            return []
+        return self._cached_prefix(request, (request.num_tokens - 1) // self.block_size)
+
+    def _cached_prefix(self, request: Request, max_blocks: int) -> list[KVBlock]:
+        """Cached blocks holding the longest run of the request's first ``max_blocks``
+        full blocks of tokens."""
+        if not self.block_pool.enable_caching:
             return []
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
                             request.extra_keys)
-        max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
         for block_hash in request.block_hashes[:max_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
@@ -278,12 +286,21 @@ class KVCacheManager:
         return len(self.req_to_host_blocks.get(request.request_id, [])) <= self.block_pool.num_free_blocks
 
     def swap_in(self, request: Request) -> None:
-        """Bring a swapped-out request's blocks back into fresh device blocks."""
+        """Bring a swapped-out request's blocks back onto the device. Leading full blocks
+        whose prefix the device's cache already holds are shared from it (no copy); the
+        rest are copied into fresh device blocks. (A request prefilled elsewhere whose
+        prefix this instance has served before thus costs only its new pages.)"""
         host = self.req_to_host_blocks.pop(request.request_id)
-        blocks = self.block_pool.get_new_blocks(len(host))
-        self.pending_swap_in.extend((h, b.block_id) for h, b in zip(host, blocks))
         dropped = self.num_dropped.get(request.request_id, 0)
-        self.req_to_blocks[request.request_id] = [self.null_block] * dropped + blocks
+        full = min(request.num_computed_tokens // self.block_size, len(host))
+        hits = [] if dropped else self._cached_prefix(request, full)
+        self.block_pool.touch(hits)  # before taking fresh blocks, which may evict free ones
+        blocks = self.block_pool.get_new_blocks(len(host) - len(hits))
+        self.pending_swap_in.extend((h, b.block_id) for h, b in zip(host[len(hits):], blocks))
+        self.req_to_blocks[request.request_id] = [self.null_block] * dropped + hits + blocks
+        if hits:
+            self.num_hashed_blocks[request.request_id] = len(hits)
+            self.num_swap_in_shared_blocks += len(hits)
         self._changed_from(request.request_id, 0)
         self.host_pool.give_back(host)
 

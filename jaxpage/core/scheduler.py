@@ -451,6 +451,7 @@ class Scheduler(AheadOfHost, SpeculativeScheduling, LoRASeating):
                 "num_swap_preemptions": self.num_swap_preemptions,
                 "prefix_cache_hit_rate": self.kv.num_prefix_hit_tokens / queried if queried else 0.0,
                 "num_cached_blocks": len(self.kv.block_pool.cached_blocks),
+                "num_swap_in_shared_blocks": self.kv.num_swap_in_shared_blocks,
                 **(self.spec_stats.as_dict() if self.speculation is not None else {}),
                 **(self._lora_stats() if self.lora_slots is not None else {})}
 

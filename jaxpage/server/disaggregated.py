@@ -20,10 +20,13 @@ from jaxpage.server.proxy import build_proxy_app
 
 
 def run_proxy(prefill: list[str], decode: list[str], *, host: str = "127.0.0.1",
-              port: int = 8000, log_level: str = "info") -> None:
+              port: int = 8000, log_level: str = "info", max_imbalance: int = 8) -> None:
     """Check the instances' KV layouts, then serve the proxy until interrupted."""
+    if max_imbalance < 0:
+        raise ValueError(f"max_imbalance={max_imbalance} must be >= 0")
     check_kv_layouts(prefill, decode)
-    uvicorn.run(build_proxy_app(prefill, decode), host=host, port=port, log_level=log_level)
+    uvicorn.run(build_proxy_app(prefill, decode, max_imbalance=max_imbalance), host=host,
+                port=port, log_level=log_level)
 
 
 def check_kv_layouts(prefill: list[str], decode: list[str],

@@ -48,6 +48,11 @@ class _EngineStateCollector:
                                           labels=labels)
         preemptions.add_metric([self.model_name], float(stats.get("num_preemptions", 0)))
         yield preemptions
+        shared = CounterMetricFamily(
+            PREFIX + "swap_in_shared_blocks", "Blocks a swap-in (or a KV handoff on a decode "
+            "instance) took from the prefix cache instead of copying", labels=labels)
+        shared.add_metric([self.model_name], float(stats.get("num_swap_in_shared_blocks", 0)))
+        yield shared
         if "kv_tickets_pending" in stats:  # a prefill instance (disaggregated serving)
             for name, doc, key, kind in (
                     ("kv_transfer_pending_tickets", "Offered KV pages not pulled or released yet",

@@ -2,10 +2,12 @@
 
 For each completion or chat request the proxy
 
-1. sends it to the least loaded prefill instance with ``max_tokens=1``, ``stream=false``
+1. sends it to a prefill instance (the least loaded, unless one recently took the same
+   prompt prefix: ``proxy_routing``) with ``max_tokens=1``, ``stream=false``
    and ``kv_transfer_params={"do_remote_decode": true}``: that instance runs the prompt,
    samples the first token and answers with a ticket for the prompt's KV pages;
-2. sends the original request plus the ticket to the least loaded decode instance, which
+2. sends the original request plus the ticket to a decode instance (chosen the same way,
+   by the prompt's token blocks: one that holds the prefix shares it), which
    pulls the pages (one transfer, ``jax.experimental.transfer``) and decodes the rest;
 3. streams the decode instance's answer back unchanged.
 
@@ -34,21 +36,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxpage.server.errors import error_response
 from jaxpage.server.proxy_metrics import gather_metrics
+from jaxpage.server.proxy_routing import MAX_IMBALANCE, InstancePool, prefix_keys, prompt_keys
 
 DECODE_ATTEMPTS = 3        # prefill + decode rounds before a full decode instance's 503 is final
 RETRY_AFTER_S = 1.0
-
-
-class _Pool:
-    """Instances of one role; ``pick`` takes the one with the fewest requests in flight."""
-
-    def __init__(self, urls: list[str]) -> None:
-        if not urls:
-            raise ValueError("the proxy needs at least one instance of each role")
-        self.in_flight = {url.rstrip("/"): 0 for url in urls}
-
-    def pick(self) -> str:
-        return min(self.in_flight, key=self.in_flight.get)
 
 
 def _answer(response: httpx.Response) -> Response:
@@ -98,8 +89,23 @@ def _whole_on_prefill(body: dict) -> bool:
             or "kv_transfer_params" in body)
 
 
-def build_proxy_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0) -> FastAPI:
-    prefills, decodes = _Pool(prefill), _Pool(decode)
+def _ticket_keys(ticket: dict, body: dict) -> list[bytes]:
+    """Prefix keys of a prefilled request: its prompt token ids in the instances' blocks."""
+    try:
+        block_size = int(ticket["shape"][2])
+        ids = list(ticket["prompt_token_ids"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        return []
+    return prefix_keys(ids, block_size, str(body.get("model", ""))) if block_size > 0 else []
+
+
+def build_proxy_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0,
+                    max_imbalance: int = MAX_IMBALANCE) -> FastAPI:
+    """The proxy's app; ``max_imbalance``: requests in flight an instance that holds a
+    request's prefix may be ahead of the least loaded one and still get it
+    (``proxy_routing``)."""
+    prefills = InstancePool(prefill, max_imbalance=max_imbalance)
+    decodes = InstancePool(decode, max_imbalance=max_imbalance)
     # Idle connections are dropped before uvicorn's own 5 s keep-alive ends, so a request
     # is rarely sent on a connection the instance is closing (see ``send``).
     client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(
@@ -111,12 +117,13 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout_s: float =
         await client.aclose()
 
     app = FastAPI(title="jaxpage proxy", lifespan=lifespan)
+    app.state.instance_pools = {"prefill": prefills, "decode": decodes}  # loads and affinity
 
     def forward_headers(request: Request) -> dict:
         auth = request.headers.get("authorization")
         return {"Authorization": auth} if auth else {}
 
-    async def send(pool: _Pool, url: str, route: str, body: dict, headers: dict,
+    async def send(pool: InstancePool, url: str, route: str, body: dict, headers: dict,
                    stream: bool) -> httpx.Response:
         pool.in_flight[url] += 1
         try:
@@ -133,7 +140,7 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout_s: float =
             if not stream:
                 pool.in_flight[url] -= 1
 
-    def relay(pool: _Pool, url: str, response: httpx.Response) -> StreamingResponse:
+    def relay(pool: InstancePool, url: str, response: httpx.Response) -> StreamingResponse:
         """Stream an instance's answer; closing it (a client that left) closes ours."""
         async def body() -> AsyncIterator[bytes]:
             try:
@@ -145,8 +152,8 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout_s: float =
         return StreamingResponse(body(), status_code=response.status_code,
                                  media_type=response.headers.get("content-type"))
 
-    async def whole(pool: _Pool, route: str, body: dict, headers: dict) -> Response:
-        url = pool.pick()
+    async def whole(pool: InstancePool, url: str, route: str, body: dict,
+                    headers: dict) -> Response:
         try:
             response = await send(pool, url, route, body, headers, stream=True)
         except httpx.HTTPError as error:
@@ -168,12 +175,14 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout_s: float =
             return error_response(400, "the request body must be a JSON object")
         headers = forward_headers(request)
         if _whole_on_prefill(body):
-            return await whole(prefills, route, body, headers)
+            return await whole(prefills, prefills.pick(prompt_keys(body)), route, body, headers)
         first = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")}
         first.update(max_tokens=1, stream=False, min_tokens=min(body.get("min_tokens") or 0, 1),
                      kv_transfer_params={"do_remote_decode": True})
+        keys = prompt_keys(body)
+        full: set[str] = set()  # decode instances that answered "full" to this request
         for attempt in range(DECODE_ATTEMPTS):
-            url = prefills.pick()
+            url = prefills.pick(keys)
             try:
                 answer = await send(prefills, url, route, first, headers, stream=False)
             except httpx.HTTPError as error:
@@ -189,9 +198,10 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout_s: float =
                                              media_type="text/event-stream")
                 return JSONResponse(data)
             response = None
+            decode_url = decodes.pick(_ticket_keys(ticket, body), avoid=full)
             try:
-                response = await whole(decodes, route, dict(body, kv_transfer_params=ticket),
-                                       headers)
+                response = await whole(decodes, decode_url, route,
+                                       dict(body, kv_transfer_params=ticket), headers)
             finally:
                 # The decode instance answers once it has the pages (200) or has failed;
                 # a failure says whether it pulled them first (X-KV-Pulled). Pages nobody
@@ -203,7 +213,8 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout_s: float =
             if response.status_code != 503 or "retry-after" not in response.headers \
                     or attempt == DECODE_ATTEMPTS - 1:
                 return response
-            await asyncio.sleep(RETRY_AFTER_S)  # a full decode instance: try again later
+            full.add(decode_url)  # a full decode instance: try another, or again later
+            await asyncio.sleep(RETRY_AFTER_S)
         return response
 
     settling: set[asyncio.Task] = set()
@@ -240,7 +251,8 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout_s: float =
     async def metrics(request: Request):
         instances = [("prefill", url) for url in prefills.in_flight] + \
             [("decode", url) for url in decodes.in_flight]
-        text = await gather_metrics(client, instances, forward_headers(request))
+        routed = {"prefill": prefills.num_affinity_routed, "decode": decodes.num_affinity_routed}
+        text = await gather_metrics(client, instances, forward_headers(request), routed)
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")

@@ -1,6 +1,8 @@
 """The proxy's ``/metrics``: every instance's Prometheus metrics in one exposition, each
 sample labelled with the instance's ``role`` (prefill / decode) and ``instance`` (its
-URL), plus ``jaxpage:proxy_instance_up`` per instance (1 when its metrics were read).
+URL), plus ``jaxpage:proxy_instance_up`` per instance (1 when its metrics were read) and
+``jaxpage:proxy_prefix_routed_requests`` per role (requests sent to an instance that
+recently took their prefix rather than to the least loaded one).
 
 Families are merged by name across instances (Prometheus wants each family's samples
 together, under one HELP and TYPE line); an instance that cannot be reached contributes
@@ -16,11 +18,13 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 UP_METRIC = "jaxpage:proxy_instance_up"
+ROUTED_METRIC = "jaxpage:proxy_prefix_routed_requests"
 
 
 async def gather_metrics(client: httpx.AsyncClient, instances: list[tuple[str, str]],
-                         headers: dict) -> str:
-    """``instances``: (role, url) pairs -> one Prometheus text exposition."""
+                         headers: dict, prefix_routed: dict[str, int] | None = None) -> str:
+    """``instances``: (role, url) pairs; ``prefix_routed``: role -> requests routed by
+    prefix -> one Prometheus text exposition."""
 
     async def read(url: str) -> str | None:
         try:
@@ -48,6 +52,12 @@ async def gather_metrics(client: httpx.AsyncClient, instances: list[tuple[str, s
                             for s in family.samples)
     lines = [f"# HELP {UP_METRIC} 1 when the proxy read the instance's metrics, else 0",
              f"# TYPE {UP_METRIC} gauge", *up]
+    if prefix_routed is not None:
+        lines += [f"# HELP {ROUTED_METRIC}_total Requests sent to an instance that recently "
+                  "took their prefix rather than to the least loaded one",
+                  f"# TYPE {ROUTED_METRIC}_total counter",
+                  *(_sample(ROUTED_METRIC + "_total", {"role": role}, count)
+                    for role, count in prefix_routed.items())]
     for name, (kind, documentation, samples) in families.items():
         # a counter's family is named without ``_total`` by the parser, with it in text
         header = f"{name}_total" if kind == "counter" else name

@@ -148,3 +148,30 @@ def test_decodes_are_served_before_new_prefills():
     s.add_request(make_request("b", 20))
     got, _ = step(s)
     assert got == [("a", 1), ("b", 7)]
+
+
+def test_swap_in_shares_the_leading_blocks_the_prefix_cache_still_holds():
+    """b's blocks stay in the prefix cache after its swap-out until someone takes them:
+    coming back it shares the two still there and copies only its third from the host."""
+    s = make_scheduler(num_blocks=7, enable_caching=True, num_host_blocks=8,
+                       preemption_mode="swap")
+    a, b = make_request("a", 12), make_request("b", 12)
+    s.add_request(a)
+    s.add_request(b)
+    step(s)
+    got, out = step(s)
+    assert got == [("a", 1)] and out.preempted == [b]
+    assert s.kv.host_block_ids("b") == [0, 1, 2]
+    swap_out, _, _ = s.kv.take_pending_block_ops()
+    assert swap_out == [(4, 0), (5, 1), (6, 2)]
+    assert s.kv.block_ids("a") == [1, 2, 3, 6]  # a's new block was b's last (evicted)
+    s.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    got, _ = step(s)
+    assert got == [("b", 1)]
+    _, swap_in, _ = s.kv.take_pending_block_ops()
+    assert s.kv.block_ids("b")[:2] == [4, 5]         # shared from the cache, not copied
+    assert swap_in == [(2, s.kv.block_ids("b")[2])]  # only the evicted third block moves
+    assert s.kv.num_swap_in_shared_blocks == 2
+    assert s.kv.host_pool.num_free_blocks == 8
+    s.finish_request("b", RequestStatus.FINISHED_ABORTED)
+    assert s.kv.block_pool.num_free_blocks == 6

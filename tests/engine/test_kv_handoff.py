@@ -113,3 +113,30 @@ def test_tickets_nobody_pulls_are_released(engines):
         de.kv_transfer.pull(tickets[0], 1.0)
     with pytest.raises(ValueError, match="kv_role='prefill'"):
         de.settle_kv(tickets[2].uuid, pulled=False)
+
+
+def test_a_decode_instance_shares_a_prefix_it_already_holds(engines):
+    """Two requests whose prompts share three full blocks, handed over one after the
+    other: the second's swap-in takes those blocks from the decode engine's prefix cache
+    (the first left them there) instead of installing the pulled copies; its tokens still
+    equal a colocated engine's, and every block is free afterwards."""
+    colocated, prefill, decode = engines
+    block = decode.llm_engine.kv_cache_manager.block_size
+    shared = [7 + (5 * i) % 200 for i in range(3 * block)]
+    prompts = [{"prompt_token_ids": shared + [11, 12, 13]},
+               {"prompt_token_ids": shared + [21, 22, 23, 24, 25]}]
+    params = [SamplingParams(max_tokens=12, temperature=0.0),
+              SamplingParams(max_tokens=12, temperature=1.0, seed=3)]
+    want = colocated.generate(prompts, params, use_tqdm=False)
+    kv = decode.llm_engine.kv_cache_manager
+    got, shared_blocks = [], []
+    for i in range(2):
+        before = kv.num_swap_in_shared_blocks
+        got += _disaggregated(prefill, decode, prompts[i:i + 1], params[i:i + 1])
+        shared_blocks.append(kv.num_swap_in_shared_blocks - before)
+    assert shared_blocks == [0, 3]
+    assert decode.get_stats()["num_swap_in_shared_blocks"] == kv.num_swap_in_shared_blocks
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    stats = decode.get_stats()
+    assert stats["num_free_blocks"] == stats["num_kv_blocks"]
+    assert kv.host_pool.num_free_blocks == kv.host_pool.num_blocks

@@ -188,6 +188,58 @@ def test_errors_pass_through_and_leaving_clients_free_blocks(cluster):
     _assert_all_free(cluster)
 
 
+def test_a_decode_instance_that_holds_a_prefix_keeps_its_requests(cluster, tiny_checkpoints):
+    """A second decode instance behind a second proxy. A request whose prompt shares its
+    first blocks with one the first decode instance served goes back there, though that
+    instance is busier, and shares those blocks instead of installing them; a request with
+    a new prefix goes to the idle instance. Texts equal the colocated ones."""
+    env = {"JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": os.environ.get(
+        "JAXPAGE_TEST_XLA_CACHE", os.path.expanduser("~/.cache/jaxpage/xla-tests"))}
+    port = free_port()
+    second = start_instance([tiny_checkpoints["llama"], *ARGS], "decode", port, env)
+    d1, d2 = cluster["decode"], f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy([d2], [second], 300)
+        app = build_proxy_app([cluster["prefill"]], [d1, d2])
+        proxy = BackgroundServer(app).start()
+        shared = " ".join(BASE[:4])
+        greedy = {"model": MODEL_NAME, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+        def post(base, prompt):
+            r = httpx.post(base + "/v1/completions", headers=AUTH, timeout=120,
+                           json=dict(greedy, prompt=prompt))
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        finished = (_finished_requests(d1), _finished_requests(d2))
+        shared_before = _metric(d1, "jaxpage:swap_in_shared_blocks")
+        first = shared + " What comes first?"
+        assert post(proxy.url, first) == post(cluster["prefill"], first)  # both idle: d1
+        decodes = app.state.instance_pools["decode"]
+        decodes.in_flight[d1] += 3  # as if three requests were under way on d1
+        try:
+            second_prompt = shared + " And what comes next?"
+            assert post(proxy.url, second_prompt) == post(cluster["prefill"], second_prompt)
+            assert post(proxy.url, BASE[6]) == post(cluster["prefill"], BASE[6])
+        finally:
+            decodes.in_flight[d1] -= 3
+        assert _finished_requests(d1) - finished[0] == 2                # the shared prefix
+        assert _finished_requests(d2) - finished[1] == 1                # only the new prefix
+        assert _metric(d1, "jaxpage:swap_in_shared_blocks") - shared_before >= 2
+        merged = {f.name: f for f in text_string_to_metric_families(
+            httpx.get(proxy.url + "/metrics", headers=AUTH).text)}
+        routed = {s.labels["role"]: s.value for s in
+                  merged["jaxpage:proxy_prefix_routed_requests"].samples
+                  if s.name.endswith("_total")}
+        assert routed == {"prefill": 0, "decode": 1}
+        proxy.stop()
+        _assert_all_free({"prefill": cluster["prefill"], "decode": d2})
+        _assert_all_free(cluster)
+    finally:
+        second.terminate()
+        second.wait(20)
+
+
 def test_a_prefill_instance_killed_mid_run(cluster):
     # Last in the module: it kills the prefill instance while requests are under way.
     process = cluster["processes"]["prefill"]
