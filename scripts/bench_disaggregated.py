@@ -11,7 +11,10 @@ The workload: ``--decoders`` clients each stream short-prompt completions back t
 ``--burst-size`` long prompts (~``--long-tokens`` tokens of this repository's docs)
 arrives. Measured per set-up: time to first token of both kinds, inter-token latency
 (the gaps between streamed chunks of the steady clients) at p50 and p99, and output
-tokens/s. Then the KV transfer itself, in this process between a prefill and a decode
+tokens/s (counted from each answer's ``usage``). Both set-ups run the same engine options;
+``--num-scheduler-steps`` (default 1) sets how many decode iterations one device call
+runs, and so how many tokens a streamed chunk carries: at 8 a chunk holds up to 8 tokens
+and its gap is 8 iterations long. Then the KV transfer itself, in this process between a prefill and a decode
 engine: seconds and bandwidth per request against prompt length.
 
     python scripts/bench_disaggregated.py                   # SmolLM2, 40 s per set-up
@@ -50,21 +53,26 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
-async def stream_one(http, prompt: str, max_tokens: int) -> tuple[float, list[float], int]:
-    """(TTFT, gaps between later chunks, chunks) of one streamed completion."""
+async def stream_one(http, prompt: str, max_tokens: int) -> tuple[float, list[float], int, int]:
+    """(TTFT, gaps between later chunks, chunks, completion tokens) of one streamed
+    completion."""
     import json
 
     start = time.perf_counter()
-    first, last, gaps, chunks = None, None, [], 0
+    first, last, gaps, chunks, tokens = None, None, [], 0, 0
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "ignore_eos": True}
+            "temperature": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
     async with http.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {await response.aread()}")
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            if not json.loads(line[6:])["choices"][0]["text"]:
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            if not event["choices"] or not event["choices"][0]["text"]:
                 continue
             now = time.perf_counter()
             chunks += 1
@@ -73,7 +81,7 @@ async def stream_one(http, prompt: str, max_tokens: int) -> tuple[float, list[fl
             else:
                 gaps.append(now - last)
             last = now
-    return first or float("nan"), gaps, chunks
+    return first or float("nan"), gaps, chunks, tokens
 
 
 async def workload(base_url: str, args) -> dict:
@@ -81,17 +89,20 @@ async def workload(base_url: str, args) -> dict:
 
     stop_at = time.perf_counter() + args.duration
     steady_ttft, long_ttft, gaps, tokens = [], [], [], [0]
+    steady = [0, 0]  # the steady clients' (tokens, chunks)
 
     async with httpx.AsyncClient(base_url=base_url, timeout=600,
                                  limits=httpx.Limits(max_connections=256)) as http:
         async def decoder(i: int) -> None:
             n = 0
             while time.perf_counter() < stop_at:
-                ttft, g, chunks = await stream_one(http, f"Client {i} request {n}: count on:",
-                                                   args.decode_tokens)
+                ttft, g, chunks, n_tokens = await stream_one(
+                    http, f"Client {i} request {n}: count on:", args.decode_tokens)
                 steady_ttft.append(ttft)
                 gaps.extend(g)
-                tokens[0] += chunks
+                tokens[0] += n_tokens
+                steady[0] += n_tokens
+                steady[1] += chunks
                 n += 1
 
         async def bursts() -> None:
@@ -100,10 +111,10 @@ async def workload(base_url: str, args) -> dict:
                 await asyncio.sleep(args.burst_every)
 
                 async def one(j: int) -> None:
-                    ttft, _, chunks = await stream_one(
+                    ttft, _, _, n_tokens = await stream_one(
                         http, long_prompt(args.long_tokens, b * args.burst_size + j), 8)
                     long_ttft.append(ttft)
-                    tokens[0] += chunks
+                    tokens[0] += n_tokens
                 await asyncio.gather(*[one(j) for j in range(args.burst_size)])
                 b += 1
 
@@ -114,7 +125,8 @@ async def workload(base_url: str, args) -> dict:
             "long_ttft_p50_ms": 1e3 * percentile(long_ttft, 50),
             "long_ttft_p99_ms": 1e3 * percentile(long_ttft, 99),
             "itl_p50_ms": 1e3 * percentile(gaps, 50), "itl_p99_ms": 1e3 * percentile(gaps, 99),
-            "output_tok_s": tokens[0] / elapsed, "long_requests": len(long_ttft)}
+            "output_tok_s": tokens[0] / elapsed, "long_requests": len(long_ttft),
+            "tokens_per_chunk": steady[0] / max(1, steady[1])}
 
 
 def start(args_list: list[str], role: str | None, cores: str):
@@ -213,6 +225,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     parser.add_argument("--transfer-lengths", default="16,64,256,1024")
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--num-scheduler-steps", type=int, default=1,
+                        help="decode iterations per device call, on every instance")
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     parser.add_argument("--stem", default="disaggregated")
     args = parser.parse_args(argv)
@@ -220,7 +234,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = resolve_model(args.model)
     instance_args = ([model] if model else []) + [
         "--max-num-seqs", "32", "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-        "--max-model-len", str(args.max_model_len), "--swap-space", "1"]
+        "--max-model-len", str(args.max_model_len), "--swap-space", "1",
+        "--num-scheduler-steps", str(args.num_scheduler_steps)]
     cores = [str(c) for c in sorted(os.sched_getaffinity(0))]
     rows = [run_setup(name, args, instance_args, cores) for name in ("colocated", "disaggregated")]
     for row in rows:
@@ -235,7 +250,8 @@ def main(argv: list[str] | None = None) -> dict:
                ("steady_ttft_p50_ms", "steady TTFT p50 ms"),
                ("long_ttft_p50_ms", "long-prompt TTFT p50 ms"),
                ("long_ttft_p99_ms", "long-prompt TTFT p99 ms"),
-               ("output_tok_s", "output tok/s"), ("long_requests", "long prompts")]
+               ("output_tok_s", "output tok/s"), ("tokens_per_chunk", "tokens per chunk"),
+               ("long_requests", "long prompts")]
     table = markdown_table(rows, columns)
     transfer_table = markdown_table(transfers, [
         ("prompt_tokens", "prompt tokens"), ("blocks", "blocks"), ("kv_mib", "KV MiB"),
@@ -243,6 +259,8 @@ def main(argv: list[str] | None = None) -> dict:
         ("pull_and_install_ms", "pull + install ms"), ("gb_s", "GB/s")])
     notes = ("Colocated: one instance on cores " + ",".join(cores) + "; disaggregated: prefill "
              "and decode instances on half the cores each, the proxy in the benchmark process. "
+             f"Every instance: --num-scheduler-steps {args.num_scheduler_steps}, "
+             f"--max-num-batched-tokens {args.max_num_batched_tokens}. "
              f"{args.decoders} clients stream {args.decode_tokens}-token completions back to "
              f"back; every {args.burst_every:.0f} s, {args.burst_size} prompts of "
              f"~{args.long_tokens} tokens arrive. {args.duration:.0f} s per set-up after a "
