@@ -67,6 +67,7 @@ from jaxpage.core.request import Request, RequestStatus
 from jaxpage.core.scheduler import PreemptionCostModel, Scheduler, SchedulerOutput
 from jaxpage.engine.beam_search_driver import BeamSearchDriver
 from jaxpage.engine.compile_ahead import DrainPrograms
+from jaxpage.engine.kv_handoff import offer_pages
 from jaxpage.engine.logprobs import LogprobsRecorder
 from jaxpage.engine.output_processor import OutputProcessor
 from jaxpage.engine.structured_outputs import GrammarCompiler, advance
@@ -294,21 +295,8 @@ class DeviceCalls:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             self.step_profile["grammar_s"] += time.perf_counter() - began
         if self.kv_transfer is not None:
-            self._offer_pages(touched)
+            offer_pages(self.kv_transfer, self.runner, touched)
         return touched
-
-    def _offer_pages(self, touched: list[Request]) -> None:
-        """A prefill instance: offer the prompt pages of requests that just finished at
-        their token limit to a decode instance. Their blocks were freed as they finished,
-        but nothing has been dispatched since that could write into them, and the gather
-        runs before anything dispatched later (one device, calls in order)."""
-        for request in touched:
-            if request.exported_blocks and request.kv_transfer_params is None:
-                ticket = self.kv_transfer.offer(self.runner.kv_cache, request.exported_blocks,
-                                                self.runner.executables)
-                request.kv_transfer_params = dict(
-                    ticket.to_dict(), prompt_token_ids=list(request.prompt_token_ids),
-                    output_token_ids=list(request.output_token_ids))
 
     def _apply_results(self, call: DeviceCall) -> list[Request]:
         if call.num_steps > 1:

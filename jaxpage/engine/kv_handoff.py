@@ -4,15 +4,16 @@ pages over, the decode side takes them (``docs/disaggregated.md``).
 * **Prefill instance** (``kv_role="prefill"``): a request added with
   ``kv_transfer_params={"do_remote_decode": True}`` runs its prompt and samples its first
   token as usual (the proxy sends ``max_tokens=1``). When it finishes at that limit its
-  prompt pages are gathered and offered on the transfer server
-  (``DeviceCalls._offer_pages``), and its final output carries the ticket in
+  prompt pages are gathered and offered on the transfer server (``offer_pages``, which
+  ``DeviceCalls`` calls after each step), and its final output carries the ticket in
   ``RequestOutput.kv_transfer_params``: address, id, shape, the prompt ids and the tokens
   sampled so far. Its KV blocks are free at once (the gathered copy is the transfer's).
 * **Decode instance** (``kv_role="decode"``): a request added with that ticket pulls the
   pages (``LLMEngine.pull_kv``, off the engine thread, with a deadline), then ``install``s them
   as a swapped-out request's host blocks with the first token already in its output; the
-  scheduler swaps it in and decodes it with its own multi-step, prefix caching and
-  preemption, as if it had run the prompt itself. Its random stream continues at output
+  scheduler swaps it in (sharing the leading blocks its prefix cache already holds) and
+  decodes it with its own multi-step, prefix caching and preemption, as if it had run the
+  prompt itself. Its random stream continues at output
   number 1, so a seeded request samples what a colocated engine would.
 """
 
@@ -85,6 +86,20 @@ def check_request(role: str | None, params: dict | None,
     return ticket
 
 
+def offer_pages(transfer: KVTransfer, runner: Any, touched: list[Request]) -> None:
+    """A prefill instance: offer the prompt pages of the requests among ``touched`` that
+    just finished at their token limit, and put each ticket on its request. Their blocks
+    were freed as they finished, but nothing has been dispatched since that could write
+    into them, and the gather runs before anything dispatched later (one device, calls in
+    order)."""
+    for request in touched:
+        if request.exported_blocks and request.kv_transfer_params is None:
+            ticket = transfer.offer(runner.kv_cache, request.exported_blocks, runner.executables)
+            request.kv_transfer_params = dict(
+                ticket.to_dict(), prompt_token_ids=list(request.prompt_token_ids),
+                output_token_ids=list(request.output_token_ids))
+
+
 def install(engine: Any, request: Request, pages: Pages, params: dict) -> None:
     """Add ``request`` (made from the ticket's prompt ids) to ``engine`` with its prompt
     pages in host blocks and the tokens the prefill instance sampled in its output."""
@@ -124,3 +139,32 @@ def install(engine: Any, request: Request, pages: Pages, params: dict) -> None:
         raise
     engine.groups.add(request)
     advance([request])  # a grammar consumes the tokens sampled on the prefill instance
+
+
+class KVHandoff:
+    """``LLMEngine``'s disaggregated-serving methods (mixed in); they use its ``config``,
+    ``kv_transfer`` and ``groups``."""
+
+    def check_kv_transfer(self, params: dict | None):
+        """Validate ``kv_transfer_params`` for this instance's ``kv_role``; the ticket to
+        pull (a decode instance), else None (``engine.kv_handoff``)."""
+        return check_request(self.config.cache.kv_role, params, self.kv_transfer)
+
+    def settle_kv(self, uuid: int, pulled: bool) -> bool:
+        """A prefill instance: the pull of an offered ticket is over (``pulled``) or will
+        never come, so its pages are released (``KVTransfer.settle``)."""
+        if self.config.cache.kv_role != "prefill":
+            raise ValueError("settling a KV transfer needs an instance started with "
+                             "kv_role='prefill'")
+        return self.kv_transfer.settle(uuid, pulled)
+
+    def pull_kv(self, ticket) -> Pages:
+        """A prefill instance's pages for ``ticket`` (thread-safe; TimeoutError)."""
+        return self.kv_transfer.pull(ticket, self.config.cache.kv_transfer_timeout)
+
+    def add_prefilled(self, request: Request, pages: Pages,
+                      kv_transfer: dict) -> None:
+        """Queue a request whose prompt a prefill instance ran, with its pulled pages."""
+        if request.request_id in self.groups:
+            raise ValueError(f"request_id={request.request_id!r} is already in the engine")
+        install(self, request, pages, kv_transfer)

@@ -66,7 +66,7 @@ def _in_background(fn: Any, *args: Any) -> Future:
         pool.shutdown(wait=False)
 
 
-class LLMEngine(LoRAAdapters):
+class LLMEngine(LoRAAdapters, kv_handoff.KVHandoff):
     """Requests in, ``RequestOutput``s out, one device call per ``step()``.
 
     Invariants: a request id is in the engine from ``add_request`` until its final output
@@ -244,30 +244,6 @@ class LLMEngine(LoRAAdapters):
                 sequence.grammar = grammar.new_state()
         return request
 
-    def check_kv_transfer(self, params: dict | None):
-        """Validate ``kv_transfer_params`` for this instance's ``kv_role``; the ticket to
-        pull (a decode instance), else None (``engine.kv_handoff``)."""
-        return kv_handoff.check_request(self.config.cache.kv_role, params, self.kv_transfer)
-
-    def settle_kv(self, uuid: int, pulled: bool) -> bool:
-        """A prefill instance: the pull of an offered ticket is over (``pulled``) or will
-        never come, so its pages are released (``KVTransfer.settle``)."""
-        if self.config.cache.kv_role != "prefill":
-            raise ValueError("settling a KV transfer needs an instance started with "
-                             "kv_role='prefill'")
-        return self.kv_transfer.settle(uuid, pulled)
-
-    def pull_kv(self, ticket) -> kv_handoff.Pages:
-        """A prefill instance's pages for ``ticket`` (thread-safe; TimeoutError)."""
-        return self.kv_transfer.pull(ticket, self.config.cache.kv_transfer_timeout)
-
-    def add_prefilled(self, request: Request, pages: kv_handoff.Pages,
-                      kv_transfer: dict) -> None:
-        """Queue a request whose prompt a prefill instance ran, with its pulled pages."""
-        if request.request_id in self.groups:
-            raise ValueError(f"request_id={request.request_id!r} is already in the engine")
-        kv_handoff.install(self, request, pages, kv_transfer)
-
     def compile_grammar(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         """The compiled grammar of a structured-outputs spec (cached; thread-safe)."""
         return self.grammars.compile(spec)
@@ -322,43 +298,11 @@ class LLMEngine(LoRAAdapters):
         self.runner.use_draft_rows(proposer.q_rows)
 
     def warmup(self) -> int:
-        """Compile every program the engine can run, so that no workload compiles later.
+        """Compile every program the engine can run, so that no workload compiles later;
+        the number of programs (``engine.warmup``)."""
+        from jaxpage.engine.warmup import compile_every_program
 
-        Steps for every (tokens, sequences, blocks) bucket, the multi-step decode loop for
-        every all-decode bucket, verify steps when speculation is on
-        (``BatchBuilder.verify_shapes``), the penalty-table fill, and block copies / swaps for
-        every padded size. Returns
-        the number of programs; with the persistent compilation cache warm, a second start
-        loads them instead of compiling. ``prompt_logits`` (a diagnostic path) is not covered.
-        """
-        from tqdm.auto import tqdm
-
-        builder = self.batch_builder
-        num_steps = self.config.scheduler.num_scheduler_steps
-        jobs = [(shape, 1) for shape in builder.step_shapes()]
-        if num_steps > 1:
-            jobs += [(shape, num_steps) for shape in builder.decode_shapes()]
-        speculation = self.scheduler.speculation
-        if speculation is not None:  # verify steps: 0 below means "verify"
-            jobs += [(shape, 0) for shape in builder.verify_shapes(
-                speculation.disable_by_batch_size, speculation.num_speculative_tokens)]
-        for shape, steps in tqdm(jobs, desc="Compiling buckets", dynamic_ncols=True):
-            batch = builder.empty(*shape)
-            if steps > 1:
-                self.runner.execute_multi_step(batch, steps)
-            else:
-                self.runner.dispatch(batch, verify=steps == 0).fetch()
-        proposer = self.scheduler.proposer
-        if hasattr(proposer, "warmup"):  # a draft model's fill and propose programs
-            jobs += [None] * proposer.warmup()
-        if self.loras is not None:  # the slot-write program: slot 1 written as it is
-            holder = self.scheduler.lora_slots.holder(1)
-            self.runner.write_lora_slot(1, None if holder is None else holder.weights)
-            jobs.append(None)
-        count = len(jobs) + self.runner.compile_penalty_fill() + self.runner.compile_block_ops(
-            max_copies=self.config.scheduler.max_num_seqs, max_swaps=self.num_kv_blocks)
-        logger.info("warm-up compiled %d programs", count)
-        return count
+        return compile_every_program(self)
 
     def _decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:

@@ -24,6 +24,7 @@ from jaxpage.server.errors import APIError, error_body, error_response, install_
 from jaxpage.server.kv_routes import add_kv_routes
 from jaxpage.server.lora_routes import ServedAdapters, add_lora_routes
 from jaxpage.server.metrics import ServerMetrics
+from jaxpage.server.middleware import APIKeyMiddleware, CountResponsesMiddleware
 from jaxpage.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, ErrorResponse, TokenizeRequest)
 from jaxpage.server.serving import (GenerationJob, chat_logprobs, completion_logprobs,
@@ -32,47 +33,6 @@ from jaxpage.server.structured import (structured_outputs_of, template_message, 
                                        tool_delta)
 
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
-
-
-class _APIKeyMiddleware:
-    """Pure ASGI middleware: ``/v1`` routes need ``Authorization: Bearer <key>`` (401)."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            headers = dict(scope.get("headers") or [])
-            if headers.get(b"authorization") != self.expected:
-                response = error_response(401, "invalid or missing API key", code="invalid_api_key")
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class _CountResponsesMiddleware:
-    """Pure ASGI middleware: counts every HTTP response in ``jaxpage:http_requests`` by
-    route and status (401s from the key check included; unknown paths count as ``other``
-    so that a scanner cannot grow the label set)."""
-
-    def __init__(self, app, counter, routes: set[str]) -> None:
-        self.app = app
-        self.counter = counter
-        self.routes = routes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        route = scope["path"] if scope["path"] in self.routes else "other"
-
-        async def counted_send(message):
-            if message["type"] == "http.response.start":
-                self.counter.labels(route=route, status=str(message["status"])).inc()
-            await send(message)
-
-        await self.app(scope, receive, counted_send)
 
 
 class EventStreamResponse(StreamingResponse):
@@ -150,7 +110,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
                   description="OpenAI-compatible API of a jaxpage engine")
     install_error_handlers(app)
     if api_key:
-        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
     metrics = ServerMetrics(served_model_name, lambda: engine.stats)
     core = engine.engine
     max_model_len = core.max_model_len
@@ -379,7 +339,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
         return _event_stream(job, chunks())
 
     # Outermost (added last): counts responses of the key check and of every route.
-    app.add_middleware(_CountResponsesMiddleware, counter=metrics.http_requests,
+    app.add_middleware(CountResponsesMiddleware, counter=metrics.http_requests,
                        routes={route.path for route in app.routes})
     return app
 
