@@ -58,18 +58,28 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run the Pallas kernels in interpret mode (CPU smoke test)")
     p.add_argument("--copy-mib", type=int, default=None,
                    help="size of the bandwidth-probe copy (default 1024 on GPU/TPU, 256 on CPU)")
+    p.add_argument("--evict-mib", type=int, default=0,
+                   help="CPU: before each timed call, write this many MiB of host memory so "
+                        "that the pages come from memory, as between a model's layers "
+                        "(0: off; the batch's pages may stay in the CPU's caches)")
+    p.add_argument("--extra-blocks", type=int, default=0,
+                   help="unused blocks in the cache beside the batch's, so that its pages lie "
+                        "scattered through a cache of realistic size")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--markdown", action="store_true", help="print the table as markdown")
     return p.parse_args(argv)
 
 
-def timed(fn, *args, iters: int, warmup: int) -> float:
-    """Median seconds per call of an already-jitted ``fn`` (results awaited)."""
+def timed(fn, *args, iters: int, warmup: int, before=None) -> float:
+    """Median seconds per call of an already-jitted ``fn`` (results awaited); ``before``
+    runs ahead of each timed call, untimed."""
     for _ in range(max(1, warmup)):
         jax.block_until_ready(fn(*args))
     times = []
     for _ in range(iters):
+        if before is not None:
+            before()
         start = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
@@ -88,7 +98,7 @@ def measure_bandwidth(mib: int, iters: int) -> float:
 def make_batch(args, dtype):
     rng = np.random.default_rng(args.seed)
     pages_per_seq = -(-args.context // args.block_size)
-    num_blocks = args.batch * pages_per_seq + 1           # block 0: the engine's null block
+    num_blocks = args.batch * pages_per_seq + 1 + args.extra_blocks  # block 0: the null block
     shape = (num_blocks, args.block_size, args.num_kv_heads, args.head_dim)
     key_k, key_v, key_q = jax.random.split(jax.random.PRNGKey(args.seed), 3)
     k_cache = jax.random.normal(key_k, shape, jnp.float32).astype(dtype)
@@ -96,7 +106,8 @@ def make_batch(args, dtype):
     num_tokens = args.batch * args.q_len
     q = jax.random.normal(key_q, (num_tokens, args.num_q_heads, args.head_dim),
                           jnp.float32).astype(dtype)
-    tables = (1 + rng.permutation(args.batch * pages_per_seq)).reshape(args.batch, pages_per_seq)
+    tables = (1 + rng.permutation(num_blocks - 1)[:args.batch * pages_per_seq]).reshape(
+        args.batch, pages_per_seq)
     kv_lens = np.full(args.batch, args.context, np.int32)
     cu_q_lens = np.arange(args.batch + 1, dtype=np.int32) * args.q_len
     return dict(q=q, k_cache=k_cache, v_cache=v_cache, kv_lens=jnp.asarray(kv_lens),
@@ -150,7 +161,10 @@ def main(argv=None) -> int:
           f"{args.num_q_heads} q heads / {args.num_kv_heads} kv heads, head_dim "
           f"{args.head_dim}, block {args.block_size}, {args.dtype}"
           + (f", sliding window {args.sliding_window}" if args.sliding_window else "")
-          + (f", soft cap {args.soft_cap}" if args.soft_cap else ""))
+          + (f", soft cap {args.soft_cap}" if args.soft_cap else "")
+          + (f", {args.extra_blocks} more blocks in the cache" if args.extra_blocks else "")
+          + (f", caches evicted before each call ({args.evict_mib} MiB written)"
+             if args.evict_mib else ""))
 
     if args.backends:
         wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -176,6 +190,12 @@ def main(argv=None) -> int:
           f"({copy_mib} MiB elementwise copy, read + write)")
 
     batch = make_batch(args, dtype)
+    evict = None
+    if args.evict_mib:
+        junk = np.zeros(args.evict_mib * 2**20 // 4, np.float32)
+
+        def evict() -> None:
+            junk[:] += 1.0  # every line written: the caches now hold this, not the pages
     moved = bytes_moved(args, dtype.itemsize)
     kw = dict(sm_scale=args.head_dim ** -0.5, sliding_window=args.sliding_window,
               soft_cap=args.soft_cap)
@@ -208,7 +228,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"unknown backend {name!r}")
         try:
             out = np.asarray(call().astype(jnp.float32))
-            seconds = timed(call, iters=args.iters, warmup=args.warmup)
+            seconds = timed(call, iters=args.iters, warmup=args.warmup, before=evict)
         except Exception as error:  # noqa: BLE001 - report and go on with the others
             rows.append(dict(backend=name, note=f"failed: {type(error).__name__}: "
                                                 f"{str(error).splitlines()[0][:120]}"))
