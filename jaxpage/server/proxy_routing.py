@@ -26,22 +26,30 @@ import json
 from collections import OrderedDict
 from typing import Collection, Sequence
 
+import numpy as np
+
 AFFINITY_CAPACITY = 1 << 16   # keys remembered per pool (oldest forgotten first)
 MAX_IMBALANCE = 8             # requests in flight a remembered instance may be ahead by
 TEXT_BLOCK = 64               # characters per key of a prompt's text
 
 
-def prefix_keys(pieces: Sequence, block: int, salt: str = "") -> list[bytes]:
-    """One key per full ``block`` of ``pieces`` (token ids or characters), each covering
-    every piece up to its block's end; ``salt`` (the model or adapter asked for) starts
-    the chain, so requests for different models never share a key."""
+def prefix_keys(pieces: str | Sequence[int], block: int, salt: str = "") -> list[bytes]:
+    """One key per full ``block`` of ``pieces`` (a text's characters or token ids), each
+    covering every piece up to its block's end; ``salt`` (the model or adapter asked for)
+    starts the chain, so requests for different models never share a key."""
     if block < 1:
         raise ValueError(f"block={block} must be positive")
+    if isinstance(pieces, str):
+        data, width = pieces.encode("utf-32-le", "surrogatepass"), 4
+    else:
+        try:
+            data, width = np.asarray(pieces, dtype="<i8").tobytes(), 8
+        except (OverflowError, TypeError, ValueError):
+            return []  # not token ids: no affinity (the instance answers the request's error)
     keys, parent = [], hashlib.blake2b(salt.encode(), digest_size=16).digest()
     for start in range(0, len(pieces) - block + 1, block):
-        digest = hashlib.blake2b(parent, digest_size=16)
-        digest.update(repr(list(pieces[start:start + block])).encode())
-        parent = digest.digest()
+        parent = hashlib.blake2b(parent + data[width * start:width * (start + block)],
+                                 digest_size=16).digest()
         keys.append(parent)
     return keys
 

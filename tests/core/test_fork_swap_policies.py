@@ -60,8 +60,10 @@ def test_siblings_reserve_batch_rows_at_admission():
         s.add_request(with_children(make_request("big", 4), 5))
 
 
-def test_swap_out_and_back_in_keeps_progress_and_moves_exact_blocks():
-    s = make_scheduler(num_blocks=7, enable_caching=False, num_host_blocks=8,
+def _b_swapped_out_for_a(enable_caching: bool):
+    """Two 12-token prompts in 6 blocks: a's second step needs one more, so b (the
+    youngest) is swapped out to the host. (scheduler, b)."""
+    s = make_scheduler(num_blocks=7, enable_caching=enable_caching, num_host_blocks=8,
                        preemption_mode="swap")
     a, b = make_request("a", 12), make_request("b", 12)
     s.add_request(a)
@@ -69,6 +71,11 @@ def test_swap_out_and_back_in_keeps_progress_and_moves_exact_blocks():
     step(s)
     got, out = step(s)
     assert got == [("a", 1)] and out.preempted == [b]
+    return s, b
+
+
+def test_swap_out_and_back_in_keeps_progress_and_moves_exact_blocks():
+    s, b = _b_swapped_out_for_a(enable_caching=False)
     assert b.status is RequestStatus.SWAPPED and b.num_computed_tokens == 12
     assert s.kv.host_block_ids("b") == [0, 1, 2] and s.kv.block_ids("b") == []
     swap_out, swap_in, copies = s.kv.take_pending_block_ops()
@@ -153,14 +160,7 @@ def test_decodes_are_served_before_new_prefills():
 def test_swap_in_shares_the_leading_blocks_the_prefix_cache_still_holds():
     """b's blocks stay in the prefix cache after its swap-out until someone takes them:
     coming back it shares the two still there and copies only its third from the host."""
-    s = make_scheduler(num_blocks=7, enable_caching=True, num_host_blocks=8,
-                       preemption_mode="swap")
-    a, b = make_request("a", 12), make_request("b", 12)
-    s.add_request(a)
-    s.add_request(b)
-    step(s)
-    got, out = step(s)
-    assert got == [("a", 1)] and out.preempted == [b]
+    s, b = _b_swapped_out_for_a(enable_caching=True)
     assert s.kv.host_block_ids("b") == [0, 1, 2]
     swap_out, _, _ = s.kv.take_pending_block_ops()
     assert swap_out == [(4, 0), (5, 1), (6, 2)]

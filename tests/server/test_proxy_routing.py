@@ -34,6 +34,8 @@ def test_prompt_keys_of_completions_and_chat():
     assert prompt_keys({"model": "m", "prompt": list(range(40))})[:2] == \
         prompt_keys({"model": "m", "prompt": list(range(32)) + [7]})[:2]
     assert prompt_keys({"model": "m", "prompt": ["a", "b"]}) == []  # a batch: no affinity
+    assert prompt_keys({"model": "m", "prompt": [2**70] * 40}) == []  # not token ids
+    assert len(prompt_keys({"model": "m", "prompt": "\ud800" * 64})) == 1  # a lone surrogate
     assert prompt_keys({"model": "m"}) == []
 
 
