@@ -24,6 +24,15 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"{text!r} is not a boolean (true/false)")
 
 
+def _warmup(text: str) -> bool | str:
+    if text.lower() == "core":
+        return "core"
+    try:
+        return _bool(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not true, false or core") from None
+
+
 def _json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -70,7 +79,9 @@ ENGINE_FLAGS = {
     "attention_backend": (str, "auto, reference, cpu (C++ kernel), gpu or tpu"),
     "compilation_cache": (_bool, "save compiled programs for the next start (true/false)"),
     "weight_cache": (_bool, "keep GGUF weights converted for the next start (true/false)"),
-    "warmup": (_bool, "compile every bucket at start-up (default: on accelerators only)"),
+    "warmup": (_warmup, "programs compiled at start-up: true (every bucket), core (a full "
+                        "prefill step and the decode programs, unless saved) or false "
+                        "(default: true on accelerators, core on the CPU)"),
     "async_scheduling": (_bool, "dispatch the next call before processing the last one's tokens (true/false)"),
     "compile_ahead": (_bool, "build the decode programs of smaller batches in the background (true/false; default: on accelerators only)"),
     "tensor_parallel_size": (int, "devices per model replica (sharded Megatron-style)"),

@@ -11,6 +11,10 @@ import pytest
 # installed libtpu and CUDA plugin are not initialized as local backends.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+# Engines build their programs when a batch first needs them, not the CPU default's core
+# warm-up at construction: the suite builds hundreds of engines of many shapes, and each
+# test compiles only what it runs. tests/engine/test_core_warmup.py asks for it explicitly.
+os.environ.setdefault("JAXPAGE_WARMUP", "none")
 
 
 def pytest_configure(config):

@@ -38,6 +38,7 @@ from jaxpage.engine.prompt_logits import prompt_logits
 from jaxpage.engine.request_groups import RequestGroups
 from jaxpage.engine.structured_outputs import CompiledGrammar, GrammarCompiler
 from jaxpage.engine.tokenizer import cache_dir, load_tokenizer
+from jaxpage.engine.warmup import compile_core_programs, resolve_warmup
 from jaxpage.models.quantize import stored_bytes
 from jaxpage.lora_request import LoRARequest
 from jaxpage.models.loader import load_model, resolve_model_path
@@ -158,9 +159,11 @@ class LLMEngine(LoRAAdapters, kv_handoff.KVHandoff):
         if draft is not None:
             self._attach_draft(loaded, draft, speculation, num_kv_blocks)
         eos_token_ids = self._eos_token_ids(loaded.hf_config)
-        warmup = mc.warmup if mc.warmup is not None else jax_backend() != "cpu"
-        if warmup:
+        warmup = resolve_warmup(mc.warmup, jax_backend())
+        if warmup == "all":
             self.warmup()
+        elif warmup == "core":
+            compile_core_programs(self)
         self.input_processor = InputProcessor(
             tokenizer=self.tokenizer, vocab_size=self.arch.vocab_size,
             max_model_len=self.max_model_len, eos_token_ids=eos_token_ids,

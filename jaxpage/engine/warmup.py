@@ -1,12 +1,70 @@
-"""Warm-up: every program an engine can run, compiled (or loaded from the persistent
-compilation cache) before the first request, for ``warmup=True``."""
+"""Warm-up: the programs an engine compiles before its first request.
+
+Three modes (``resolve_warmup``): ``"all"`` (``warmup=True``, the default on
+accelerators) compiles or loads every program an engine can run; ``"core"`` (the default
+on the CPU) compiles the few programs nearly every workload runs, a full prefill step and
+the decode programs of every seat rung, unless they are already saved, so a warm start
+still loads nothing up front; ``"none"`` (``warmup=False``) builds every program when a
+batch first needs it.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 logger = logging.getLogger("jaxpage")
+
+WARMUP_MODES = ("all", "core", "none")
+# Overrides the platform default of ``warmup=None`` (an explicit ``warmup`` wins).
+WARMUP_ENV = "JAXPAGE_WARMUP"
+
+
+def resolve_warmup(option: bool | str | None, backend: str) -> str:
+    """The warm-up mode of an engine: ``warmup`` as given (True: "all", False: "none",
+    "core"), else ``$JAXPAGE_WARMUP``, else "all" on accelerators and "core" on the CPU."""
+    if option is True:
+        return "all"
+    if option is False:
+        return "none"
+    if option is not None:
+        return option
+    mode = os.environ.get(WARMUP_ENV, "").strip().lower()
+    if mode:
+        if mode not in WARMUP_MODES:
+            raise ValueError(f"{WARMUP_ENV}={mode!r} must be one of {WARMUP_MODES}")
+        return mode
+    return "all" if backend != "cpu" else "core"
+
+
+def core_program_shapes(engine: Any) -> list[tuple[tuple[int, int, int], int]]:
+    """((T, S, M), steps) of the core programs: a step at the largest token rung with its
+    seats (every long prompt's chunks run it), and the decode call (``steps`` iterations,
+    or a plain step when ``num_scheduler_steps`` is 1) at every decode seat rung a batch
+    drains through, largest first; each at every block-table width. Without the decode
+    programs when speculation is on (its decodes are verify steps)."""
+    builder = engine.batch_builder
+    top = builder.token_ladder.rungs[-1]
+    pairs = [((top, builder.seats(top, 1, decodes_only=False)), 1)]
+    if engine.scheduler.speculation is None:
+        steps = engine.config.scheduler.num_scheduler_steps
+        decodes = {(builder.decode_tokens(n), builder.decode_seats(n))
+                   for n in range(1, builder.seq_ladder.rungs[-1] + 1)}
+        pairs += [(pair, steps) for pair in sorted(decodes, key=lambda p: -p[1])]
+    return [((*pair, width), steps) for pair, steps in pairs
+            for width in builder.block_ladder.rungs]
+
+
+def compile_core_programs(engine: Any) -> int:
+    """Compile the core programs (``core_program_shapes``) that are neither held nor
+    saved, without running them; the number compiled."""
+    builder, runner = engine.batch_builder, engine.runner
+    compiled = sum(runner.ensure_program(builder.empty(*shape), steps)
+                   for shape, steps in core_program_shapes(engine))
+    if compiled:
+        logger.info("warm-up compiled %d core programs", compiled)
+    return compiled
 
 
 def compile_every_program(engine: Any) -> int:

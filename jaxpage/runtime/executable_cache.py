@@ -140,6 +140,21 @@ class ExecutableCache:
             self._pending[key] = future
         return True
 
+    def ensure(self, name: str, bucket: tuple, jitted: Any, args: tuple) -> bool:
+        """Make the program for ``args`` exist without running it: nothing to do when it is
+        held, being built, shared by another cache of the process or saved on disk (a
+        later ``get`` loads it); otherwise it is compiled now, saved and held. ``args``
+        may be ``jax.ShapeDtypeStruct``s. True when it was compiled."""
+        key = (name, bucket)
+        with self._lock:
+            if key in self._programs or key in self._pending:
+                return False
+        path = self._path(key)
+        if (*self._shared_key, *key) in _SHARED_PROGRAMS or (path is not None and path.exists()):
+            return False
+        self._programs[key] = self._find_or_build(key, jitted, args)
+        return True
+
     def _background_build(self, key: tuple[str, tuple], jitted: Any, args: tuple) -> Callable:
         try:
             program = self._find_or_build(key, jitted, args)

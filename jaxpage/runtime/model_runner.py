@@ -313,16 +313,29 @@ class ModelRunner:
         prefetch = getattr(self.executables, "prefetch", None)
         if prefetch is None:  # plain jit dispatch on a mesh: nothing to build ahead
             return False
-        # Shapes, dtypes and shardings only: the live caches are donated by every call.
+        return prefetch(*self._program_of(batch, num_steps))
+
+    def ensure_program(self, batch: BatchMetadata, num_steps: int) -> bool:
+        """Compile now, without running it, the program of ``batch``'s shape (a plain step
+        for ``num_steps`` 1, else the multi-step decode loop) unless it is held or saved
+        (``ExecutableCache.ensure``); ``batch``'s values do not matter. True when it was
+        compiled."""
+        ensure = getattr(self.executables, "ensure", None)
+        if ensure is None:  # plain jit dispatch on a mesh: programs are built when run
+            return False
+        return ensure(*self._program_of(batch, num_steps))
+
+    def _program_of(self, batch: BatchMetadata, num_steps: int) -> tuple:
+        """(name, bucket, jitted, args) of the program a call of ``batch``'s shape runs, with
+        the params and caches as shapes only (the live caches are donated by every call)."""
         fixed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                              (self.params, (self.kv_cache, self.penalty_table)))
         if num_steps == 1:
-            args = (*fixed, batch.packed(), self._no_carry[0])
-            return prefetch("step", batch.shape_key, self._step, args)
+            return "step", batch.shape_key, self._step, (*fixed, batch.packed(), self._no_carry[0])
         loop = self._decode_loop(num_steps)
         row_map = np.full(batch.block_tables.shape[0], -1, np.int32)
         args = (*fixed, batch.packed(), *self._no_carry, row_map)
-        return prefetch(f"decode{num_steps}", batch.shape_key, loop, args)
+        return f"decode{num_steps}", batch.shape_key, loop, args
 
     def execute_multi_step(self, batch: BatchMetadata, num_steps: int) -> np.ndarray:
         """Run ``num_steps`` decode iterations; int32 [num_steps, S], -1 after a row stops."""

@@ -1,5 +1,7 @@
 """`jaxpage generate` end to end on a tiny checkpoint."""
 
+import pytest
+
 from jaxpage import LLM, SamplingParams
 from jaxpage.cli import main
 
@@ -22,3 +24,16 @@ def test_generate_prints_the_greedy_completion(tiny_checkpoints, capsys, tmp_pat
 def test_bad_option_exits_2_with_a_message(capsys):
     assert main(["generate", "hi", "--model", "/nonexistent/model"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_warmup_option_takes_true_false_or_core(capsys):
+    from jaxpage.cli import build_parser
+
+    parser = build_parser()
+    for text, value in (("core", "core"), ("true", True), ("off", False)):
+        args = parser.parse_args(["generate", "hi", "--warmup", text])
+        assert args.warmup == value
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["generate", "hi", "--warmup", "fast"])
+    assert exited.value.code == 2
+    assert "'fast' is not true, false or core" in capsys.readouterr().err
