@@ -39,14 +39,23 @@ def resolve_warmup(option: bool | str | None, backend: str) -> str:
 
 
 def core_program_shapes(engine: Any) -> list[tuple[tuple[int, int, int], int]]:
-    """((T, S, M), steps) of the core programs: a step at the largest token rung with its
-    seats (every long prompt's chunks run it), and the decode call (``steps`` iterations,
-    or a plain step when ``num_scheduler_steps`` is 1) at every decode seat rung a batch
-    drains through, largest first; each at every block-table width. Without the decode
-    programs when speculation is on (its decodes are verify steps)."""
+    """((T, S, M), steps) of the core programs, each at every block-table width:
+
+    * a step at the largest token rung with its seats (every long prompt's chunks run it);
+    * a step of a full batch (the most seats) at every token rung that holds one token a
+      seat: a loaded engine's steps of decodes plus a prompt chunk (the last chunk of a
+      burst of prompts lands on one of these rungs);
+    * the decode call (``steps`` iterations, or a plain step when ``num_scheduler_steps``
+      is 1) at every decode seat rung a batch drains through, largest first; not when
+      speculation is on (its decodes are verify steps).
+    """
     builder = engine.batch_builder
     top = builder.token_ladder.rungs[-1]
-    pairs = [((top, builder.seats(top, 1, decodes_only=False)), 1)]
+    most = builder.seq_ladder.rungs[-1]
+    steps_of = {(top, builder.seats(top, 1, decodes_only=False))}
+    steps_of |= {(rung, builder.seats(rung, most, decodes_only=False))
+                 for rung in builder.token_ladder.rungs if rung >= most}
+    pairs = [(pair, 1) for pair in sorted(steps_of, reverse=True)]
     if engine.scheduler.speculation is None:
         steps = engine.config.scheduler.num_scheduler_steps
         decodes = {(builder.decode_tokens(n), builder.decode_seats(n))

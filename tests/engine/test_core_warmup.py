@@ -38,11 +38,14 @@ def test_core_warmup_compiles_exactly_the_core_programs(tiny_checkpoints):
     engine = llm.llm_engine
     executables = engine.runner.executables
     (width,) = engine.batch_builder.block_ladder.rungs  # the CPU kernel's single width
-    # Token rungs 16..64: the full step seats 64 / 8 = 8. Decode seats: 1 alone, 8 for 2-8
-    # sequences, 16 for 9-16; each a 4-iteration decode loop.
-    assert set(executables.programs()) == {("step", (64, 8, width)), ("decode4", (16, 16, width)),
-                                          ("decode4", (8, 8, width)), ("decode4", (1, 1, width))}
-    assert executables.num_compiled == 4
+    # Token rungs 16..64: the full step seats 64 / 8 = 8; a full batch (16 seats) at the
+    # rungs of at least 16 tokens. Decode seats: 1 alone, 8 for 2-8 sequences, 16 for
+    # 9-16; each a 4-iteration decode loop.
+    assert set(executables.programs()) == {
+        ("step", (64, 8, width)), ("step", (64, 16, width)), ("step", (32, 16, width)),
+        ("step", (16, 16, width)), ("decode4", (16, 16, width)), ("decode4", (8, 8, width)),
+        ("decode4", (1, 1, width))}
+    assert executables.num_compiled == 7
     assert engine.num_used_blocks() == 0  # built, never run
 
     # A second engine of the same shape finds them all (here shared in memory; on disk
