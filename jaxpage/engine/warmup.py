@@ -55,14 +55,12 @@ def core_program_shapes(engine: Any) -> list[tuple[tuple[int, int, int], int]]:
     steps_of = {(top, builder.seats(top, 1, decodes_only=False))}
     steps_of |= {(rung, builder.seats(rung, most, decodes_only=False))
                  for rung in builder.token_ladder.rungs if rung >= most}
-    pairs = [(pair, 1) for pair in sorted(steps_of, reverse=True)]
+    shapes = [((*pair, width), 1) for pair in sorted(steps_of, reverse=True)
+              for width in builder.block_ladder.rungs]
     if engine.scheduler.speculation is None:
         steps = engine.config.scheduler.num_scheduler_steps
-        decodes = {(builder.decode_tokens(n), builder.decode_seats(n))
-                   for n in range(1, builder.seq_ladder.rungs[-1] + 1)}
-        pairs += [(pair, steps) for pair in sorted(decodes, key=lambda p: -p[1])]
-    return [((*pair, width), steps) for pair, steps in pairs
-            for width in builder.block_ladder.rungs]
+        shapes += [(shape, steps) for shape in reversed(builder.decode_shapes())]
+    return shapes
 
 
 def compile_core_programs(engine: Any) -> int:
