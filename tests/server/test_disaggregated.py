@@ -1,8 +1,9 @@
 """Disaggregated serving end to end: a prefill and a decode instance (separate
 ``jaxpage serve`` processes, the tiny Llama) behind ``jaxpage proxy``'s app. Outputs
 through the proxy equal the same model served colocated (the prefill instance answers
-requests without ``kv_transfer_params`` itself), greedy and seeded, streamed and not;
-clients that leave and a prefill instance that dies leave both instances' blocks free."""
+requests without ``kv_transfer_params`` itself) for 32 prompts, greedy and seeded, streamed
+and not; clients that leave (mid-stream, or at random times during prefill, transfer or
+decode) and a prefill instance that dies leave both instances' blocks free."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def _prompts() -> list[str]:
 
 def _free_blocks(url: str) -> tuple[float, float, float]:
     families = {f.name: f.samples[0].value
-                for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
+                for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)
+                if f.samples}  # a labelled family with no label values yet has none
     return (families["jaxpage:num_free_kv_blocks"], families["jaxpage:num_kv_blocks"],
             families["jaxpage:num_requests_running"] + families["jaxpage:num_requests_waiting"]
             + families["jaxpage:num_requests_swapped"])
@@ -98,10 +100,11 @@ def test_outputs_equal_colocated_greedy_seeded_and_streamed(cluster):
     greedy = lambda i: {"max_tokens": 8 + i % 17, "temperature": 0}  # noqa: E731
     seeded = lambda i: {"max_tokens": 12, "temperature": 1.0, "seed": i, "top_p": 0.9}  # noqa: E731
     decoded_before = _finished_requests(cluster["decode"])
-    for body in (greedy, seeded):
-        want = asyncio.run(run(cluster["prefill"], body))
+    wants = {}
+    for name, body in (("greedy", greedy), ("seeded", seeded)):
+        wants[name] = asyncio.run(run(cluster["prefill"], body))
         got = asyncio.run(run(cluster["proxy"], body))
-        assert got == want
+        assert got == wants[name]
     # Every proxied request was decoded by the decode instance (none ended at its first
     # token: max_tokens >= 8 and no EOS in this random model's first few tokens here).
     assert _finished_requests(cluster["decode"]) - decoded_before == 2 * len(prompts)
@@ -133,20 +136,27 @@ def test_outputs_equal_colocated_greedy_seeded_and_streamed(cluster):
     with pytest.raises(ValueError, match="was started with kv_role='decode'"):
         check_kv_layouts([cluster["decode"]], [cluster["prefill"]])
 
-    # Streamed through the proxy: the same text, in pieces, ending in [DONE].
-    for prompt in prompts[:4]:
-        fields = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 10, "temperature": 0}
-        want = httpx.post(cluster["prefill"] + "/v1/completions", json=fields, headers=AUTH,
-                          timeout=120).json()["choices"][0]["text"]
-        pieces, done = [], False
-        with httpx.stream("POST", cluster["proxy"] + "/v1/completions", headers=AUTH,
-                          json=dict(fields, stream=True), timeout=120) as r:
-            for line in r.iter_lines():
-                if line == "data: [DONE]":
-                    done = True
-                elif line.startswith("data: "):
-                    pieces.append(json.loads(line[6:])["choices"][0]["text"])
-        assert done and "".join(pieces) == want
+    # Streamed through the proxy, all 32 prompts at once, greedy and seeded: the same
+    # texts as the colocated answers above, in pieces, ending in [DONE].
+    async def streamed(body):
+        async with httpx.AsyncClient(base_url=cluster["proxy"], headers=AUTH,
+                                     timeout=300) as http:
+            async def one(i, prompt):
+                pieces, done = [], False
+                fields = dict(body(i), model=MODEL_NAME, prompt=prompt, stream=True)
+                async with http.stream("POST", "/v1/completions", json=fields) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line == "data: [DONE]":
+                            done = True
+                        elif line.startswith("data: "):
+                            pieces.append(json.loads(line[6:])["choices"][0]["text"])
+                assert done
+                return "".join(pieces)
+            return await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
+
+    for name, body in (("greedy", greedy), ("seeded", seeded)):
+        assert asyncio.run(streamed(body)) == [text for text, _ in wants[name]], name
 
     # Chat goes the same way.
     chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi there"}],
@@ -185,6 +195,42 @@ def test_errors_pass_through_and_leaving_clients_free_blocks(cluster):
 
     results = asyncio.run(main())
     assert results.count("left") == 4
+    _assert_all_free(cluster)
+
+    # A quarter of the clients leave at random times, streamed or not: while their prompt
+    # runs on the prefill instance, while its pages move, or while it decodes.
+    rng = random.Random(7)
+    leaving = set(rng.sample(range(16), 4))
+    delays = {i: rng.uniform(0.0, 0.4) for i in sorted(leaving)}
+
+    async def client(i, http):
+        fields = {"model": MODEL_NAME, "prompt": BASE[i % len(BASE)] * (1 + i % 3),
+                  "max_tokens": 80, "temperature": 0, "ignore_eos": True, "stream": i % 2 == 0}
+
+        async def request():
+            if not fields["stream"]:
+                r = await http.post("/v1/completions", json=fields)
+                return r.status_code
+            async with http.stream("POST", "/v1/completions", json=fields) as r:
+                async for _ in r.aiter_lines():
+                    pass
+                return r.status_code
+
+        if i not in leaving:
+            return await request()
+        try:
+            return await asyncio.wait_for(request(), delays[i])
+        except asyncio.TimeoutError:
+            return "left"
+
+    async def wave():
+        async with httpx.AsyncClient(base_url=cluster["proxy"], headers=AUTH,
+                                     timeout=300) as http:
+            return await asyncio.gather(*[client(i, http) for i in range(16)])
+
+    results = asyncio.run(wave())
+    assert all(results[i] == 200 for i in range(16) if i not in leaving), results
+    assert results.count("left") == 4, results
     _assert_all_free(cluster)
 
 
@@ -296,3 +342,10 @@ def test_layouts_and_what_stays_whole_on_prefill():
     assert _instance_args(args) == ["m.gguf", "--max-num-seqs", "4", "--enable-prefix-caching",
                                     "false", "--speculative-config", '{"method": "ngram"}',
                                     "--api-key", "k"]
+    args = build_parser().parse_args(["proxy", "--prefill", "http://a:1", "http://b:2",
+                                      "--decode", "http://c:3", "--port", "8123",
+                                      "--max-imbalance", "2"])
+    assert (args.prefill, args.decode, args.port, args.max_imbalance) == (
+        ["http://a:1", "http://b:2"], ["http://c:3"], 8123, 2)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["proxy", "--decode", "http://c:3"])  # --prefill is required
