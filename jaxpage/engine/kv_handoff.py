@@ -158,6 +158,22 @@ class KVHandoff:
                              "kv_role='prefill'")
         return self.kv_transfer.settle(uuid, pulled)
 
+    def kv_transfer_stats(self) -> dict[str, int]:
+        """``get_stats``' part for disaggregated serving (empty when not disaggregated).
+        A prefill instance: tickets offered (each request's pages gathered into one K and
+        one V array), pending and released unpulled. A decode instance: pulls made (one
+        per request), the blocks they brought and the bytes they moved."""
+        transfer, role = self.kv_transfer, self.config.cache.kv_role
+        if transfer is None:
+            return {}
+        if role == "prefill":
+            return {"kv_tickets_offered": transfer.num_exported,
+                    "kv_tickets_pending": transfer.num_pending,
+                    "kv_tickets_released": transfer.num_released}
+        return {"kv_pulls": transfer.num_imported,
+                "kv_pulled_blocks": transfer.num_imported_blocks,
+                "kv_pulled_bytes": transfer.num_imported_bytes}
+
     def pull_kv(self, ticket) -> Pages:
         """A prefill instance's pages for ``ticket`` (thread-safe; TimeoutError)."""
         return self.kv_transfer.pull(ticket, self.config.cache.kv_transfer_timeout)

@@ -372,9 +372,7 @@ class LLMEngine(LoRAAdapters, kv_handoff.KVHandoff):
                 "kv_cache_dtype": self.kv_cache_dtype,
                 "kv_bytes_per_block": self.kv_bytes_per_block,
                 **self.scheduler.stats(), "kv_usage": 1.0 - free / self.num_kv_blocks,
-                **({"kv_tickets_pending": self.kv_transfer.num_pending,
-                    "kv_tickets_released": self.kv_transfer.num_released}
-                   if self.config.cache.kv_role == "prefill" else {})}
+                **self.kv_transfer_stats()}
 
 
 def _droppable_window(arch, draft_arch=None) -> int | None:

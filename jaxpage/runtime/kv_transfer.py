@@ -86,8 +86,13 @@ class KVTransfer:
         # their gathered pages until they are pulled; ``settle`` / ``expire`` end them.
         self._offered: dict[int, tuple[TransferTicket, float]] = {}
         self.max_age_s = max_age_s
+        # Counters (read by ``LLMEngine.get_stats``): tickets offered here; pulls this
+        # process made (one per request: its pages as one K and one V array), the real
+        # blocks they brought and the bytes they moved (K and V, padded block count).
         self.num_exported = 0
         self.num_imported = 0
+        self.num_imported_blocks = 0
+        self.num_imported_bytes = 0
         self.num_released = 0
 
     def offer(self, kv_cache, block_ids: list[int], programs=None) -> TransferTicket:
@@ -175,5 +180,8 @@ class KVTransfer:
             raise TimeoutError(f"KV transfer {ticket.uuid} from {ticket.address} failed: "
                                f"{reason}")
         k, v = result[0]
-        self.num_imported += 1
+        with self._lock:  # pulls run on several pool threads at once
+            self.num_imported += 1
+            self.num_imported_blocks += ticket.num_blocks
+            self.num_imported_bytes += k.nbytes + v.nbytes
         return k[:, :ticket.num_blocks], v[:, :ticket.num_blocks]

@@ -19,6 +19,25 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
+# (name, HELP, key of the engine's stats, kind): a prefill instance's tickets, a decode
+# instance's pulls (``KVTransfer``: one transfer per request, never one per block).
+_KV_TRANSFER_METRICS = (
+    ("kv_transfer_offered_tickets", "Requests whose prompt KV pages were gathered into one "
+     "K and one V array and offered to a decode instance", "kv_tickets_offered",
+     CounterMetricFamily),
+    ("kv_transfer_pending_tickets", "Offered KV pages not pulled or released yet",
+     "kv_tickets_pending", GaugeMetricFamily),
+    ("kv_transfer_released_tickets", "Offered KV pages released unpulled",
+     "kv_tickets_released", CounterMetricFamily),
+    ("kv_transfer_pulls", "KV transfers pulled from prefill instances: one per request, "
+     "its prompt pages as one K and one V array", "kv_pulls", CounterMetricFamily),
+    ("kv_transfer_pulled_blocks", "KV blocks the pulls brought (the requests' prompt "
+     "blocks)", "kv_pulled_blocks", CounterMetricFamily),
+    ("kv_transfer_pulled_bytes", "Bytes the pulls moved (K and V, the block count padded "
+     "to a power of two)", "kv_pulled_bytes", CounterMetricFamily),
+)
+
+
 class _EngineStateCollector:
     def __init__(self, model_name: str, read_stats: Callable[[], dict[str, Any]]) -> None:
         self.model_name = model_name
@@ -53,12 +72,8 @@ class _EngineStateCollector:
             "instance) took from the prefix cache instead of copying", labels=labels)
         shared.add_metric([self.model_name], float(stats.get("num_swap_in_shared_blocks", 0)))
         yield shared
-        if "kv_tickets_pending" in stats:  # a prefill instance (disaggregated serving)
-            for name, doc, key, kind in (
-                    ("kv_transfer_pending_tickets", "Offered KV pages not pulled or released yet",
-                     "kv_tickets_pending", GaugeMetricFamily),
-                    ("kv_transfer_released_tickets", "Offered KV pages released unpulled",
-                     "kv_tickets_released", CounterMetricFamily)):
+        for name, doc, key, kind in _KV_TRANSFER_METRICS:  # disaggregated serving
+            if key in stats:  # the prefill instance's, or the decode instance's
                 family = kind(PREFIX + name, doc, labels=labels)
                 family.add_metric([self.model_name], float(stats[key]))
                 yield family

@@ -59,8 +59,22 @@ def test_greedy_and_seeded_outputs_equal_colocated(engines):
               SamplingParams(max_tokens=20, temperature=1.0, seed=i, top_p=0.9)
               for i in range(len(prompts))]
     want = colocated.generate(prompts, params, use_tqdm=False)
+    keys = ("kv_pulls", "kv_pulled_blocks", "kv_pulled_bytes")
+    before = [decode.get_stats()[key] for key in keys]
+    offered = prefill.get_stats()["kv_tickets_offered"]
     got = _disaggregated(prefill, decode, prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    # One pull per request, bringing its prompt blocks as one K and one V array (the
+    # block count padded to a power of two); the counters of the other role are absent.
+    engine = decode.llm_engine
+    blocks = [engine.kv_cache_manager.num_blocks_for(len(o.prompt_token_ids)) for o in got]
+    padded = [1 << (n - 1).bit_length() for n in blocks]
+    stats = decode.get_stats()
+    assert [stats[key] - b for key, b in zip(keys, before)] == [
+        len(prompts), sum(blocks), sum(padded) * engine.kv_bytes_per_block]
+    assert prefill.get_stats()["kv_tickets_offered"] - offered == len(prompts)
+    assert "kv_tickets_offered" not in stats and "kv_pulls" not in prefill.get_stats()
+    assert "kv_pulls" not in colocated.get_stats()
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
     for llm in (prefill, decode):
         stats = llm.get_stats()
