@@ -2,18 +2,25 @@
 ``jaxpage serve`` processes, the tiny Llama) behind ``jaxpage proxy``'s app. Outputs
 through the proxy equal the same model served colocated (the prefill instance answers
 requests without ``kv_transfer_params`` itself) for 32 prompts, greedy and seeded, streamed
-and not; clients that leave (mid-stream, or at random times during prefill, transfer or
-decode) and a prefill instance that dies leave both instances' blocks free."""
+and not, and through ``jaxpage serve --disaggregated 2P1D`` (both prefill instances used);
+each request is one pull of its prompt pages; clients that leave (mid-stream, or at random
+times during prefill, transfer or decode), a decode instance that is full (a 503 with
+``Retry-After`` or a wait, never a drop) and a prefill instance that dies leave every
+instance's blocks free."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
+import subprocess
+import sys
 import time
 
 import httpx
+import jax.numpy as jnp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -75,14 +82,19 @@ def _metric(url: str, name: str) -> float:
                if f.name == name for s in f.samples if not s.name.endswith("_created"))
 
 
+def _assert_free(url: str) -> None:
+    """Every KV block of the instance at ``url`` free, no request left in it."""
+    for _ in range(50):  # aborts are applied before the engine's next step
+        free, total, busy = _free_blocks(url)
+        if free == total and busy == 0:
+            break
+        time.sleep(0.1)
+    assert (free, busy) == (total, 0), (url, free, total, busy)
+
+
 def _assert_all_free(cluster) -> None:
     for role in ("prefill", "decode"):
-        for _ in range(50):  # aborts are applied before the engine's next step
-            free, total, busy = _free_blocks(cluster[role])
-            if free == total and busy == 0:
-                break
-            asyncio.run(asyncio.sleep(0.1))
-        assert (free, busy) == (total, 0), (role, free, total, busy)
+        _assert_free(cluster[role])
 
 
 def test_outputs_equal_colocated_greedy_seeded_and_streamed(cluster):
@@ -237,6 +249,70 @@ def test_errors_pass_through_and_leaving_clients_free_blocks(cluster):
     _assert_all_free(cluster)
 
 
+def _env() -> dict:
+    return {"JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": os.environ.get(
+        "JAXPAGE_TEST_XLA_CACHE", os.path.expanduser("~/.cache/jaxpage/xla-tests"))}
+
+
+def _block_bytes(url: str) -> int:
+    """K and V bytes of one KV block (all layers) of the instance at ``url``."""
+    layout = httpx.get(url + "/kv_layout", timeout=10).json()
+    return (2 * layout["num_layers"] * layout["block_size"] * layout["kv_heads"]
+            * layout["head_dim"] * jnp.dtype(layout["dtype"]).itemsize)
+
+
+def _colocated(url: str, bodies: list[dict]) -> list[str]:
+    """Texts of ``bodies`` answered by the instance at ``url`` alone (no ticket asked for:
+    a prefill instance serves them colocated)."""
+    async def run():
+        async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120) as http:
+            async def one(body):
+                r = await http.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+            return await asyncio.gather(*map(one, bodies))
+    return asyncio.run(run())
+
+
+def test_one_pull_per_request_moves_its_prompt_pages_at_once(cluster):
+    """The decode instance's counters after N requests through the proxy: exactly N pulls
+    (one per request, not one per block), bringing exactly the prompts' blocks, and the
+    bytes of one K and one V array per request (blocks padded to a power of two); the
+    prefill instance offered N tickets."""
+    block_size = httpx.get(cluster["decode"] + "/kv_layout", timeout=10).json()["block_size"]
+    block_bytes = _block_bytes(cluster["decode"])
+    names = ("jaxpage:kv_transfer_pulls", "jaxpage:kv_transfer_pulled_blocks",
+             "jaxpage:kv_transfer_pulled_bytes")
+    before = [_metric(cluster["decode"], name) for name in names]
+    offered = _metric(cluster["prefill"], "jaxpage:kv_transfer_offered_tickets")
+    # 1 to 13 blocks: exactly one block, one token over, and longer prompts.
+    prompts = [list(range(100, 100 + n)) for n in (8, 9, 16, 17, 40, 63, 64, 100)]
+    bodies = [{"model": MODEL_NAME, "prompt": p, "max_tokens": 6, "temperature": 0,
+               "ignore_eos": True} for p in prompts]
+    want = _colocated(cluster["prefill"], bodies)
+    assert _metric(cluster["decode"], names[0]) == before[0]  # colocated: nothing pulled
+
+    async def run():
+        async with httpx.AsyncClient(base_url=cluster["proxy"], headers=AUTH,
+                                     timeout=120) as http:
+            return await asyncio.gather(*[http.post("/v1/completions", json=b) for b in bodies])
+
+    responses = asyncio.run(run())
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    assert [r.json()["choices"][0]["text"] for r in responses] == want
+    assert [r.json()["usage"]["prompt_tokens"] for r in responses] == list(map(len, prompts))
+    blocks = [-(-len(p) // block_size) for p in prompts]
+    padded = [1 << (n - 1).bit_length() for n in blocks]
+    got = [_metric(cluster["decode"], name) - b for name, b in zip(names, before)]
+    assert got == [len(prompts), sum(blocks), sum(padded) * block_bytes], (got, blocks)
+    assert _metric(cluster["prefill"], "jaxpage:kv_transfer_offered_tickets") - offered == \
+        len(prompts)
+    # Each kind of instance shows only its own side's counters.
+    assert "jaxpage:kv_transfer_pull" not in httpx.get(cluster["prefill"] + "/metrics").text
+    assert "jaxpage:kv_transfer_offered" not in httpx.get(cluster["decode"] + "/metrics").text
+    _assert_all_free(cluster)
+
+
 def test_a_decode_instance_that_holds_a_prefix_keeps_its_requests(cluster, tiny_checkpoints):
     """A second decode instance behind a second proxy. A request whose prompt shares its
     first blocks with one the first decode instance served goes back there, though that
@@ -325,44 +401,212 @@ def test_a_transfer_that_times_out_is_a_503_and_the_decode_instance_goes_on(clus
         _assert_all_free({"prefill": cluster["prefill"], "decode": url})
         want = httpx.post(cluster["prefill"] + "/v1/completions", headers=AUTH, timeout=60,
                           json=greedy).json()["choices"][0]["text"]
+        pulled = ticket()
         r = httpx.post(url + "/v1/completions", headers=AUTH, timeout=60,
-                       json=dict(greedy, kv_transfer_params=ticket()))
+                       json=dict(greedy, kv_transfer_params=pulled))
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+        assert httpx.post(cluster["prefill"] + "/kv_transfer/settle", timeout=30, json={
+            "uuid": pulled["uuid"], "pulled": True}).json() == {"settled": True}  # as the proxy
         _assert_all_free({"prefill": cluster["prefill"], "decode": url})
     finally:
         decode.terminate()
         decode.wait(20)
 
 
-def test_a_prefill_instance_killed_mid_run(cluster):
-    # Last in the module: it kills the prefill instance while requests are under way.
-    process = cluster["processes"]["prefill"]
+def test_a_full_decode_instance_is_waited_for_or_answers_503_never_drops(cluster,
+                                                                        tiny_checkpoints):
+    """A real decode instance made tiny (one sequence at a time, host blocks for one
+    prompt's pages: a pulled request waits there until a seat is free, and one that finds
+    them taken is refused with a 503 and ``Retry-After``) behind a real proxy, sent three
+    times more requests at once than it holds. Every request ends, none dropped: with the
+    colocated text (the proxy waited and retried some refused ones), or with the decode
+    instance's 503, its ``Retry-After`` and an OpenAI error body once the proxy's attempts
+    are spent. Afterwards every block of both instances is free and every ticket settled."""
+    prompt_len, num_requests = 40, 12                   # 5 blocks of 8 tokens per prompt
+    block_bytes = _block_bytes(cluster["prefill"])
+    host_blocks = prompt_len // 8
+    swap_space = (host_blocks + 0.5) * block_bytes / 2**30
+    port = free_port()
+    decode = start_instance([tiny_checkpoints["llama"], *ARGS, "--max-num-seqs", "1",
+                             "--swap-space", repr(swap_space)], "decode", port, _env())
+    url = f"http://127.0.0.1:{port}"
+    prompts = [[100 + (97 * i + 31 * j) % 20000 for j in range(prompt_len)]
+               for i in range(num_requests)]
+    bodies = [{"model": MODEL_NAME, "prompt": p, "max_tokens": 150, "temperature": 0,
+               "ignore_eos": True} for p in prompts]
+    try:
+        want = _colocated(cluster["prefill"], bodies)
+        pending = _metric(cluster["prefill"], "jaxpage:kv_transfer_pending_tickets")
+        wait_healthy([url], [decode], 300)
+        proxy = BackgroundServer(build_proxy_app([cluster["prefill"]], [url])).start()
+        try:
+            def refused() -> float:
+                return sum(s.value for f in text_string_to_metric_families(
+                    httpx.get(url + "/metrics").text) if f.name == "jaxpage:http_requests"
+                    for s in f.samples if s.name.endswith("_total")
+                    and s.labels["route"] == "/v1/completions" and s.labels["status"] == "503")
 
-    async def one(http, i):
-        r = await http.post("/v1/completions", json={
-            "model": MODEL_NAME, "prompt": BASE[i % len(BASE)] * (1 + i % 3),
-            "max_tokens": 40, "temperature": 0, "ignore_eos": True})
-        return r.status_code, r.json()
+            async def run():
+                async with httpx.AsyncClient(base_url=proxy.url, headers=AUTH,
+                                             timeout=120) as http:
+                    return await asyncio.wait_for(asyncio.gather(
+                        *[http.post("/v1/completions", json=b) for b in bodies]), 110)
+
+            began = time.monotonic()
+            responses = asyncio.run(run())
+            elapsed = time.monotonic() - began
+        finally:
+            proxy.stop()
+        final = []
+        for i, r in enumerate(responses):
+            if r.status_code == 200:
+                assert r.json()["choices"][0]["text"] == want[i], i
+                continue
+            assert r.status_code == 503, r.text
+            assert r.headers["retry-after"] == "1"
+            assert r.json()["error"]["type"] == "ServiceUnavailableError"
+            assert "no room for the request's KV pages" in r.json()["error"]["message"]
+            final.append(i)
+        # The instance was full: some requests got its 503 for good (after the proxy's
+        # three rounds each), and it refused more often than that, so some refused
+        # request was retried and then served.
+        assert 1 <= len(final) < num_requests, (final, elapsed)
+        assert refused() > 3 * len(final), (refused(), final, elapsed)
+        for _ in range(50):  # every ticket of these requests settled (pulled or not)
+            if _metric(cluster["prefill"], "jaxpage:kv_transfer_pending_tickets") == pending:
+                break
+            time.sleep(0.1)
+        assert _metric(cluster["prefill"], "jaxpage:kv_transfer_pending_tickets") == pending
+        _assert_all_free({"prefill": cluster["prefill"], "decode": url})
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+    finally:
+        decode.terminate()
+        decode.wait(20)
+
+
+def test_serve_disaggregated_2p1d_spreads_prompts_over_both_prefill_instances(cluster,
+                                                                             tiny_checkpoints):
+    """``jaxpage serve --disaggregated 2P1D``: two prefill and one decode instance started
+    by the command, behind its proxy. 32 mixed prompts at once, greedy: the texts equal the
+    colocated ones; each prefill instance offered some of the tickets (the proxy's
+    ``/metrics``, labelled by instance), the decode instance pulled them all. Stopping the
+    command stops its instances."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = subprocess.Popen(
+        [sys.executable, "-m", "jaxpage.cli", "serve", tiny_checkpoints["llama"], *ARGS,
+         "--disaggregated", "2P1D", "--port", str(port), "--log-level", "warning"],
+        env={**os.environ, **_env()})
+    prompts = _prompts()
+    bodies = [{"model": MODEL_NAME, "prompt": p, "max_tokens": 8 + i % 17, "temperature": 0}
+              for i, p in enumerate(prompts)]
+    instances: dict[str, list[str]] = {}
+    try:
+        want = _colocated(cluster["prefill"], bodies)
+        deadline = time.monotonic() + 300
+        while True:  # the proxy answers once its instances are healthy
+            assert command.poll() is None, "jaxpage serve --disaggregated 2P1D exited"
+            assert time.monotonic() < deadline, "2P1D not healthy after 300 s"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            time.sleep(0.5)
+        assert _colocated(url, bodies) == want
+        merged = {f.name: f for f in text_string_to_metric_families(
+            httpx.get(url + "/metrics", headers=AUTH, timeout=30).text)}
+        for sample in merged["jaxpage:num_kv_blocks"].samples:
+            instances.setdefault(sample.labels["role"], []).append(sample.labels["instance"])
+        assert sorted(map(len, instances.values())) == [1, 2], instances
+        offered = {s.labels["instance"]: s.value for s in
+                   merged["jaxpage:kv_transfer_offered_tickets"].samples
+                   if s.name.endswith("_total")}
+        pulls = [s.value for s in merged["jaxpage:kv_transfer_pulls"].samples
+                 if s.name.endswith("_total")]
+        assert set(offered) == set(instances["prefill"])
+        assert all(count > 0 for count in offered.values()), offered
+        assert sum(offered.values()) == len(prompts) and pulls == [len(prompts)], \
+            (offered, pulls)
+        for instance in instances["prefill"] + instances["decode"]:
+            _assert_free(instance)
+    finally:
+        command.terminate()
+        command.wait(60)
+    for instance in instances.get("prefill", []) + instances.get("decode", []):
+        for _ in range(100):  # they get SIGTERM when the command ends
+            try:
+                httpx.get(instance + "/health", timeout=2)
+            except httpx.HTTPError:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"{instance} outlived jaxpage serve --disaggregated")
+
+
+def test_a_prefill_instance_killed_mid_run(cluster):
+    """Last of the cluster's tests: the prefill instance is killed (SIGKILL) while it runs
+    (or queues) at least 4 prompts of 200 tokens sent through the proxy, and two earlier
+    requests are decoding on the decode instance. Every request ends: with its text (the
+    two handed over before the kill, at least) or with a 503 and an OpenAI error body, at
+    least one (its prompt was on the dead instance) naming the instance and saying when to
+    retry. The decode instance stays healthy with every block free."""
+    process = cluster["processes"]["prefill"]
+    early = [[100 + (11 * i + 7 * j) % 20000 for j in range(16)] for i in range(2)]
+    prompts = [[100 + (53 * i + 7 * j) % 20000 for j in range(200)] for i in range(22)]
+
+    def body(prompt, max_tokens=40):
+        return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True}
+
+    async def one(http, prompt, max_tokens=40):
+        r = await http.post("/v1/completions", json=body(prompt, max_tokens))
+        return r.status_code, r.json(), r.headers
+
+    want = _colocated(cluster["prefill"], [body(p, 240) for p in early])
 
     async def main():
+        async def read(url):
+            text = (await http.get(url + "/metrics")).text
+            return {f.name: sum(s.value for s in f.samples if not s.name.endswith("_created"))
+                    for f in text_string_to_metric_families(text)}
+
         async with httpx.AsyncClient(base_url=cluster["proxy"], headers=AUTH,
                                      timeout=120) as http:
-            tasks = [asyncio.create_task(one(http, i)) for i in range(24)]
-            await asyncio.sleep(0.3)
+            pulled = (await read(cluster["decode"]))["jaxpage:kv_transfer_pulls"]
+            tasks = [asyncio.create_task(one(http, p, 240)) for p in early]
+            deadline = time.monotonic() + 30
+            while (await read(cluster["decode"]))["jaxpage:kv_transfer_pulls"] < pulled + 2:
+                assert time.monotonic() < deadline, "the first two were never handed over"
+                await asyncio.sleep(0.01)
+            tasks += [asyncio.create_task(one(http, p)) for p in prompts]
+            while True:  # kill it while it runs several of these prompts
+                assert time.monotonic() < deadline, "the prefill instance never got busy"
+                await asyncio.sleep(0.01)
+                prefill = await read(cluster["prefill"])
+                if prefill["jaxpage:num_requests_running"] \
+                        + prefill["jaxpage:num_requests_waiting"] >= 4:
+                    break
             process.kill()
             return await asyncio.gather(*tasks)
 
     results = asyncio.run(main())
-    for status, body in results:
-        assert status in (200, 503), (status, body)
+    unavailable = 0
+    for status, answer, headers in results:
+        assert status in (200, 503), (status, answer)
         if status == 503:
-            assert body["error"]["type"] == "ServiceUnavailableError"
+            assert answer["error"]["type"] == "ServiceUnavailableError", answer
+            if f"prefill instance {cluster['prefill']}" in answer["error"]["message"]:
+                assert headers["retry-after"] == "1"
+                unavailable += 1
+    assert unavailable >= 1, results  # at least the prompts it was running when killed
+    # The two handed over before the kill end as if nothing had happened.
+    assert [(status, answer["choices"][0]["text"]) for status, answer, _ in results[:2]] == \
+        [(200, text) for text in want]
     r = httpx.post(cluster["proxy"] + "/v1/completions", headers=AUTH, timeout=60,
                    json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 5})
     assert r.status_code == 503 and "prefill" in r.json()["error"]["message"]
     for _ in range(100):  # requests already handed over finish on the decode instance
         free, total, busy = _free_blocks(cluster["decode"])
-        if busy == 0:
+        if busy == 0 and free == total:
             break
         asyncio.run(asyncio.sleep(0.1))
     assert (free, busy) == (total, 0)
