@@ -17,6 +17,9 @@ from jaxpage.core.bucket_ladder import BucketLadder
 TOKENS_PER_SEAT = 8
 # A batch of 2 or more decodes holds at least this many seats (``BatchShapes.decode_seats``).
 MIN_DECODE_SEATS = 8
+# Decode seat rungs of at least this many seats have a rung at three quarters below them
+# (``BatchShapes.decode_seats``).
+THREE_QUARTER_RUNGS_FROM = 32
 
 
 class BatchShapes:
@@ -53,10 +56,23 @@ class BatchShapes:
         ``MIN_DECODE_SEATS`` (capped by the largest). A decode of a few rows reads the
         weights once like a decode of 8 (a memory-bound step on every platform: on this
         project's CPU 2 rows cost ~1.2x one row and 8 rows ~1.5x), so rows 2..8 share one
-        program instead of three."""
+        program instead of three.
+
+        From ``THREE_QUARTER_RUNGS_FROM`` seats up, a power-of-two rung ``r`` also has a
+        rung at ``3r / 4`` (24, 48, 96, ...): a decode batch is at most a third padding
+        instead of a half. Decodes of this size are compute-bound on the CPU, so every
+        padded row costs nearly a live row's matmuls: 48 live rows in 64 seats took
+        ~87 ms an iteration on SmolLM2, in 48 seats ~67 ms (docs/benchmarks/host_overhead.md).
+        Decodes are where a batch spends most of its steps, so only they get the extra
+        rungs (two more programs for 64 sequences)."""
         if num_seqs <= 1:
             return self.seq_ladder.fit(num_seqs)
-        return self.seq_ladder.fit(max(num_seqs, min(MIN_DECODE_SEATS, self.seq_ladder.rungs[-1])))
+        rung = self.seq_ladder.fit(max(num_seqs, min(MIN_DECODE_SEATS, self.seq_ladder.rungs[-1])))
+        three_quarters = rung * 3 // 4
+        if (rung >= THREE_QUARTER_RUNGS_FROM and rung & (rung - 1) == 0
+                and num_seqs <= three_quarters):
+            return three_quarters
+        return rung
 
     def decode_tokens(self, num_seqs: int) -> int:
         """T of a batch of ``num_seqs`` decodes: its seats, capped by the token rung."""

@@ -117,6 +117,25 @@ def test_enumerated_shapes_cover_every_batch_the_builder_makes():
     assert len(seen) > 4
 
 
+def test_decode_seats_have_three_quarter_rungs_from_32():
+    """Power-of-two decode rungs from 32 seats up have a rung at 3/4 below them (24, 48,
+    96); a top rung that is not a power of two (100) gets none; decode_shapes lists them."""
+    from jaxpage.core.batch_shapes import BatchShapes
+
+    shapes = BatchShapes(max_num_batched_tokens=512, max_num_seqs=64, max_blocks=8)
+    seats = {n: shapes.decode_seats(n) for n in range(1, 65)}
+    assert sorted(set(seats.values())) == [1, 8, 16, 24, 32, 48, 64]
+    assert [seats[n] for n in (16, 17, 24, 25, 32, 33, 48, 49, 64)] == \
+        [16, 24, 24, 32, 32, 48, 48, 64, 64]
+    assert {(t, s) for t, s, _ in shapes.decode_shapes()} == \
+        {(1, 1), (8, 8), (16, 16), (24, 24), (32, 32), (48, 48), (64, 64)}
+    odd = BatchShapes(max_num_batched_tokens=512, max_num_seqs=100, max_blocks=8)
+    assert [odd.decode_seats(n) for n in (65, 96, 100)] == [100, 100, 100]
+    assert [odd.decode_seats(n) for n in (40, 48, 49)] == [48, 48, 64]
+    small = BatchShapes(max_num_batched_tokens=512, max_num_seqs=16, max_blocks=8)
+    assert sorted({small.decode_seats(n) for n in range(1, 17)}) == [1, 8, 16]
+
+
 @pytest.mark.parametrize("n, tokens", [(1, 1), (2, 6), (3, 6), (5, 6), (6, 6)])
 def test_decode_only_batches_pad_tokens_like_sequences(n, tokens):
     """Decodes pad T to their seats (1 alone, else at least min(8, the top rung 6)), not to
@@ -136,4 +155,4 @@ def test_decode_only_batches_pad_tokens_like_sequences(n, tokens):
     capped = BatchBuilder(s.kv, max_num_batched_tokens=4, max_num_seqs=6, max_model_len=64)
     assert capped.decode_tokens(3) == 4 and capped.decode_tokens(1) == 1
     wide = BatchBuilder(s.kv, max_num_batched_tokens=64, max_num_seqs=32, max_model_len=64)
-    assert [wide.decode_seats(n) for n in (1, 2, 7, 8, 9, 17)] == [1, 8, 8, 8, 16, 32]
+    assert [wide.decode_seats(n) for n in (1, 2, 7, 8, 9, 17, 24, 25)] == [1, 8, 8, 8, 16, 24, 24, 32]
