@@ -1,6 +1,6 @@
 """The CPU's default warm-up ("core"): exactly the full prefill step and the decode
-programs of every seat rung are compiled at construction, without running them, never
-twice, and tokens do not change."""
+programs of every seat rung are compiled at construction and run once on a throwaway
+batch (no block held, no token changed), never compiled twice."""
 
 import pytest
 
@@ -46,7 +46,11 @@ def test_core_warmup_compiles_exactly_the_core_programs(tiny_checkpoints):
         ("step", (16, 16, width)), ("decode4", (16, 16, width)), ("decode4", (8, 8, width)),
         ("decode4", (1, 1, width))}
     assert executables.num_compiled == 7
-    assert engine.num_used_blocks() == 0  # built, never run
+    # Each ran once (``first_run``), on a batch holding no request: no block is held.
+    assert engine.runner.compiled_shapes == {
+        (64, 8, width), (64, 16, width), (32, 16, width), (16, 16, width),
+        (16, 16, width, 4), (8, 8, width, 4), (1, 1, width, 4)}
+    assert engine.num_used_blocks() == 0
 
     # A second engine of the same shape finds them all (here shared in memory; on disk
     # across processes) and compiles nothing.
