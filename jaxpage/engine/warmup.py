@@ -3,9 +3,9 @@
 Three modes (``resolve_warmup``): ``"all"`` (``warmup=True``, the default on
 accelerators) compiles or loads every program an engine can run; ``"core"`` (the default
 on the CPU) compiles the few programs nearly every workload runs, a full prefill step and
-the decode programs of every seat rung, unless they are already saved, so a warm start
-still loads nothing up front, and runs each once (``first_run``); ``"none"`` (``warmup=False``) builds every program when a
-batch first needs it.
+the decode programs of every seat rung, unless they are already saved (so a warm start
+still loads nothing up front), and runs each one it compiled once (``first_run``);
+``"none"`` (``warmup=False``) builds every program when a batch first needs it.
 """
 
 from __future__ import annotations

@@ -38,10 +38,10 @@ def test_the_drain_programs_are_asked_for_largest_first_and_once():
     drain.after_dispatch(prefill, queues(running=9, waiting=0), runner)   # nothing new
     assert len(runner.asked) == 3
     drain.after_dispatch(prefill, queues(running=40, waiting=0), runner)  # capped at 32
-    assert runner.asked[3:] == [(32, 32, 16, 4)]
+    assert runner.asked[3:] == [(32, 32, 16, 4), (24, 24, 16, 4)]  # 17-24: the 3/4 rung
     wider = builder.empty(64, 8, 8)                    # another block-table width
     drain.after_dispatch(wider, queues(running=1, waiting=0), runner)
-    assert runner.asked[4:] == [(1, 1, 8, 4)]
+    assert runner.asked[5:] == [(1, 1, 8, 4)]
 
 
 def test_the_decode_being_dispatched_is_not_asked_for():
