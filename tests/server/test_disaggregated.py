@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import random
@@ -201,12 +202,8 @@ def test_errors_pass_through_and_leaving_clients_free_blocks(cluster):
                     return "left"
         return "done"
 
-    async def main():
-        async with httpx.AsyncClient(base_url=cluster["proxy"], headers=AUTH,
-                                     timeout=300) as http:
-            return await asyncio.gather(*[leave_early(i, http) for i in range(16)])
-
-    results = asyncio.run(main())
+    results = _concurrently(cluster["proxy"],
+                            [functools.partial(leave_early, i) for i in range(16)])
     assert results.count("left") == 4
     _assert_all_free(cluster)
 
@@ -236,12 +233,7 @@ def test_errors_pass_through_and_leaving_clients_free_blocks(cluster):
         except asyncio.TimeoutError:
             return "left"
 
-    async def wave():
-        async with httpx.AsyncClient(base_url=cluster["proxy"], headers=AUTH,
-                                     timeout=300) as http:
-            return await asyncio.gather(*[client(i, http) for i in range(16)])
-
-    results = asyncio.run(wave())
+    results = _concurrently(cluster["proxy"], [functools.partial(client, i) for i in range(16)])
     assert all(results[i] == 200 for i in range(16) if i not in leaving), results
     # A late leaver may have had its whole answer first (timing); the early ones leave.
     assert all(results[i] in (200, "left") for i in leaving), results
@@ -259,6 +251,15 @@ def _block_bytes(url: str) -> int:
     layout = httpx.get(url + "/kv_layout", timeout=10).json()
     return (2 * layout["num_layers"] * layout["block_size"] * layout["kv_heads"]
             * layout["head_dim"] * jnp.dtype(layout["dtype"]).itemsize)
+
+
+def _concurrently(url: str, clients, timeout: float = 300) -> list:
+    """Run every ``client(http)`` coroutine at once against the server at ``url`` (one
+    authenticated ``httpx.AsyncClient``); their results in order."""
+    async def run():
+        async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=timeout) as http:
+            return await asyncio.gather(*[client(http) for client in clients])
+    return asyncio.run(run())
 
 
 def _colocated(url: str, bodies: list[dict]) -> list[str]:
@@ -292,12 +293,8 @@ def test_one_pull_per_request_moves_its_prompt_pages_at_once(cluster):
     want = _colocated(cluster["prefill"], bodies)
     assert _metric(cluster["decode"], names[0]) == before[0]  # colocated: nothing pulled
 
-    async def run():
-        async with httpx.AsyncClient(base_url=cluster["proxy"], headers=AUTH,
-                                     timeout=120) as http:
-            return await asyncio.gather(*[http.post("/v1/completions", json=b) for b in bodies])
-
-    responses = asyncio.run(run())
+    responses = _concurrently(cluster["proxy"], [
+        lambda http, b=b: http.post("/v1/completions", json=b) for b in bodies], timeout=120)
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
     assert [r.json()["choices"][0]["text"] for r in responses] == want
     assert [r.json()["usage"]["prompt_tokens"] for r in responses] == list(map(len, prompts))
