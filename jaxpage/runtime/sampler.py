@@ -18,44 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpage.core.penalty_slots import SEEN
-
-
-def first_argmax(values: jax.Array) -> jax.Array:
-    """int32 [S]: the first index of each row's maximum of ``values`` [S, V], as
-    ``jnp.argmax`` (NaN aside). XLA's CPU argmax is a variadic reduce, ~5x slower than a
-    max followed by the smallest index holding it (indices as float32: exact below 2**24,
-    and float reductions vectorize where int32 ones did not)."""
-    vocab = values.shape[-1]
-    top = jnp.max(values, axis=-1, keepdims=True)                           # [S, 1]
-    index = jnp.arange(vocab, dtype=jnp.float32)
-    return jnp.min(jnp.where(values == top, index, float(vocab)), axis=-1).astype(jnp.int32)
-
-
-def _mix32(x: jax.Array) -> jax.Array:
-    """MurmurHash3's 32-bit finalizer: a bijection of uint32 whose every output bit
-    depends on every input bit."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = x * jnp.uint32(0xC2B2AE35)
-    return x ^ (x >> 16)
-
-
-def gumbel_noise(seeds: jax.Array, index: jax.Array, vocab: int) -> jax.Array:
-    """float32 [S, V] standard Gumbel noise; entry (i, v) depends only on ``seeds[i]``
-    (uint32), ``index[i]`` (the row's sample number) and ``v``.
-
-    A counter-based hash (splitmix's pattern: a per-draw key plus the token id times the
-    golden ratio, then a strong mixer) in a few integer operations per entry, where
-    ``jax.random``'s threefry takes dozens: on the CPU the noise for 256 rows of a 4k
-    vocabulary took ~3 ms a step with threefry, most of sampling's cost.
-    """
-    golden = jnp.uint32(0x9E3779B9)
-    key = _mix32(_mix32(seeds.astype(jnp.uint32)) ^ (index.astype(jnp.uint32) * golden
-                                                     + jnp.uint32(0x7F4A7C15)))   # [S]
-    bits = _mix32(key[:, None] + jnp.arange(vocab, dtype=jnp.uint32)[None, :] * golden)
-    uniform = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))       # (0, 1)
-    return -jnp.log(-jnp.log(uniform))
+from pallas_kernels.sampling import first_argmax, gumbel_noise, sample_rows
 
 
 def suppress_tokens(logits: jax.Array, suppressed_ids: jax.Array) -> jax.Array:
@@ -81,20 +44,21 @@ def apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.where(unpack_token_mask(mask, logits.shape[-1]), logits, -jnp.inf)
 
 
-def _filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                     top_p: jax.Array, min_p: jax.Array) -> jax.Array:
-    """Temperature-scaled logits with everything outside top-k / top-p / min-p at -inf.
+def _sort_threshold(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                    top_p: jax.Array) -> jax.Array:
+    """float32 [S]: each sampled row's smallest temperature-scaled logit that top-k and
+    top-p keep (-inf where neither cuts anything).
 
     Top-k and top-p need the row sorted, which XLA does slowly on the CPU (~0.45 s for 48
     rows of a 49k vocabulary, against ~10 ms for the rest of sampling), so the sort only
-    runs when some sampled row asks for either; min-p alone needs only each row's maximum.
+    runs when some sampled row asks for either.
     """
     vocab = logits.shape[-1]
     sampled = temperature > 0                                               # [S]
-    scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
     needs_sort = jnp.any(sampled & ((top_k > 0) & (top_k < vocab) | (top_p < 1.0)))
 
-    def sorted_threshold() -> jax.Array:                                    # [S, 1]
+    def sorted_threshold() -> jax.Array:                                    # [S]
+        scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
         ordered = -jnp.sort(-scaled, axis=-1)                               # [S, V] descending
         k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)          # [S]
         rank = jnp.arange(vocab)[None, :]
@@ -103,12 +67,21 @@ def _filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array
         before = jnp.cumsum(probs, axis=-1) - probs   # probability mass ranked above each token
         keep = (before < top_p[:, None]) & (rank < k[:, None])
         num_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
-        return jnp.take_along_axis(ordered, (num_keep - 1)[:, None], axis=-1)
+        return jnp.take_along_axis(ordered, (num_keep - 1)[:, None], axis=-1)[:, 0]
 
     def no_threshold() -> jax.Array:
-        return jnp.full((scaled.shape[0], 1), -jnp.inf, scaled.dtype)
+        return jnp.full((logits.shape[0],), -jnp.inf, logits.dtype)
 
-    threshold = jax.lax.cond(needs_sort, sorted_threshold, no_threshold)
+    return jax.lax.cond(needs_sort, sorted_threshold, no_threshold)
+
+
+def _filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                     top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Temperature-scaled logits with everything outside top-k / top-p / min-p at -inf
+    (``_sort_threshold``; min-p alone needs only each row's maximum)."""
+    sampled = temperature > 0                                               # [S]
+    scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
+    threshold = _sort_threshold(logits, temperature, top_k, top_p)[:, None]
     min_p_floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(jnp.maximum(min_p, 1e-30))[:, None]
     threshold = jnp.where(min_p[:, None] > 0, jnp.maximum(threshold, min_p_floor), threshold)
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
@@ -238,19 +211,15 @@ def sample(logits: jax.Array, batch: dict[str, jax.Array],
            penalty_table: jax.Array | None = None) -> jax.Array:
     """logits float32 [S, V] -> token ids int32 [S]. ``penalty_table``: see ``penalize``
     (None: no penalties). In a verify step (``jaxpage.runtime.step``) the rows are tokens,
-    and ``batch`` also has ``proposal_ids`` and ``row_start`` (see ``proposals_before``)."""
+    and ``batch`` also has ``proposal_ids`` and ``row_start`` (see ``proposals_before``).
+
+    The last step (greedy, or Gumbel-max after temperature, top-k / top-p and min-p) is
+    ``pallas_kernels.sampling.sample_rows``: on the CPU a C++ kernel, one pass per row."""
     logits = adjusted_logits(logits, batch, penalty_table)
     temperature = batch["temperature"]
-    greedy = first_argmax(logits)
-
-    def stochastic() -> jax.Array:
-        filtered = _filtered_logits(logits, temperature, batch["top_k"], batch["top_p"],
-                                    batch["min_p"])
-        gumbel = gumbel_noise(batch["sample_seeds"], batch["sample_index"], logits.shape[-1])
-        drawn = first_argmax(filtered + gumbel)
-        return jnp.where(temperature > 0, drawn, greedy)
-
-    return jax.lax.cond(jnp.any(temperature > 0), stochastic, lambda: greedy)
+    threshold = _sort_threshold(logits, temperature, batch["top_k"], batch["top_p"])
+    return sample_rows(logits, temperature, threshold, batch["min_p"],
+                       batch["sample_seeds"], batch["sample_index"])
 
 
 def sampled_logprobs(logits: jax.Array, tokens: jax.Array, want: jax.Array,
