@@ -44,6 +44,7 @@ from jaxpage.models.lora import LoRATokens, lora_delta, token_slots
 from jaxpage.models.moe import moe_mlp
 from jaxpage.models.quantize import QuantFormat
 from jaxpage.parallel.sharding_rules import TP
+from pallas_kernels.dense_matmul import dense_matmul
 from pallas_kernels.kv_quant import encode
 from pallas_kernels.precision import dot_precision
 from pallas_kernels.quantized_matmul import gather_columns, quantized_matmul
@@ -69,10 +70,11 @@ class QuantizedWeight(nnx.Module):
 
 def linear(x: jax.Array, weight: Any, backend: str = "auto") -> jax.Array:
     """x [..., in] @ weight [in, out]: an ``nnx.Param`` array or a ``QuantizedWeight``
-    (weight-only: the product is in x's dtype)."""
+    (weight-only: the product is in x's dtype). ``backend`` picks the kernel of either
+    (``pallas_kernels.dense_matmul`` / ``quantized_matmul``; "reference" under a mesh)."""
     if isinstance(weight, QuantizedWeight):
         return quantized_matmul(x, weight.parts(), backend=backend)
-    return project("...i,io->...o", x, weight[...])
+    return dense_matmul(x, weight[...], backend=backend)
 
 
 class ParamInit:

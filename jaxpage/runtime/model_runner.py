@@ -21,6 +21,8 @@ from jaxpage.runtime.kv_cache import allocate_kv_cache
 from jaxpage.runtime.pending_calls import PendingMultiStep, PendingStep, StepResult
 from jaxpage.core.penalty_slots import PenaltyFill
 from jaxpage.runtime.step import make_forward_logits, make_penalty_fill, make_step
+from pallas_kernels.dense_matmul import CPU_MIN_ROWS
+from pallas_kernels.dense_matmul import resolve_backend as resolve_dense_backend
 from pallas_kernels.sampling import resolve_backend as resolve_sampling_backend
 
 # Tokens per call of the penalty-fill program (one compiled shape; long rows take several).
@@ -93,12 +95,14 @@ class ModelRunner:
         if self.placement.mesh is not None:  # sharded programs: plain jit dispatch
             self.executables = JitDispatch()
         else:
-            # Resolving the sampling kernel builds and registers it (before any saved program
-            # that calls it is loaded); whether it could be is part of what programs depend on.
+            # Resolving the C++ CPU kernels builds and registers them (before any saved
+            # program that calls them is loaded); whether they could be is part of what the
+            # programs depend on.
+            kernels = (f"sampling={resolve_sampling_backend()}|dense_matmul="
+                       f"{resolve_dense_backend('auto', CPU_MIN_ROWS, self.dtype)}")
             self.executables = ExecutableCache(executable_dir, fingerprint(
                 self.params, self.kv_cache, self.penalty_table, self._no_carry,
-                extra=f"{graphdef}|{self.arch}|block_size={block_size}"
-                      f"|sampling={resolve_sampling_backend()}"),
+                extra=f"{graphdef}|{self.arch}|block_size={block_size}|{kernels}"),
                 devices=sorted(self.kv_cache[0].devices(), key=lambda d: d.id))
 
     @property
