@@ -21,7 +21,6 @@ from jaxpage.runtime.kv_cache import allocate_kv_cache
 from jaxpage.runtime.pending_calls import PendingMultiStep, PendingStep, StepResult
 from jaxpage.core.penalty_slots import PenaltyFill
 from jaxpage.runtime.step import make_forward_logits, make_penalty_fill, make_step
-from pallas_kernels.dense_matmul import CPU_MIN_ROWS
 from pallas_kernels.dense_matmul import resolve_backend as resolve_dense_backend
 from pallas_kernels.sampling import resolve_backend as resolve_sampling_backend
 
@@ -99,7 +98,7 @@ class ModelRunner:
             # program that calls them is loaded); whether they could be is part of what the
             # programs depend on.
             kernels = (f"sampling={resolve_sampling_backend()}|dense_matmul="
-                       f"{resolve_dense_backend('auto', CPU_MIN_ROWS, self.dtype)}")
+                       f"{resolve_dense_backend('auto', self.dtype)}")
             self.executables = ExecutableCache(executable_dir, fingerprint(
                 self.params, self.kv_cache, self.penalty_table, self._no_carry,
                 extra=f"{graphdef}|{self.arch}|block_size={block_size}|{kernels}"),

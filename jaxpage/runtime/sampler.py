@@ -46,9 +46,12 @@ def apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
 
 def _sort_threshold(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
                     top_p: jax.Array) -> jax.Array:
-    """float32 [S]: each sampled row's smallest temperature-scaled logit that top-k and
-    top-p keep (-inf where neither cuts anything).
+    """float32 [S]: each sampled row's smallest logit (unscaled) that top-k and top-p keep,
+    -inf where neither cuts anything. A token is kept when its logit is at least this.
 
+    Unscaled, so the cut never depends on how a backend rounds logits / temperature
+    (dividing by a positive temperature keeps the order): a kernel that scaled a row one
+    ulp differently from XLA would otherwise drop the very top token at top_k=1.
     Top-k and top-p need the row sorted, which XLA does slowly on the CPU (~0.45 s for 48
     rows of a 49k vocabulary, against ~10 ms for the rest of sampling), so the sort only
     runs when some sampled row asks for either.
@@ -58,12 +61,11 @@ def _sort_threshold(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     needs_sort = jnp.any(sampled & ((top_k > 0) & (top_k < vocab) | (top_p < 1.0)))
 
     def sorted_threshold() -> jax.Array:                                    # [S]
-        scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
-        ordered = -jnp.sort(-scaled, axis=-1)                               # [S, V] descending
+        ordered = -jnp.sort(-logits, axis=-1)                               # [S, V] descending
         k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)          # [S]
         rank = jnp.arange(vocab)[None, :]
-        ordered = jnp.where(rank < k[:, None], ordered, -jnp.inf)
-        probs = jax.nn.softmax(ordered, axis=-1)
+        scaled = ordered / jnp.where(sampled, temperature, 1.0)[:, None]
+        probs = jax.nn.softmax(jnp.where(rank < k[:, None], scaled, -jnp.inf), axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs   # probability mass ranked above each token
         keep = (before < top_p[:, None]) & (rank < k[:, None])
         num_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
@@ -83,8 +85,8 @@ def _filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array
     scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
     threshold = _sort_threshold(logits, temperature, top_k, top_p)[:, None]
     min_p_floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(jnp.maximum(min_p, 1e-30))[:, None]
-    threshold = jnp.where(min_p[:, None] > 0, jnp.maximum(threshold, min_p_floor), threshold)
-    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    keep = (logits >= threshold) & ((min_p[:, None] <= 0) | (scaled >= min_p_floor))
+    return jnp.where(keep, scaled, -jnp.inf)
 
 
 def penalize(logits: jax.Array, penalty_table: jax.Array,

@@ -2,11 +2,13 @@
 
 Backends (``_backend``'s rule): ``"reference"`` is ``jnp.einsum`` at full float32
 precision, on any platform. ``"cpu"`` is the C++ kernel of ``cpu.py``. ``"auto"`` takes
-it when building for the CPU, for float32 operands of at least ``CPU_MIN_ROWS`` rows, if
-it could be built; otherwise the reference. Measured on a 2-core AVX-512 CPU over
-SmolLM2's 30 layers of projections (``docs/benchmarks/host_overhead.md``): 1.3x XLA's
-dots at 24-64 rows, 1.07x at 512; at 16 rows and fewer, where the product is bound by
-reading the weights, XLA's own loops are as fast or faster.
+it when building for the CPU with float32 operands, whatever the number of rows, if it
+could be built; otherwise the reference. Every row of every product then goes through the
+same chain of FMAs, so a request's numbers (and its seeded samples) never depend on how
+many rows its batch has: mixing the kernel with XLA's dots by row count broke that.
+Measured on a 2-core AVX-512 CPU over SmolLM2's 30 layers of projections
+(``docs/benchmarks/host_overhead.md``): 1.3x XLA's dots at 24-64 rows, 1.07x at 512;
+at 16 rows and fewer, bound by reading the weights, 0.75-1.0x.
 """
 
 from __future__ import annotations
@@ -17,12 +19,11 @@ import jax.numpy as jnp
 from pallas_kernels import _backend
 from pallas_kernels.precision import dot_precision
 
-CPU_MIN_ROWS = 24
 BACKENDS = ("auto", "reference", "cpu")
 
 
-def resolve_backend(backend: str, rows: int, dtype) -> str:
-    """"reference" or "cpu" for a product of ``rows`` rows of ``dtype`` here."""
+def resolve_backend(backend: str, dtype) -> str:
+    """"reference" or "cpu" for a product of ``dtype`` operands here."""
     if backend not in BACKENDS:
         raise ValueError(f"dense matmul backend={backend!r} is not one of {BACKENDS}")
     if backend == "reference":
@@ -39,7 +40,7 @@ def resolve_backend(backend: str, rows: int, dtype) -> str:
             raise ValueError("dense matmul backend='cpu': the C++ kernel could not be built "
                              "here (no C++ compiler, or JAXPAGE_CPU_KERNELS=0)")
         return "cpu"
-    if platform != "cpu" or not float32 or rows < CPU_MIN_ROWS:
+    if platform != "cpu" or not float32:
         return "reference"
     from pallas_kernels.dense_matmul import cpu
 
@@ -54,7 +55,7 @@ def dense_matmul(x: jax.Array, w: jax.Array, *, backend: str = "auto") -> jax.Ar
     rows = 1
     for d in lead:
         rows *= d
-    if x.dtype != w.dtype or resolve_backend(backend, rows, x.dtype) != "cpu" or rows == 0:
+    if x.dtype != w.dtype or resolve_backend(backend, x.dtype) != "cpu" or rows == 0:
         return jnp.einsum("...i,io->...o", x, w, precision=dot_precision(x.dtype))
     from pallas_kernels.dense_matmul.cpu import dense_matmul_cpu
 

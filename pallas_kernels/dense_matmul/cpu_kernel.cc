@@ -2,10 +2,10 @@
 //
 //   JaxpageDenseMatmulF32(x f32 [M, K], w f32 [K, N]) -> y f32 [M, N] = x @ w
 //
-// for a model's projections from 24 rows up (``__init__.py`` picks it): at the 24-64 rows
-// of a decode step XLA:CPU's dots reach ~60% of the float32 roof on a 2-core AVX-512
-// machine, this ~80-95%. Every output is one FMA chain over k in order, so a row's result
-// does not depend on M or on the other rows.
+// for a model's float32 projections on the CPU (``__init__.py``): at the 24-64 rows of a
+// decode step XLA:CPU's dots reach ~60% of the float32 roof on a 2-core AVX-512 machine,
+// this ~80-95%. Every output is one FMA chain over k in order, so a row's result does not
+// depend on M or on the other rows (a request samples the same alone or batched).
 //
 // Work: column panels of 64 (four 16-float vectors) times blocks of rows, claimed from a
 // shared counter by the calling thread and XLA's CPU pool. Within an item, tiles of 6 rows

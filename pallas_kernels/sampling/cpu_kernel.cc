@@ -5,10 +5,10 @@
 //
 // Per row, the same rule as reference.py's ``sample_rows``:
 //   temperature == 0: the first index of the row's maximum logit (greedy);
-//   else: scaled = logits / temperature; the threshold is raised to
-//         max(scaled) + log(min_p) when min_p > 0; the token is the first argmax of
-//         scaled + gumbel(seed, index, v) over the v with scaled >= threshold
-//         (Gumbel-max: a draw from softmax of the kept scaled logits).
+//   else: scaled = logits / temperature; token v is kept when logits[v] >= threshold
+//         (unscaled: a top-k / top-p cut) and, with min_p > 0, scaled[v] >= max(scaled)
+//         + log(min_p); the token is the first argmax of scaled + gumbel(seed, index, v)
+//         over the kept v (Gumbel-max: a draw from softmax of the kept scaled logits).
 // The Gumbel noise is reference.py's counter-based hash, bit for bit up to the two
 // logarithms (a polynomial here, XLA's own there: within ~1 ulp), so a row's draw depends
 // only on its seed, its sample index and the token id, never on the batch.
@@ -101,11 +101,12 @@ inline uint32_t DrawKey(uint32_t seed, int32_t index) {
 }
 
 // The score of token v in a row: its logit (greedy), or its scaled logit plus its Gumbel
-// noise when the scaled logit is at least the threshold, else -inf (sampled).
+// noise when the row keeps v (logit >= threshold, scaled >= floor), else -inf (sampled).
 struct RowRule {
   const float* logits;
   float temperature;  // > 0: sampled
-  float threshold;
+  float threshold;    // on logits
+  float floor;        // on scaled logits (min-p; -inf: none)
   uint32_t key;       // DrawKey(seed, index)
 };
 
@@ -114,7 +115,8 @@ inline float ScoreOf(const RowRule& r, int64_t v) {
   const float scaled = r.logits[v] / r.temperature;
   const uint32_t bits = Mix32(r.key + static_cast<uint32_t>(v) * kGolden);
   const float uniform = (static_cast<float>(bits >> 8) + 0.5f) * (1.0f / 16777216.0f);
-  return scaled >= r.threshold ? scaled - LogPositive(-LogPositive(uniform)) : -kInf;
+  const bool kept = r.logits[v] >= r.threshold && scaled >= r.floor;
+  return kept ? scaled - LogPositive(-LogPositive(uniform)) : -kInf;
 }
 
 #ifdef __AVX512F__
@@ -168,8 +170,9 @@ inline __m512 Scores16(const RowRule& r, int64_t v0, __mmask16 live) {
       _mm512_set1_ps(1.0f / 16777216.0f));
   const __m512 minus_log = _mm512_sub_ps(_mm512_setzero_ps(), LogPositive16(uniform));
   const __m512 noisy = _mm512_sub_ps(scaled, LogPositive16(minus_log));
-  const __mmask16 kept =
-      live & _mm512_cmp_ps_mask(scaled, _mm512_set1_ps(r.threshold), _CMP_GE_OQ);
+  const __mmask16 kept = live &
+      _mm512_cmp_ps_mask(logits, _mm512_set1_ps(r.threshold), _CMP_GE_OQ) &
+      _mm512_cmp_ps_mask(scaled, _mm512_set1_ps(r.floor), _CMP_GE_OQ);
   return _mm512_mask_mov_ps(neg_inf, kept, noisy);
 }
 #endif
@@ -223,12 +226,14 @@ int32_t FirstArgmax(const RowRule& r, int64_t vocab) {
 
 int32_t SampleRow(const float* logits, int64_t vocab, float temperature, float threshold,
                   float min_p, uint32_t seed, int32_t index) {
+  float floor = -kInf;
   if (temperature > 0.0f && min_p > 0.0f) {
     float top = -kInf;
     for (int64_t v = 0; v < vocab; ++v) top = std::max(top, logits[v] / temperature);
-    threshold = std::max(threshold, top + std::log(std::max(min_p, 1e-30f)));
+    floor = top + std::log(std::max(min_p, 1e-30f));
   }
-  return FirstArgmax(RowRule{logits, temperature, threshold, DrawKey(seed, index)}, vocab);
+  return FirstArgmax(RowRule{logits, temperature, threshold, floor, DrawKey(seed, index)},
+                     vocab);
 }
 
 ffi::Error SampleRows(ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::F32> temperature,

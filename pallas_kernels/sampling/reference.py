@@ -51,20 +51,20 @@ def sample_rows(logits: jax.Array, temperature: jax.Array, threshold: jax.Array,
     """int32 [S]: one token per row of ``logits`` float32 [S, V].
 
     A row with ``temperature`` [S] 0 takes its first argmax (greedy). Any other row
-    divides its logits by its temperature, keeps the tokens whose scaled logit is at least
-    ``threshold`` [S] (-inf: all; a top-k / top-p cut from the caller), raised to the
-    row's maximum plus log(``min_p``) when ``min_p`` [S] > 0, and takes the first argmax of
-    the kept scaled logits plus ``gumbel_noise(seeds, index)`` (Gumbel-max: a draw from
-    their softmax).
+    keeps the tokens whose logit is at least ``threshold`` [S] (unscaled; -inf: all; a
+    top-k / top-p cut from the caller) and, when ``min_p`` [S] > 0, whose scaled logit
+    (logit / temperature) is at least the row's largest plus log(min_p); it takes the first
+    argmax of the kept scaled logits plus ``gumbel_noise(seeds, index)`` (Gumbel-max: a
+    draw from their softmax).
     """
     sampled = temperature > 0                                               # [S]
     greedy = first_argmax(logits)
 
     def stochastic() -> jax.Array:
         scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
-        floor = jnp.max(scaled, axis=-1) + jnp.log(jnp.maximum(min_p, 1e-30))
-        cut = jnp.where(min_p > 0, jnp.maximum(threshold, floor), threshold)[:, None]
-        filtered = jnp.where(scaled >= cut, scaled, -jnp.inf)
+        floor = (jnp.max(scaled, axis=-1) + jnp.log(jnp.maximum(min_p, 1e-30)))[:, None]
+        keep = (logits >= threshold[:, None]) & ((min_p[:, None] <= 0) | (scaled >= floor))
+        filtered = jnp.where(keep, scaled, -jnp.inf)
         drawn = first_argmax(filtered + gumbel_noise(seeds, index, logits.shape[-1]))
         return jnp.where(sampled, drawn, greedy)
 
