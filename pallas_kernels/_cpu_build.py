@@ -1,10 +1,11 @@
 """Build and load the hand-written C++ CPU kernels (XLA FFI custom calls), once per machine.
 
 A kernel's source is compiled on first use with the system C++ compiler against the XLA
-FFI headers that jaxlib ships (``jax.ffi.include_dir()``), with ``-march=native``. The
-shared library is cached under ``$JAXPAGE_CACHE_DIR/cpu_kernels`` (default
-``~/.cache/jaxpage``), keyed by the source, the compiler command, jaxlib's version and
-this CPU's feature flags, so a library built for another CPU is never loaded.
+FFI headers that jaxlib ships (``jax.ffi.include_dir()``) and this package's shared
+headers (``_cpu_parallel.h``), with ``-march=native``. The shared library is cached under
+``$JAXPAGE_CACHE_DIR/cpu_kernels`` (default ``~/.cache/jaxpage``), keyed by the source,
+the shared headers, the compiler command, jaxlib's version and this CPU's feature flags,
+so a library built for another CPU is never loaded.
 
 When no compiler is found, the build fails, or ``JAXPAGE_CPU_KERNELS=0`` is set,
 ``load`` returns None and callers fall back to their plain-jnp reference.
@@ -100,16 +101,18 @@ def _build_and_load(source: Path) -> ctypes.CDLL | None:
     import jaxlib
 
     include = jax.ffi.include_dir()
+    headers = Path(__file__).parent  # the kernels' shared headers (_cpu_parallel.h)
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), compiler.encode(), " ".join(_FLAGS).encode(),
-                 jaxlib.__version__.encode(), _cpu_features().encode()):
+    for part in (source.read_bytes(), *(h.read_bytes() for h in sorted(headers.glob("*.h"))),
+                 compiler.encode(), " ".join(_FLAGS).encode(), jaxlib.__version__.encode(),
+                 _cpu_features().encode()):
         digest.update(part)
     target = _cache_root() / f"{source.stem}-{digest.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
-        command = [compiler, *_FLAGS, f"-I{include}", str(source), "-o", tmp]
+        command = [compiler, *_FLAGS, f"-I{include}", f"-I{headers}", str(source), "-o", tmp]
         logger.info("compiling %s (once per machine)", source.name)
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:

@@ -58,11 +58,13 @@ jax.monitoring.register_event_listener(_count_cache_hits)
 
 
 def _source_digest() -> str:
-    """Hash of every Python and C++ source file of the packages the programs are built from."""
+    """Hash of every Python and C++ source and header file of the packages the programs are
+    built from."""
     digest = hashlib.sha256()
     root = Path(__file__).resolve().parents[2]
     for package in _PACKAGES:
-        for path in sorted([*(root / package).rglob("*.py"), *(root / package).rglob("*.cc")]):
+        for path in sorted([*(root / package).rglob("*.py"), *(root / package).rglob("*.cc"),
+                            *(root / package).rglob("*.h")]):
             digest.update(str(path.relative_to(root)).encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()

@@ -23,37 +23,14 @@
 #include <memory>
 #include <thread>
 
+#include "_cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-// Run body(i, next) for i in [0, n) on the pool and the calling thread; `next` is the item
-// the same worker does after i (-1: none), claimed ahead so its data can be prefetched.
-template <typename Body>
-void ParallelForAhead(int64_t n, ffi::ThreadPool& pool, Body body) {
-  struct Shared {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  auto work = [shared, n, body]() {
-    int64_t item = shared->next.fetch_add(1);
-    while (item < n) {
-      const int64_t after = shared->next.fetch_add(1);
-      body(item, after < n ? after : -1);
-      shared->done.fetch_add(1, std::memory_order_release);
-      item = after;
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), (n + 1) / 2 - 1);
-  for (int64_t t = 0; t < helpers; ++t) {
-    auto task = work;
-    pool.Schedule(std::move(task));
-  }
-  work();
-  while (shared->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
-}
+using jaxpage::ParallelForAhead;
 
 constexpr int kTileRows = 6;
 constexpr int kVectors = 4;                 // 16-float vectors per panel
@@ -76,11 +53,12 @@ inline void PrefetchRow(const float* p, int hint_l2) {
 
 // y[0:R, n0:n0+64] = x[0:R, :] @ w[:, n0:n0+64] (columns past `masks` left alone).
 // `stream`: prefetch this panel ahead (first tile); `next`/`next_k`: the next item's
-// panel, prefetched one row every `every` k steps.
+// panel, prefetched one row every `every` k steps (`due` counts down to the next one; a
+// counter, not k % every, which cost a division per k step).
 template <int R, bool kMasked>
 void Tile(const float* x, const float* w, float* y, const Shape& s, int64_t n0,
           const __mmask16* masks, bool stream, const float* next, int64_t every,
-          int64_t& next_k) {
+          int64_t& next_k, int64_t& due) {
   __m512 acc[R][kVectors];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < kVectors; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -88,7 +66,10 @@ void Tile(const float* x, const float* w, float* y, const Shape& s, int64_t n0,
   for (int64_t k = 0; k < s.k; ++k) {
     const float* wk = wp + k * s.n;
     if (stream && k + kAhead < s.k) PrefetchRow(wk + kAhead * s.n, 0);
-    if (next != nullptr && next_k < s.k && k % every == 0) PrefetchRow(next + next_k++ * s.n, 1);
+    if (next != nullptr && next_k < s.k && --due == 0) {
+      PrefetchRow(next + next_k++ * s.n, 1);
+      due = every;
+    }
     __m512 b[kVectors];
     for (int j = 0; j < kVectors; ++j)
       b[j] = kMasked ? _mm512_maskz_loadu_ps(masks[j], wk + 16 * j) : _mm512_loadu_ps(wk + 16 * j);
@@ -114,19 +95,18 @@ void Item(const float* x, const float* w, float* y, const Shape& s, int64_t n0, 
     const int64_t c = std::clamp<int64_t>(width - 16 * j, 0, 16);
     masks[j] = c == 16 ? 0xFFFF : static_cast<__mmask16>((1u << c) - 1);
   }
+  // The next item's panel is fetched over all of this item's tiles, the first included
+  // (whose own panel streams too): one row of it every `tiles` k steps.
   const int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
-  const int64_t every = std::max<int64_t>(1, tiles - 1);
-  int64_t next_k = 0;
+  int64_t next_k = 0, due = 1;
   for (int64_t r0 = m0; r0 < m1; r0 += kTileRows) {
     const bool first = r0 == m0;
-    // With one tile, its own panel streams and the next one is fetched alongside.
-    const float* ahead = (!first || tiles == 1) ? next : nullptr;
     const float* xr = x + r0 * s.k;
     float* yr = y + r0 * s.n;
     switch (std::min<int64_t>(kTileRows, m1 - r0)) {
 #define JAXPAGE_TILE(R)                                                                    \
   case R:                                                                                  \
-    Tile<R, kMasked>(xr, w, yr, s, n0, masks, first, ahead, every, next_k);                \
+    Tile<R, kMasked>(xr, w, yr, s, n0, masks, first, next, tiles, next_k, due);                \
     break;
       JAXPAGE_TILE(1) JAXPAGE_TILE(2) JAXPAGE_TILE(3) JAXPAGE_TILE(4) JAXPAGE_TILE(5)
       JAXPAGE_TILE(6)

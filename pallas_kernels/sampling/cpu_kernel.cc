@@ -28,33 +28,14 @@
 #include <memory>
 #include <thread>
 
+#include "_cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-// Run body(i) for i in [0, n) on the pool and the calling thread (see quantized_matmul).
-template <typename Body>
-void ParallelFor(int64_t n, ffi::ThreadPool& pool, Body body) {
-  struct Shared {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  auto work = [shared, n, body]() {
-    for (int64_t i = shared->next.fetch_add(1); i < n; i = shared->next.fetch_add(1)) {
-      body(i);
-      shared->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
-  for (int64_t t = 0; t < helpers; ++t) {
-    auto task = work;
-    pool.Schedule(std::move(task));
-  }
-  work();
-  while (shared->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
-}
+using jaxpage::ParallelFor;
 
 constexpr uint32_t kGolden = 0x9E3779B9u;
 constexpr int kLanes = 16;  // elements per vector step (one AVX-512 register of floats)
