@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from jaxpage.core.penalty_slots import SEEN
 from pallas_kernels.sampling import first_argmax, gumbel_noise, sample_rows
+from pallas_kernels.sampling.reference import kept_scaled
 
 
 def suppress_tokens(logits: jax.Array, suppressed_ids: jax.Array) -> jax.Array:
@@ -81,12 +82,8 @@ def _filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array
                      top_p: jax.Array, min_p: jax.Array) -> jax.Array:
     """Temperature-scaled logits with everything outside top-k / top-p / min-p at -inf
     (``_sort_threshold``; min-p alone needs only each row's maximum)."""
-    sampled = temperature > 0                                               # [S]
-    scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
-    threshold = _sort_threshold(logits, temperature, top_k, top_p)[:, None]
-    min_p_floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(jnp.maximum(min_p, 1e-30))[:, None]
-    keep = (logits >= threshold) & ((min_p[:, None] <= 0) | (scaled >= min_p_floor))
-    return jnp.where(keep, scaled, -jnp.inf)
+    threshold = _sort_threshold(logits, temperature, top_k, top_p)
+    return kept_scaled(logits, temperature, threshold, min_p)
 
 
 def penalize(logits: jax.Array, penalty_table: jax.Array,

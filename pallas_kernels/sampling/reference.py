@@ -46,6 +46,17 @@ def gumbel_noise(seeds: jax.Array, index: jax.Array, vocab: int) -> jax.Array:
     return -jnp.log(-jnp.log(uniform))
 
 
+def kept_scaled(logits: jax.Array, temperature: jax.Array, threshold: jax.Array,
+                min_p: jax.Array) -> jax.Array:
+    """float32 [S, V]: logits / temperature (1 for greedy rows) where a sampled row keeps
+    the token (``sample_rows``' rule: logit >= ``threshold``, and within ``min_p`` of the
+    row's top when min_p > 0), -inf elsewhere."""
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    floor = (jnp.max(scaled, axis=-1) + jnp.log(jnp.maximum(min_p, 1e-30)))[:, None]
+    keep = (logits >= threshold[:, None]) & ((min_p[:, None] <= 0) | (scaled >= floor))
+    return jnp.where(keep, scaled, -jnp.inf)
+
+
 def sample_rows(logits: jax.Array, temperature: jax.Array, threshold: jax.Array,
                 min_p: jax.Array, seeds: jax.Array, index: jax.Array) -> jax.Array:
     """int32 [S]: one token per row of ``logits`` float32 [S, V].
@@ -61,10 +72,7 @@ def sample_rows(logits: jax.Array, temperature: jax.Array, threshold: jax.Array,
     greedy = first_argmax(logits)
 
     def stochastic() -> jax.Array:
-        scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
-        floor = (jnp.max(scaled, axis=-1) + jnp.log(jnp.maximum(min_p, 1e-30)))[:, None]
-        keep = (logits >= threshold[:, None]) & ((min_p[:, None] <= 0) | (scaled >= floor))
-        filtered = jnp.where(keep, scaled, -jnp.inf)
+        filtered = kept_scaled(logits, temperature, threshold, min_p)
         drawn = first_argmax(filtered + gumbel_noise(seeds, index, logits.shape[-1]))
         return jnp.where(sampled, drawn, greedy)
 
