@@ -15,8 +15,6 @@
 // it from L2 while prefetching the next claimed item's panel, so memory and arithmetic
 // overlap. Without AVX-512 a plain loop computes the same sums.
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -24,112 +22,57 @@
 #include <thread>
 
 #include "_cpu_parallel.h"
+#include "_cpu_tiles.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxpage::kPanel;
+using jaxpage::kTileRows;
 using jaxpage::ParallelForAhead;
+using jaxpage::PrefetchLines;
 
-constexpr int kTileRows = 6;
-constexpr int kVectors = 4;                 // 16-float vectors per panel
-constexpr int64_t kPanel = 16 * kVectors;   // columns per panel
-constexpr int64_t kAhead = 8;               // rows of w prefetched ahead of the first tile
-constexpr int64_t kItemsWanted = 16;        // split rows when the panels are fewer
+constexpr int64_t kAhead = 8;          // rows of w prefetched ahead of the first tile
+constexpr int64_t kItemsWanted = 16;   // split rows when the panels are fewer
 
 struct Shape {
   int64_t m, k, n;
 };
 
-#ifdef __AVX512F__
-inline void PrefetchRow(const float* p, int hint_l2) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int line = 0; line < kVectors; ++line) {
-    if (hint_l2) _mm_prefetch(c + 64 * line, _MM_HINT_T1);
-    else _mm_prefetch(c + 64 * line, _MM_HINT_T0);
-  }
-}
-
-// y[0:R, n0:n0+64] = x[0:R, :] @ w[:, n0:n0+64] (columns past `masks` left alone).
-// `stream`: prefetch this panel ahead (first tile); `next`/`next_k`: the next item's
-// panel, prefetched one row every `every` k steps (`due` counts down to the next one; a
-// counter, not k % every, which cost a division per k step).
-template <int R, bool kMasked>
-void Tile(const float* x, const float* w, float* y, const Shape& s, int64_t n0,
-          const __mmask16* masks, bool stream, const float* next, int64_t every,
-          int64_t& next_k, int64_t& due) {
-  __m512 acc[R][kVectors];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kVectors; ++j) acc[r][j] = _mm512_setzero_ps();
-  const float* wp = w + n0;
-  for (int64_t k = 0; k < s.k; ++k) {
-    const float* wk = wp + k * s.n;
-    if (stream && k + kAhead < s.k) PrefetchRow(wk + kAhead * s.n, 0);
-    if (next != nullptr && next_k < s.k && --due == 0) {
-      PrefetchRow(next + next_k++ * s.n, 1);
+// Prefetching for one tile: the first tile of an item streams its panel of w (8 rows
+// ahead, into L1); every tile fetches the next claimed item's panel into L2, one row every
+// `every` k steps (`due` counts down to the next one; a counter, not k % every, which cost
+// a division per k step).
+struct StreamHook {
+  bool stream;
+  const float* next;
+  int64_t ldw, k_size, every;
+  int64_t& next_k;
+  int64_t& due;
+  void operator()(int64_t k, const float* wk) {
+    if (stream && k + kAhead < k_size) PrefetchLines(wk + kAhead * ldw, 4, 0);
+    if (next != nullptr && next_k < k_size && --due == 0) {
+      PrefetchLines(next + next_k++ * ldw, 4, 1);
       due = every;
     }
-    __m512 b[kVectors];
-    for (int j = 0; j < kVectors; ++j)
-      b[j] = kMasked ? _mm512_maskz_loadu_ps(masks[j], wk + 16 * j) : _mm512_loadu_ps(wk + 16 * j);
-    for (int r = 0; r < R; ++r) {
-      const __m512 a = _mm512_set1_ps(x[r * s.k + k]);
-      for (int j = 0; j < kVectors; ++j) acc[r][j] = _mm512_fmadd_ps(a, b[j], acc[r][j]);
-    }
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kVectors; ++j) {
-      float* out = y + r * s.n + n0 + 16 * j;
-      if (kMasked) _mm512_mask_storeu_ps(out, masks[j], acc[r][j]);
-      else _mm512_storeu_ps(out, acc[r][j]);
-    }
-}
+};
 
-template <bool kMasked>
+// y[m0:m1, n0:n0+64] = x[m0:m1, :] @ w[:, n0:n0+64]; `next`: the next item's panel.
 void Item(const float* x, const float* w, float* y, const Shape& s, int64_t n0, int64_t m0,
           int64_t m1, const float* next) {
-  __mmask16 masks[kVectors];
-  const int64_t width = std::min(kPanel, s.n - n0);
-  for (int j = 0; j < kVectors; ++j) {
-    const int64_t c = std::clamp<int64_t>(width - 16 * j, 0, 16);
-    masks[j] = c == 16 ? 0xFFFF : static_cast<__mmask16>((1u << c) - 1);
-  }
+  const jaxpage::TileArgs args{x + m0 * s.k, s.k, s.k, w + n0, s.n, y + m0 * s.n + n0, s.n,
+                               std::min(kPanel, s.n - n0)};
   // The next item's panel is fetched over all of this item's tiles, the first included
   // (whose own panel streams too): one row of it every `tiles` k steps.
   const int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
   int64_t next_k = 0, due = 1;
-  for (int64_t r0 = m0; r0 < m1; r0 += kTileRows) {
-    const bool first = r0 == m0;
-    const float* xr = x + r0 * s.k;
-    float* yr = y + r0 * s.n;
-    switch (std::min<int64_t>(kTileRows, m1 - r0)) {
-#define JAXPAGE_TILE(R)                                                                    \
-  case R:                                                                                  \
-    Tile<R, kMasked>(xr, w, yr, s, n0, masks, first, next, tiles, next_k, due);                \
-    break;
-      JAXPAGE_TILE(1) JAXPAGE_TILE(2) JAXPAGE_TILE(3) JAXPAGE_TILE(4) JAXPAGE_TILE(5)
-      JAXPAGE_TILE(6)
-#undef JAXPAGE_TILE
-    }
-  }
+  jaxpage::MultiplyPanel(args, m1 - m0, [&](bool first) {
+    return StreamHook{first, next, s.n, s.k, tiles, next_k, due};
+  });
 }
-#else
-template <bool kMasked>
-void Item(const float* x, const float* w, float* y, const Shape& s, int64_t n0, int64_t m0,
-          int64_t m1, const float*) {
-  const int64_t n1 = std::min(s.n, n0 + kPanel);
-  for (int64_t r = m0; r < m1; ++r) {
-    float acc[kPanel] = {};
-    for (int64_t k = 0; k < s.k; ++k) {
-      const float a = x[r * s.k + k];
-      const float* wk = w + k * s.n;
-      for (int64_t c = n0; c < n1; ++c) acc[c - n0] = __builtin_fmaf(a, wk[c], acc[c - n0]);
-    }
-    for (int64_t c = n0; c < n1; ++c) y[r * s.n + c] = acc[c - n0];
-  }
-}
-#endif
 
 void Matmul(const float* x, const float* w, float* y, const Shape& s, ffi::ThreadPool& pool) {
   const int64_t panels = (s.n + kPanel - 1) / kPanel;
@@ -146,8 +89,7 @@ void Matmul(const float* x, const float* w, float* y, const Shape& s, ffi::Threa
     const int64_t n0 = (item % panels) * kPanel, m0 = (item / panels) * block_rows;
     const float* next = after >= 0 ? w + (after % panels) * kPanel : nullptr;
     const int64_t m1 = std::min(s.m, m0 + block_rows);
-    if (n0 + kPanel <= s.n) Item<false>(x, w, y, s, n0, m0, m1, next);
-    else Item<true>(x, w, y, s, n0, m0, m1, next);
+    Item(x, w, y, s, n0, m0, m1, next);
   });
 }
 

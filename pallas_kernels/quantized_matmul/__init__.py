@@ -15,9 +15,10 @@ GGUF's Q8_0, Q4_0 and Q4_1 blocks (32 weights along K) are these formats with ``
 Backends (``_backend``'s rule): ``"reference"`` dequantizes in jnp and calls an ordinary
 dot; on a TPU or GPU XLA fuses the conversion into the dot, so the weight is read from
 memory as stored. On the CPU that fusion is slow (XLA converts int8 at ~1 ns an element),
-so ``"auto"`` there takes the C++ kernels of ``cpu.py``: for up to ``SMALL_M`` rows one
-call reads the codes in place; for more rows the weight is dequantized by a C++ call and
-XLA's float dot does the rest. Float32 activations only for the C++ path.
+so ``"auto"`` there takes the C++ kernels of ``cpu.py`` for float32 activations: each
+panel of 64 columns is converted once into a buffer and multiplied by
+``dense_matmul``'s register tiles, so the products are bit for bit those of
+``dense_matmul`` on the dequantized weight, at any number of rows.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import jax.numpy as jnp
 from pallas_kernels import _backend
 from pallas_kernels.quantized_matmul import reference
 
-SMALL_M = 128  # rows up to which the CPU reads codes in place (docs/quantization.md)
 BACKENDS = ("auto", "reference", "cpu")
 
 
@@ -86,10 +86,7 @@ def quantized_matmul(x: jax.Array, weight: dict[str, jax.Array], *,
         return jnp.zeros((*lead, n), x.dtype)
     if _resolve(backend, x.dtype) == "cpu":
         from pallas_kernels.quantized_matmul import cpu
-        if rows.shape[0] <= SMALL_M:
-            out = cpu.quantized_matmul_cpu(rows, weight)
-        else:
-            out = jnp.dot(rows, cpu.dequantize_cpu(weight), precision=jax.lax.Precision.HIGHEST)
+        out = cpu.quantized_matmul_cpu(rows, weight)
     else:
         out = reference.quantized_matmul(rows, weight)
     return out.reshape(*lead, n).astype(x.dtype)

@@ -12,160 +12,179 @@
 // 37 ms against 3.6 ms in float32), so weight-only quantization in plain jnp would make
 // every decode step 10x slower on the CPU instead of reading 4x fewer bytes.
 //
-// Two kinds of call:
-// * JaxpageQMatmulS8 / JaxpageQMatmulU4: y [M, N] = x [M, K] @ W for the few rows of a
-//   decode step. The work is split into column tiles of W; each tile's codes are read
-//   once, converted once per row of codes, and applied to all M rows of x.
-// * JaxpageDequantS8 / JaxpageDequantU4: W as float32 [K, N], for prefill-sized M, where
-//   XLA's own dot of the float weight is faster than the loop above.
-// Both run on XLA's CPU thread pool (no second pool competing with XLA's for the cores).
+// JaxpageQMatmulS8 / JaxpageQMatmulU4: y [M, N] = x [M, K] @ W, for any M. Work items are
+// panels of 64 columns of W times blocks of rows, claimed by the calling thread and XLA's
+// CPU pool. An item converts its panel once into a [K, 64] float buffer of its thread
+// (reading the codes, 1/4 or 1/8 of the float bytes, with software prefetch) and runs the
+// register tiles of ``_cpu_tiles.h`` over it, prefetching the next item's codes meanwhile.
+// The sums are those of ``dense_matmul`` on the dequantized weight, bit for bit: one FMA
+// chain per output over k in order, whatever M is.
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstring>
+#include <cstdlib>
 #include <memory>
 #include <thread>
 
 #include "_cpu_parallel.h"
+#include "_cpu_tiles.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-using jaxpage::ParallelFor;
 
-constexpr int64_t kTileCols = 64;  // output columns per work item
-constexpr int64_t kTileRows = 8;   // rows of x handled together (accumulators in L1)
+using jaxpage::kPanel;
+using jaxpage::kTileRows;
+using jaxpage::kVectors;
+using jaxpage::ParallelForAhead;
+using jaxpage::PrefetchLines;
+
+constexpr int64_t kAheadRows = 48;    // rows of codes prefetched ahead while dequantizing
+constexpr int64_t kChunk = 2048;      // rows of k dequantized at a time (512 KB, in L2)
+constexpr int64_t kItemsWanted = 16;  // split rows when the panels are fewer
 
 struct Dims {
   int64_t m, k, n, groups, group_size;
 };
 
-// Codes of one row of W (columns [n0, n0 + nb)) as floats.
-inline void RowS8(const int8_t* q, int64_t row, const Dims& d, int64_t n0, int64_t nb,
-                  float* w) {
-  const int8_t* src = q + row * d.n + n0;
-  for (int64_t j = 0; j < nb; ++j) w[j] = static_cast<float>(src[j]);
-}
+// Every weight is converted exactly as ``reference.dequantize`` (and GGUF's own
+// dequantization) computes it: 8-bit q * scale, 4-bit fma(q, scale, zero). For GGUF's
+// blocks (float16 scales times codes of 4-8 bits) the product is exact, so the fma and
+// numpy's d * q + m round once, to the same float.
 
-// Codes of rows 2 * pair and 2 * pair + 1 of W (columns [n0, n0 + nb)) as floats.
-inline void RowPairU4(const uint8_t* q, int64_t pair, const Dims& d, int64_t n0, int64_t nb,
-                      float* lo, float* hi) {
-  const uint8_t* src = q + pair * d.n + n0;
-  for (int64_t j = 0; j < nb; ++j) {
-    lo[j] = static_cast<float>(src[j] & 15);
-    hi[j] = static_cast<float>(src[j] >> 4);
-  }
-}
-
-// y[m0 : m0 + mb, n0 : n0 + nb] for 8-bit codes (zero == nullptr) or 4-bit codes.
+// buf [kc, 64] = W[k0 : k0 + kc, n0 : n0 + width] as floats (columns past width unset);
+// k0 and kc even for 4-bit codes.
 template <bool kFour>
-void MatmulTile(const float* x, const void* codes, const float* scale, const float* zero,
-                const Dims& d, int64_t m0, int64_t mb, int64_t n0, int64_t nb, float* y) {
-  alignas(64) float acc[kTileRows][kTileCols];
-  alignas(64) float part[kTileRows][kTileCols];
-  alignas(64) float w0[kTileCols], w1[kTileCols];
-  float xsum[kTileRows];
-  for (int64_t r = 0; r < mb; ++r) std::fill(acc[r], acc[r] + nb, 0.0f);
-  for (int64_t g = 0; g < d.groups; ++g) {
-    for (int64_t r = 0; r < mb; ++r) {
-      std::fill(part[r], part[r] + nb, 0.0f);
-      xsum[r] = 0.0f;
-    }
-    const int64_t k_begin = g * d.group_size, k_end = k_begin + d.group_size;
-    if constexpr (kFour) {
-      for (int64_t k = k_begin; k < k_end; k += 2) {
-        RowPairU4(static_cast<const uint8_t*>(codes), k / 2, d, n0, nb, w0, w1);
-        for (int64_t r = 0; r < mb; ++r) {
-          const float a = x[(m0 + r) * d.k + k], b = x[(m0 + r) * d.k + k + 1];
-          xsum[r] += a + b;
-          float* p = part[r];
-          for (int64_t j = 0; j < nb; ++j) p[j] += a * w0[j] + b * w1[j];
+void DequantRows(const void* codes, const float* scale, const float* zero, const Dims& d,
+                 int64_t n0, int64_t width, int64_t k0, int64_t kc, float* buf) {
+  const int64_t step = kFour ? 2 : 1;  // rows of W per row of codes
+  const int64_t code_rows = d.k / step;
+#ifdef __AVX512F__
+  if (width == kPanel) {
+    int64_t g = k0 / d.group_size, group_end = (g + 1) * d.group_size;
+    __m512 sv[kVectors], zv[kVectors];
+    auto load_group = [&] {
+      for (int j = 0; j < kVectors; ++j) {
+        sv[j] = _mm512_loadu_ps(scale + g * d.n + n0 + 16 * j);
+        zv[j] = kFour ? _mm512_loadu_ps(zero + g * d.n + n0 + 16 * j) : _mm512_setzero_ps();
+      }
+    };
+    load_group();
+    for (int64_t k = k0; k < k0 + kc; k += step) {
+      if (k == group_end) {
+        ++g;
+        group_end += d.group_size;
+        load_group();
+      }
+      const int64_t row = k / step;
+      const uint8_t* src = static_cast<const uint8_t*>(codes) + row * d.n + n0;
+      if (row + kAheadRows < code_rows) PrefetchLines(src + kAheadRows * d.n, 1, 0);
+      float* out = buf + (k - k0) * kPanel;
+      for (int j = 0; j < kVectors; ++j) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * j));
+        if constexpr (kFour) {
+          const __m512i q = _mm512_cvtepu8_epi32(bytes);
+          const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)));
+          const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+          _mm512_store_ps(out + 16 * j, _mm512_fmadd_ps(lo, sv[j], zv[j]));
+          _mm512_store_ps(out + kPanel + 16 * j, _mm512_fmadd_ps(hi, sv[j], zv[j]));
+        } else {
+          const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+          _mm512_store_ps(out + 16 * j, _mm512_mul_ps(q, sv[j]));
         }
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t k = k0; k < k0 + kc; ++k) {
+    const int64_t g = k / d.group_size;
+    const float* s = scale + g * d.n + n0;
+    float* out = buf + (k - k0) * kPanel;
+    if constexpr (kFour) {
+      const uint8_t* src = static_cast<const uint8_t*>(codes) + (k / 2) * d.n + n0;
+      const float* z = zero + g * d.n + n0;
+      for (int64_t c = 0; c < width; ++c) {
+        const float q = static_cast<float>(k % 2 ? src[c] >> 4 : src[c] & 15);
+        out[c] = __builtin_fmaf(q, s[c], z[c]);
       }
     } else {
-      // Four rows of codes per pass over the accumulators (one pass per row made the
-      // loads and stores of `part`, not the codes, the bound: slower than float32).
-      alignas(64) float w2[kTileCols], w3[kTileCols];
-      const int8_t* q8 = static_cast<const int8_t*>(codes);
-      int64_t k = k_begin;
-      for (; k + 4 <= k_end; k += 4) {
-        RowS8(q8, k, d, n0, nb, w0);
-        RowS8(q8, k + 1, d, n0, nb, w1);
-        RowS8(q8, k + 2, d, n0, nb, w2);
-        RowS8(q8, k + 3, d, n0, nb, w3);
-        for (int64_t r = 0; r < mb; ++r) {
-          const float* xr = x + (m0 + r) * d.k + k;
-          const float a = xr[0], b = xr[1], c = xr[2], e = xr[3];
-          float* p = part[r];
-          for (int64_t j = 0; j < nb; ++j) p[j] += a * w0[j] + b * w1[j] + c * w2[j] + e * w3[j];
-        }
-      }
-      for (; k < k_end; ++k) {
-        RowS8(q8, k, d, n0, nb, w0);
-        for (int64_t r = 0; r < mb; ++r) {
-          const float a = x[(m0 + r) * d.k + k];
-          float* p = part[r];
-          for (int64_t j = 0; j < nb; ++j) p[j] += a * w0[j];
-        }
-      }
-    }
-    const float* s = scale + g * d.n + n0;
-    const float* z = kFour ? zero + g * d.n + n0 : nullptr;
-    for (int64_t r = 0; r < mb; ++r) {
-      float* a = acc[r];
-      const float* p = part[r];
-      if constexpr (kFour) {
-        const float xs = xsum[r];
-        for (int64_t j = 0; j < nb; ++j) a[j] += p[j] * s[j] + xs * z[j];
-      } else {
-        for (int64_t j = 0; j < nb; ++j) a[j] += p[j] * s[j];
-      }
+      const int8_t* src = static_cast<const int8_t*>(codes) + k * d.n + n0;
+      for (int64_t c = 0; c < width; ++c) out[c] = static_cast<float>(src[c]) * s[c];
     }
   }
-  for (int64_t r = 0; r < mb; ++r)
-    std::memcpy(y + (m0 + r) * d.n + n0, acc[r], sizeof(float) * nb);
+}
+
+// This thread's buffer for one dequantized chunk, kChunk x 64 floats.
+float* ChunkBuffer() {
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  thread_local std::unique_ptr<float, Free> buffer(
+      static_cast<float*>(std::aligned_alloc(64, sizeof(float) * kChunk * kPanel)));
+  return buffer.get();
+}
+
+// Prefetching for one tile over a dequantized chunk (which lies in this core's L2): the
+// next claimed item's codes into L2, one row of codes every `every` k steps.
+struct NextCodesHook {
+  const uint8_t* next;
+  int64_t ld, rows, every;
+  int64_t& next_row;
+  int64_t& due;
+  void operator()(int64_t, const float*) {
+    if (next != nullptr && next_row < rows && --due == 0) {
+      PrefetchLines(next + next_row++ * ld, 1, 1);
+      due = every;
+    }
+  }
+};
+
+// y[m0:m1, n0:n0+64] = x[m0:m1, :] @ W[:, n0:n0+64], up to kChunk rows of k at a time:
+// the chunk is dequantized into a buffer that stays in L2, then the shared register
+// tiles (``_cpu_tiles.h``) run over it for all the rows, each tile going on from the sums
+// the previous chunk left in y.
+template <bool kFour>
+void Item(const float* x, const void* codes, const float* scale, const float* zero,
+          const Dims& d, int64_t n0, int64_t m0, int64_t m1, int64_t next_n0, float* y) {
+  float* buf = ChunkBuffer();
+  const int64_t width = std::min(kPanel, d.n - n0);
+  const int64_t code_rows = kFour ? d.k / 2 : d.k;
+  const int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
+  const uint8_t* next =
+      next_n0 >= 0 ? static_cast<const uint8_t*>(codes) + next_n0 : nullptr;
+  int64_t next_row = 0, due = 1;
+  const int64_t every = std::max<int64_t>(1, tiles * d.k / code_rows);
+  for (int64_t k0 = 0; k0 < d.k; k0 += kChunk) {
+    const int64_t kc = std::min(kChunk, d.k - k0);
+    DequantRows<kFour>(codes, scale, zero, d, n0, width, k0, kc, buf);
+    const jaxpage::TileArgs args{x + m0 * d.k + k0, d.k, kc, buf, kPanel,
+                                 y + m0 * d.n + n0, d.n, width};
+    jaxpage::MultiplyPanel(
+        args, m1 - m0,
+        [&](bool) { return NextCodesHook{next, d.n, code_rows, every, next_row, due}; },
+        k0 > 0);
+  }
 }
 
 template <bool kFour>
 void Matmul(const float* x, const void* codes, const float* scale, const float* zero,
             const Dims& d, float* y, ffi::ThreadPool& pool) {
-  const int64_t col_tiles = (d.n + kTileCols - 1) / kTileCols;
-  const int64_t row_tiles = (d.m + kTileRows - 1) / kTileRows;
-  ParallelFor(col_tiles * row_tiles, pool, [=](int64_t item) {
-    const int64_t n0 = (item % col_tiles) * kTileCols, m0 = (item / col_tiles) * kTileRows;
-    MatmulTile<kFour>(x, codes, scale, zero, d, m0, std::min(kTileRows, d.m - m0), n0,
-                      std::min(kTileCols, d.n - n0), y);
-  });
-}
-
-template <bool kFour>
-void Dequantize(const void* codes, const float* scale, const float* zero, const Dims& d,
-                float* w, ffi::ThreadPool& pool) {
-  const int64_t step = kFour ? 2 : 1;  // rows of W per work item's row of codes
-  const int64_t rows_per_item = std::max<int64_t>(step, (16384 / std::max<int64_t>(d.n, 1)) /
-                                                            step * step);
-  const int64_t items = (d.k + rows_per_item - 1) / rows_per_item;
-  ParallelFor(items, pool, [=](int64_t item) {
-    const int64_t k_end = std::min(d.k, (item + 1) * rows_per_item);
-    for (int64_t k = item * rows_per_item; k < k_end; k += step) {
-      const int64_t g = k / d.group_size;
-      const float* s = scale + g * d.n;
-      float* out = w + k * d.n;
-      if constexpr (kFour) {
-        const float* z = zero + g * d.n;
-        RowPairU4(static_cast<const uint8_t*>(codes), k / 2, d, 0, d.n, out, out + d.n);
-        for (int64_t j = 0; j < d.n; ++j) {
-          out[j] = out[j] * s[j] + z[j];
-          out[d.n + j] = out[d.n + j] * s[j] + z[j];
-        }
-      } else {
-        RowS8(static_cast<const int8_t*>(codes), k, d, 0, d.n, out);
-        for (int64_t j = 0; j < d.n; ++j) out[j] *= s[j];
-      }
-    }
+  const int64_t panels = (d.n + kPanel - 1) / kPanel;
+  const int64_t tiles = (d.m + kTileRows - 1) / kTileRows;
+  // As dense_matmul: rows split only into blocks of at least 4 tiles (each block
+  // dequantizes its panel again).
+  const int64_t blocks =
+      std::clamp<int64_t>((kItemsWanted + panels - 1) / panels, 1, std::max<int64_t>(1, tiles / 4));
+  const int64_t block_rows = ((tiles + blocks - 1) / blocks) * kTileRows;
+  const int64_t row_blocks = (d.m + block_rows - 1) / block_rows;
+  ParallelForAhead(panels * row_blocks, pool, [=](int64_t item, int64_t after) {
+    const int64_t n0 = (item % panels) * kPanel, m0 = (item / panels) * block_rows;
+    const int64_t next_n0 = after >= 0 ? (after % panels) * kPanel : -1;
+    Item<kFour>(x, codes, scale, zero, d, n0, m0, std::min(d.m, m0 + block_rows), next_n0, y);
   });
 }
 
@@ -207,26 +226,6 @@ ffi::Error QMatmulU4(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q, ffi::Buffe
   return ffi::Error::Success();
 }
 
-ffi::Error DequantS8(ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
-                     ffi::ResultBuffer<ffi::F32> w, ffi::ThreadPool pool) {
-  Dims d;
-  if (const char* e = DimsOf(false, 0, -1, q.dimensions(), scale.dimensions(), &d))
-    return ffi::Error::InvalidArgument(e);
-  Dequantize<false>(q.typed_data(), scale.typed_data(), nullptr, d, w->typed_data(), pool);
-  return ffi::Error::Success();
-}
-
-ffi::Error DequantU4(ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi::F32> scale,
-                     ffi::Buffer<ffi::F32> zero, ffi::ResultBuffer<ffi::F32> w,
-                     ffi::ThreadPool pool) {
-  Dims d;
-  if (const char* e = DimsOf(true, 0, -1, q.dimensions(), scale.dimensions(), &d))
-    return ffi::Error::InvalidArgument(e);
-  Dequantize<true>(q.typed_data(), scale.typed_data(), zero.typed_data(), d, w->typed_data(),
-                   pool);
-  return ffi::Error::Success();
-}
-
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageQMatmulS8, QMatmulS8,
@@ -244,19 +243,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageQMatmulU4, QMatmulU4,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scale [G, N]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // zero [G, N]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
-                                  .Ctx<ffi::ThreadPool>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageDequantS8, DequantS8,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // codes [K, N]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [G, N]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // W [K, N]
-                                  .Ctx<ffi::ThreadPool>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageDequantU4, DequantU4,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // codes [K / 2, N]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [G, N]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // zero [G, N]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // W [K, N]
                                   .Ctx<ffi::ThreadPool>());
