@@ -9,7 +9,8 @@ Layout under ``root`` (``$JAXPAGE_CACHE_DIR/weights``), one directory per source
 
     <sha256(absolute path)[:16]>/
         source.json                    path, size, mtime_ns, format, hf_config
-        <dtype>-<arch digest>/         one entry per dtype and architecture as run
+        <dtype>[-<variant>]-<arch digest>/   one entry per dtype and architecture as run
+                                       (variant: which parameters keep GGUF blocks)
             manifest.json              per tensor: keys, offset, shape, crc32
             params.bin                 the tensors, each 64-byte aligned
 
@@ -89,6 +90,7 @@ class ConvertedCache:
         try:
             saved = json.loads((self.directory / "source.json").read_text())
             config = saved.pop("hf_config")
+            self.tensor_types = saved.pop("tensor_types", None)
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, AttributeError, TypeError):
@@ -100,28 +102,37 @@ class ConvertedCache:
             return None
         return config
 
-    def write_config(self, hf_config: dict[str, Any]) -> None:
+    tensor_types: dict[str, str] | None = None  # as read by read_config (None: not saved)
+
+    def write_config(self, hf_config: dict[str, Any],
+                     tensor_types: dict[str, str] | None = None) -> None:
+        """Save the HF config (and each tensor's stored type, by HF name)."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            _write_json(self.directory / "source.json", {**self.stamp, "hf_config": hf_config})
+            _write_json(self.directory / "source.json", {**self.stamp, "hf_config": hf_config,
+                                                          "tensor_types": tensor_types})
         except OSError as error:  # a read-only or full disk costs speed, not correctness
             logger.warning("converted weights not cached (%s)", error)
 
     # -- the tensors ------------------------------------------------------------------
 
-    def _entry(self, dtype: Any, arch: ArchConfig) -> tuple[Path, dict[str, Any]]:
-        name = np.dtype(dtype).name
+    def _entry(self, dtype: Any, arch: ArchConfig,
+               variant: str = "") -> tuple[Path, dict[str, Any]]:
+        name = np.dtype(dtype).name + (f"-{variant}" if variant else "")
         arch_text = repr(dataclasses.astuple(arch))
         identity = {**self.stamp, "dtype": name, "arch": arch_text}
         return self.directory / f"{name}-{_digest(arch_text)[:12]}", identity
 
-    def load(self, dtype: Any, arch: ArchConfig) -> Iterator[tuple[tuple, np.ndarray]] | None:
+    def load(self, dtype: Any, arch: ArchConfig,
+             variant: str = "") -> Iterator[tuple[tuple, Any]] | None:
         """The saved (keys, array) pairs, memory-mapped, or None when there is no entry.
+        ``variant`` names what else the entry depends on (e.g. which parameters keep their
+        quantized blocks); such parameters come back as dicts of their parts.
 
         Each array's CRC-32 is checked as it is yielded; a mismatch (or any other
         disagreement with the manifest) raises ``StaleEntry``.
         """
-        entry, identity = self._entry(dtype, arch)
+        entry, identity = self._entry(dtype, arch, variant)
         try:
             manifest = json.loads((entry / "manifest.json").read_text())
         except FileNotFoundError:
@@ -141,28 +152,45 @@ class ConvertedCache:
 
     @staticmethod
     def _tensors(data: Path, manifest: dict[str, Any],
-                 dtype: np.dtype) -> Iterator[tuple[tuple, np.ndarray]]:
+                 dtype: np.dtype) -> Iterator[tuple[tuple, Any]]:
+        """Records are [keys, offset, shape, crc] (an array of the entry's dtype) or
+        [keys, offset, shape, crc, dtype, part] (one part of a quantized parameter; a
+        parameter's parts are consecutive)."""
         try:
             raw = np.memmap(data, dtype=np.uint8, mode="r") if manifest["nbytes"] else None
-            for keys, offset, shape, crc in manifest["tensors"]:
+            pending: tuple[tuple, dict[str, np.ndarray]] | None = None
+            for record in manifest["tensors"]:
+                keys, offset, shape, crc = record[:4]
+                kind = np.dtype(record[4]) if len(record) > 4 else dtype
                 count = int(np.prod(shape, dtype=np.int64))
-                array = raw[offset:offset + count * dtype.itemsize].view(dtype).reshape(shape)
+                array = raw[offset:offset + count * kind.itemsize].view(kind).reshape(shape)
                 if _crc32(array) != crc:
                     raise StaleEntry(f"{data}: tensor {keys} fails its checksum")
-                yield tuple(keys), array
+                keys = tuple(keys)
+                if pending is not None and (len(record) <= 4 or pending[0] != keys):
+                    yield pending
+                    pending = None
+                if len(record) > 4:
+                    pending = pending or (keys, {})
+                    pending[1][record[5]] = array
+                else:
+                    yield keys, array
+            if pending is not None:
+                yield pending
         except (OSError, ValueError, TypeError, KeyError, IndexError) as error:
             raise StaleEntry(f"{data}: does not match its manifest ({error})") from error
 
-    def save(self, dtype: Any, arch: ArchConfig, arrays: Iterable[tuple[tuple, np.ndarray]],
-             nbytes: int = 0) -> Iterator[tuple[tuple, np.ndarray]]:
+    def save(self, dtype: Any, arch: ArchConfig, arrays: Iterable[tuple[tuple, Any]],
+             nbytes: int = 0, variant: str = "") -> Iterator[tuple[tuple, Any]]:
         """Pass ``arrays`` through, converted to ``dtype``, writing each to a new entry;
-        the entry appears once the last one is written (never on an error).
+        the entry appears once the last one is written (never on an error). A dict (a
+        quantized parameter's parts) is written part by part, each in its own dtype.
 
         ``nbytes``: about how much will be written; nothing is when that is more than half
         the free disk space. A failure to write (disk full, read-only) is logged and the
         arrays still flow.
         """
-        entry, identity = self._entry(dtype, arch)
+        entry, identity = self._entry(dtype, arch, variant)
         temporary = entry.with_name(f"{entry.name}.tmp{os.getpid()}")
         dtype = np.dtype(dtype)
         writer = None
@@ -181,15 +209,23 @@ class ConvertedCache:
         tensors, offset = [], 0
         try:
             for keys, array in arrays:
-                array = np.ascontiguousarray(np.asarray(array, dtype=dtype))
-                if writer is not None:
+                if isinstance(array, dict):
+                    array = {part: np.ascontiguousarray(value) for part, value in array.items()}
+                    pieces = [(value, [value.dtype.name, part]) for part, value in array.items()]
+                else:
+                    array = np.ascontiguousarray(np.asarray(array, dtype=dtype))
+                    pieces = [(array, [])]
+                for piece, extra in pieces:
+                    if writer is None:
+                        break
                     try:
                         padding = -offset % _ALIGN
                         writer.write(b"\0" * padding)
                         offset += padding
-                        writer.write(_bytes(array))
-                        tensors.append([list(keys), offset, list(array.shape), _crc32(array)])
-                        offset += array.nbytes
+                        writer.write(_bytes(piece))
+                        tensors.append([list(keys), offset, list(piece.shape), _crc32(piece),
+                                        *extra])
+                        offset += piece.nbytes
                     except OSError as error:
                         logger.warning("converted weights not cached (%s)", error)
                         writer.close()
@@ -214,5 +250,5 @@ class ConvertedCache:
         except OSError as error:  # full disk, or another process renamed its copy first
             logger.info("converted weights not cached (%s)", error)
 
-    def discard(self, dtype: Any, arch: ArchConfig) -> None:
-        shutil.rmtree(self._entry(dtype, arch)[0], ignore_errors=True)
+    def discard(self, dtype: Any, arch: ArchConfig, variant: str = "") -> None:
+        shutil.rmtree(self._entry(dtype, arch, variant)[0], ignore_errors=True)

@@ -11,6 +11,8 @@ The file is parsed only when something is missing from the cache.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import re
@@ -24,7 +26,7 @@ from gguf.quants import dequantize
 from jaxpage.arch_config import ArchConfig
 from jaxpage.models.converted_cache import ConvertedCache, StaleEntry
 from jaxpage.models.hf_layout import LAYER_TENSORS, HFTensorSource
-from jaxpage.models.quantize import GGUF_KEPT, QuantFormat, gguf_parts
+from jaxpage.models.quantize import GGUF_KEPT, QuantFormat, gguf_parts, plan_to_json
 from jaxpage.parallel.placement import Placement
 
 logger = logging.getLogger("jaxpage")
@@ -119,12 +121,13 @@ class GGUFSource(HFTensorSource):
         self.from_cache = False
         self.reader = None
         config = self.cache.read_config() if self.cache is not None else None
-        if config is not None:
+        if config is not None and self.cache.tensor_types is not None:
             self.hf_config = config
+            self._types = self.cache.tensor_types
             return
         self._open()
         if self.cache is not None:
-            self.cache.write_config(self.hf_config)
+            self.cache.write_config(self.hf_config, self._types)
 
     def _open(self) -> None:
         """Parse the file's metadata and tensor index (seconds for a real model)."""
@@ -138,12 +141,14 @@ class GGUFSource(HFTensorSource):
                              f"architectures: {sorted(_GGUF_ARCHITECTURES)}")
         self.arch = arch
         self._tensors = {}
+        self._types: dict[str, str] = {}  # HF name -> GGML type name
         mapped = (_mapped_names(arch, int(self.metadata[f"{arch}.block_count"]))
                   if arch in _MAPPED_ARCHES else {})
         for tensor in self.reader.tensors:
             name = mapped.get(tensor.name) if mapped else _hf_name(tensor.name)
             if name is not None:
                 self._tensors[name] = tensor
+                self._types[name] = tensor.tensor_type.name
             elif tensor.name == "rope_freqs.weight" or tensor.name.startswith("rope_factors"):
                 raise ValueError(f"{path}: GGUF rope frequency factors ({tensor.name}) are not supported")
         self.hf_config = self._hf_config()
@@ -232,26 +237,31 @@ class GGUFSource(HFTensorSource):
                     placement: Placement, dtype: Any) -> dict[str, Any]:
         """As ``HFTensorSource.read_params``, from the converted cache when it holds them
         (checked as read: a stale or corrupted entry is converted again and replaced)."""
-        if self.cache is None or self.keeps_blocks:
+        if self.cache is None:
             return super().read_params(arch, run_arch, template, placement, dtype)
+        # kept blocks: their own entry, named by which parameters keep which format
+        variant = ("blocks-" + hashlib.sha256(json.dumps(
+            plan_to_json({n: f for n, f in self.quant_plan.items() if n in self._kept}),
+            sort_keys=True).encode()).hexdigest()[:8]) if self.keeps_blocks else ""
         try:
-            cached = self.cache.load(dtype, arch)
+            cached = self.cache.load(dtype, arch, variant)
             if cached is not None:
                 pure = self.place(self.repeat_kv(cached, arch, run_arch), placement, dtype)
                 self.from_cache = True
                 return pure
         except StaleEntry as error:
             logger.warning("%s; converting %s again", error, self.path)
-            self.cache.discard(dtype, arch)
+            self.cache.discard(dtype, arch, variant)
         nbytes = sum(int(np.prod(leaf.shape)) * np.dtype(dtype).itemsize
                      for leaf in jax.tree.leaves(template))
-        converted = self.cache.save(dtype, arch, self.layout_arrays(arch), nbytes)
+        converted = self.cache.save(dtype, arch, self.layout_arrays(arch), nbytes, variant)
         return self.place(self.repeat_kv(converted, arch, run_arch), placement, dtype)
 
     @property
     def keeps_blocks(self) -> bool:
-        """Whether some tensors are read as their quantized blocks (``quantization="gguf"``);
-        the converted cache (float arrays) is then not used."""
+        """Whether some tensors are read as their quantized blocks (``quantization="gguf"``,
+        or float32 on the CPU: ``loader._lossless_blocks``); the converted cache then keeps
+        their parts in an entry of its own."""
         return any(name in self._kept for name in self.quant_plan)
 
     _kept: frozenset[str] | set[str] = frozenset()  # parameters read as blocks (gguf_plan)
@@ -259,18 +269,16 @@ class GGUFSource(HFTensorSource):
     def gguf_plan(self, arch: ArchConfig) -> dict[str, QuantFormat]:
         """Which of our parameters stay in their GGUF blocks: those stored as Q8_0, Q4_0 or
         Q4_1 in every layer (one type across layers); the rest are dequantized."""
-        if self.reader is None:
-            self._open()
         names = {"embed": ["model.embed_tokens.weight"]}
         if not arch.tie_word_embeddings:
             names["lm_head"] = ["lm_head.weight"]
         for name, (suffix, _) in LAYER_TENSORS.items():
             tensors = [f"model.layers.{i}.{suffix}" for i in range(arch.num_layers)]
-            if suffix.endswith("proj.weight") and all(t in self._tensors for t in tensors):
+            if suffix.endswith("proj.weight") and all(t in self._types for t in tensors):
                 names[name] = tensors  # (absent: fused (Phi-3) or experts (MoE) there)
         plan: dict[str, QuantFormat] = {}
         for name, tensors in names.items():
-            types = {self._tensors[t].tensor_type.name for t in tensors}
+            types = {self._types.get(t) for t in tensors}
             if len(types) == 1 and next(iter(types)) in GGUF_KEPT:
                 plan[name] = GGUF_KEPT[next(iter(types))]
         self._kept = set(plan)
@@ -284,6 +292,8 @@ class GGUFSource(HFTensorSource):
 
     def get_kept(self, name: str) -> dict[str, np.ndarray]:
         """A kept tensor's parts in our [in, out] layout (``quantize.gguf_parts``)."""
+        if self.reader is None:
+            self._open()
         tensor = self._tensors[name]
         out_features, in_features = (int(d) for d in reversed(tensor.shape))
         parts = gguf_parts(np.asarray(tensor.data), tensor.tensor_type.name, out_features,

@@ -118,7 +118,8 @@ def load_model(path: str | None, *, dtype: str = "float32", attention_backend: s
     jdtype = resolve_dtype(source.saved_dtype if dtype == "auto" and source.saved_dtype
                            else dtype)
     quantization, plan = _source_plan(source, path, run_arch, quantization,
-                                      quantization_group_size)
+                                      quantization_group_size,
+                                      lossless_blocks=_lossless_blocks(jdtype, mesh))
     # rngs=None: parameter shapes only, no arrays and nothing traced (llama.ParamInit)
     abstract = model_cls(run_arch, dtype=jdtype, attention_backend=attention_backend,
                          rngs=None, mesh=mesh, quant_plan=plan)
@@ -178,9 +179,27 @@ def _restore_then_quantize(source: Any, model_cls: Any, arch: ArchConfig,
     return place_arrays(arrays, placement, jdtype, plan)
 
 
+def _lossless_blocks(jdtype: Any, mesh: Any) -> bool:
+    """Whether a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks stay as stored with
+    ``quantization=None``: float32 on one CPU device, where ``quantized_matmul``'s C++
+    kernels convert each weight to exactly the float the file dequantizes to and sum in
+    ``dense_matmul``'s order, so the products are those of the float32 weights, bit for
+    bit, reading 1/4-1/7 of the bytes. ``JAXPAGE_GGUF_BLOCKS=0`` turns it off (floats)."""
+    if os.environ.get("JAXPAGE_GGUF_BLOCKS", "1") == "0":
+        return False
+    if mesh is not None or jnp.dtype(jdtype) != jnp.float32:
+        return False
+    from pallas_kernels.quantized_matmul import resolve_backend
+
+    return resolve_backend("auto", jnp.float32) == "cpu"
+
+
 def _source_plan(source: Any, path: str, run_arch: ArchConfig, quantization: str | None,
-                 group_size: int | None) -> tuple[str | None, dict[str, QuantFormat]]:
-    """(mode, plan) for a checkpoint source; the plan is also set on the source."""
+                 group_size: int | None, lossless_blocks: bool = False,
+                 ) -> tuple[str | None, dict[str, QuantFormat]]:
+    """(mode, plan) for a checkpoint source; the plan is also set on the source.
+    ``lossless_blocks``: with ``quantization=None`` a GGUF file keeps its blocks (the
+    mode stays None: the products are the float weights', see ``_lossless_blocks``)."""
     saved = getattr(source, "saved_quantization", None)
     if getattr(source, "architecture_is_saved", False) and saved is None and quantization in (
             "int8", "int4"):  # a float orbax checkpoint: restored, then quantized
@@ -194,7 +213,8 @@ def _source_plan(source: Any, path: str, run_arch: ArchConfig, quantization: str
                              "checkpoint to quantize it differently")
         return saved, dict(getattr(source, "quant_plan", {}) or {})
     if quantization is None:
-        plan: dict[str, QuantFormat] = {}
+        plan: dict[str, QuantFormat] = (source.gguf_plan(run_arch) if lossless_blocks
+                                        and hasattr(source, "gguf_plan") else {})
     elif quantization == "gguf":
         if not hasattr(source, "gguf_plan"):
             raise ValueError(f"quantization='gguf' keeps a GGUF file's quantized blocks; "

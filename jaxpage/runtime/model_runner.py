@@ -22,6 +22,7 @@ from jaxpage.runtime.pending_calls import PendingMultiStep, PendingStep, StepRes
 from jaxpage.core.penalty_slots import PenaltyFill
 from jaxpage.runtime.step import make_forward_logits, make_penalty_fill, make_step
 from pallas_kernels.dense_matmul import resolve_backend as resolve_dense_backend
+from pallas_kernels.quantized_matmul import resolve_backend as resolve_quantized_backend
 from pallas_kernels.sampling import resolve_backend as resolve_sampling_backend
 
 # Tokens per call of the penalty-fill program (one compiled shape; long rows take several).
@@ -99,6 +100,8 @@ class ModelRunner:
             # programs depend on.
             kernels = (f"sampling={resolve_sampling_backend()}|dense_matmul="
                        f"{resolve_dense_backend('auto', self.dtype)}")
+            if self.quant_plan:
+                kernels += f"|quantized_matmul={resolve_quantized_backend('auto', self.dtype)}"
             self.executables = ExecutableCache(executable_dir, fingerprint(
                 self.params, self.kv_cache, self.penalty_table, self._no_carry,
                 extra=f"{graphdef}|{self.arch}|block_size={block_size}|{kernels}"),

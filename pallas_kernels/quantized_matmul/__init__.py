@@ -59,7 +59,8 @@ def weight_shape(weight: dict[str, Any]) -> tuple[int, int]:
     return k, codes.shape[1]
 
 
-def _resolve(backend: str, dtype: Any) -> str:
+def resolve_backend(backend: str, dtype: Any) -> str:
+    """"reference" or "cpu" for activations of ``dtype`` here (building the kernels)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     platform = _backend.current_platform()
@@ -84,7 +85,7 @@ def quantized_matmul(x: jax.Array, weight: dict[str, jax.Array], *,
     rows = x.reshape(-1, k)
     if rows.shape[0] == 0:
         return jnp.zeros((*lead, n), x.dtype)
-    if _resolve(backend, x.dtype) == "cpu":
+    if resolve_backend(backend, x.dtype) == "cpu":
         from pallas_kernels.quantized_matmul import cpu
         out = cpu.quantized_matmul_cpu(rows, weight)
     else:

@@ -5,8 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.quantized_matmul import (SMALL_M, dequantize, gather_columns,
-                                             quantized_matmul, weight_shape)
+from pallas_kernels.dense_matmul import cpu as dense_cpu
+from pallas_kernels.quantized_matmul import (dequantize, gather_columns, quantized_matmul,
+                                             weight_shape)
 from pallas_kernels.quantized_matmul import cpu, reference
 
 
@@ -22,17 +23,42 @@ def _weight(bits: int, k: int, n: int, groups: int, seed: int = 0) -> dict:
 
 @pytest.mark.skipif(not cpu.available(), reason="no C++ compiler")
 @pytest.mark.parametrize("bits,groups", [(8, 1), (8, 4), (4, 3), (4, 12)])
-@pytest.mark.parametrize("m", [1, 5, SMALL_M, SMALL_M + 1, 40])
+@pytest.mark.parametrize("m", [1, 5, 7, 40, 129])
 def test_cpu_kernels_match_the_reference(bits, groups, m):
-    k, n = 96, 100  # n is not a multiple of the kernel's 64-column tiles
+    k, n = 96, 100  # n is not a multiple of the kernel's 64-column panels
     weight = _weight(bits, k, n, groups)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((m, k), dtype=np.float32))
     ours = np.asarray(jax.jit(lambda x, w: quantized_matmul(x, w, backend="cpu"))(x, weight))
     ref = np.asarray(reference.quantized_matmul(x, weight))
     assert ours.shape == (m, n)
     np.testing.assert_allclose(ours, ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
-    np.testing.assert_allclose(np.asarray(jax.jit(cpu.dequantize_cpu)(weight)),
-                               np.asarray(dequantize(weight)), rtol=1e-6, atol=1e-6)
+
+
+def _gguf_like(bits: int, k: int, n: int, seed: int) -> dict:
+    """Codes with float16 scales (and minimums), as GGUF's Q8_0 / Q4_1 blocks of 32 hold."""
+    weight = _weight(bits, k, n, k // 32, seed)
+    return {name: (part.astype(jnp.float16).astype(jnp.float32) if name != "codes" else part)
+            for name, part in weight.items()}
+
+
+@pytest.mark.skipif(not (cpu.available() and dense_cpu.available()), reason="no C++ compiler")
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("m", [1, 6, 13, 48, 200])
+@pytest.mark.parametrize("k,n", [(64, 192), (2304, 130)])  # K over one 2048-row chunk
+def test_gguf_blocks_give_the_float_weights_products_bit_for_bit(bits, m, k, n):
+    """With float16 scales each weight converts exactly; the sums are dense_matmul's on the
+    dequantized floats, bit for bit, at any number of rows (the default model's blocks
+    stay quantized on the CPU because of this)."""
+    weight = _gguf_like(bits, k, n, seed=m)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((m, k), dtype=np.float32))
+    floats = dequantize(weight)
+    np.testing.assert_array_equal(np.asarray(floats), np.asarray(jax.jit(dequantize)(weight)))
+    ours = np.asarray(jax.jit(cpu.quantized_matmul_cpu)(x, weight))
+    dense = np.asarray(jax.jit(dense_cpu.dense_matmul_cpu)(x, floats))
+    np.testing.assert_array_equal(ours, dense)
+    # a row's products do not depend on the rows beside it
+    np.testing.assert_array_equal(np.asarray(jax.jit(cpu.quantized_matmul_cpu)(x[:1], weight)),
+                                  ours[:1])
 
 
 def test_leading_axes_other_dtypes_and_empty_rows():

@@ -64,6 +64,13 @@ def write_tiny_gguf(path: Path, seed: int) -> Path:
     return path
 
 
+@pytest.fixture(autouse=True)
+def float_weights(monkeypatch):
+    """The converted cache holds floats: these tests load the file's weights as floats
+    (by default float32 on the CPU keeps Q8_0 / Q4_x blocks as stored, read each start)."""
+    monkeypatch.setenv("JAXPAGE_GGUF_BLOCKS", "0")
+
+
 @pytest.fixture
 def counts(monkeypatch) -> dict[str, int]:
     """How many tensors were dequantized and how many times a GGUF file was parsed."""
@@ -117,6 +124,29 @@ def test_second_load_reads_the_cache_not_the_file(tmp_path, counts):
     again = load_model(str(gguf), dtype="bfloat16", cache_dir=str(cache))
     assert again.from_cache
     assert_same_params(again, load_model(str(gguf), dtype="bfloat16"))
+
+
+def test_kept_blocks_have_an_entry_of_their_parts(tmp_path, counts, monkeypatch):
+    """float32 on the CPU keeps the file's Q8_0 blocks: a second start memory-maps the
+    saved parts (codes int8, scales float32) instead of parsing and repacking the file."""
+    monkeypatch.setenv("JAXPAGE_GGUF_BLOCKS", "1")
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", seed=0)
+    cache = tmp_path / "weights"
+    first = load_model(str(gguf), cache_dir=str(cache))
+    assert first.quant_plan and first.quantization is None
+    assert not first.from_cache and counts["parsed"] == 1
+    counts.update(dequantized=0, parsed=0)
+
+    second = load_model(str(gguf), cache_dir=str(cache))
+    assert second.from_cache and counts == {"dequantized": 0, "parsed": 0}
+    assert second.quant_plan == first.quant_plan
+    assert_same_params(second, first)
+    assert_same_params(second, load_model(str(gguf)))  # no cache: kept as ever
+    layer = nnx.state(second.model, nnx.Param)["layers"][0]["q_proj"]
+    assert layer["codes"][...].dtype == np.int8 and layer["scale"][...].dtype == np.float32
+    monkeypatch.setenv("JAXPAGE_GGUF_BLOCKS", "0")  # floats: the other entry
+    floats = load_model(str(gguf), cache_dir=str(cache))
+    assert not floats.quant_plan and not floats.from_cache
 
 
 @pytest.mark.parametrize("damage", ["flip a byte", "truncate", "garble the manifest",

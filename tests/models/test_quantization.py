@@ -68,8 +68,24 @@ def _tokens(llm, prompts, max_tokens=16):
 
 @pytest.fixture(scope="module")
 def smollm2_float(smollm2_path):
-    llm = LLM(smollm2_path, **ENGINE)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("JAXPAGE_GGUF_BLOCKS", "0")  # the file's weights as float32 arrays
+        llm = LLM(smollm2_path, **ENGINE)
+    assert not llm.llm_engine.runner.quant_plan
     return _tokens(llm, PROMPTS), llm.get_stats()["weight_bytes"]
+
+
+def test_by_default_a_gguf_file_keeps_its_blocks_and_the_float_products(
+        smollm2_path, smollm2_float):
+    """quantization=None on the CPU in float32: the blocks stay as stored (a quarter of the
+    bytes), the products are the float32 weights' (same greedy tokens)."""
+    tokens, float_bytes = smollm2_float
+    llm = LLM(smollm2_path, **ENGINE)
+    stats = llm.get_stats()
+    assert stats["quantization"] is None
+    assert stats["weight_bytes"] <= 0.25 * float_bytes, (stats["weight_bytes"], float_bytes)
+    assert llm.llm_engine.runner.params["layers"][0]["up_proj"]["codes"].dtype == np.uint8
+    assert _tokens(llm, PROMPTS) == tokens
 
 
 def test_gguf_blocks_kept_serve_the_same_tokens_from_a_quarter_of_the_memory(
