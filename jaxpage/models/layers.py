@@ -27,16 +27,33 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -
     return weight * normed.astype(x.dtype)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (Hugging Face layout) on the first ``2 * len(inv_freq)`` channels
-    (all of them but for partial rotary). x: [T, H, D], positions: int32 [T]."""
-    rotary = 2 * inv_freq.shape[0]
-    if rotary < x.shape[-1]:
-        return jnp.concatenate([apply_rope(x[..., :rotary], positions, inv_freq),
-                                x[..., rotary:]], axis=-1)
+RopeTable = tuple  # (cos, sin): float32 [T, 1, 2 * len(inv_freq)] each (``rope_table``)
+
+
+def rope_table(positions: jax.Array, inv_freq: jax.Array) -> RopeTable:
+    """The cosines and sines RoPE rotates by, for positions int32 [T]. A forward pass
+    computes them once and every layer (and q and k) reuses them: fused into each
+    rotation, XLA recomputed them per element, ~0.3 ms a layer for a 512-token step on
+    the CPU."""
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]   # [T, D/2]
-    cos = jnp.cos(jnp.concatenate([angles, angles], axis=-1))[:, None, :]  # [T, 1, D]
-    sin = jnp.sin(jnp.concatenate([angles, angles], axis=-1))[:, None, :]
+    both = jnp.concatenate([angles, angles], axis=-1)                    # [T, D]
+    # Computed inside a conditional (both branches alike, the predicate unknown at compile
+    # time), so the results are materialized once. As plain ops XLA fuses cos and sin
+    # into every consumer, recomputing them per head and per layer (an optimization
+    # barrier does not stop it).
+    trig = lambda b: (jnp.cos(b), jnp.sin(b))  # noqa: E731
+    cos, sin = jax.lax.cond(positions[0] >= 0, trig, trig, both) if positions.shape[0] \
+        else trig(both)
+    return cos[:, None, :], sin[:, None, :]
+
+
+def rotate(x: jax.Array, table: RopeTable) -> jax.Array:
+    """Rotate-half RoPE (Hugging Face layout) of x [T, H, D] by ``table`` on its first
+    ``table``-width channels (all of them but for partial rotary)."""
+    cos, sin = table
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return jnp.concatenate([rotate(x[..., :rotary], table), x[..., rotary:]], axis=-1)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)

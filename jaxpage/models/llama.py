@@ -39,7 +39,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxpage.arch_config import ArchConfig
-from jaxpage.models.layers import ACTIVATIONS, apply_rope, project, rms_norm
+from jaxpage.models.layers import ACTIVATIONS, RopeTable, project, rms_norm, rope_table, rotate
 from jaxpage.models.lora import LoRATokens, lora_delta, token_slots
 from jaxpage.models.moe import moe_mlp
 from jaxpage.models.quantize import QuantFormat
@@ -68,13 +68,15 @@ class QuantizedWeight(nnx.Module):
                 if hasattr(self, part)}
 
 
-def linear(x: jax.Array, weight: Any, backend: str = "auto") -> jax.Array:
+def linear(x: jax.Array, weight: Any, backend: str = "auto",
+           rows: jax.Array | None = None) -> jax.Array:
     """x [..., in] @ weight [in, out]: an ``nnx.Param`` array or a ``QuantizedWeight``
     (weight-only: the product is in x's dtype). ``backend`` picks the kernel of either
-    (``pallas_kernels.dense_matmul`` / ``quantized_matmul``; "reference" under a mesh)."""
+    (``pallas_kernels.dense_matmul`` / ``quantized_matmul``; "reference" under a mesh).
+    ``rows`` (int32 scalar): x's rows past it are padding, their results unspecified."""
     if isinstance(weight, QuantizedWeight):
-        return quantized_matmul(x, weight.parts(), backend=backend)
-    return dense_matmul(x, weight[...], backend=backend)
+        return quantized_matmul(x, weight.parts(), backend=backend, rows=rows)
+    return dense_matmul(x, weight[...], backend=backend, rows=rows)
 
 
 class ParamInit:
@@ -164,25 +166,28 @@ class DecoderLayer(nnx.Module):
             self.shared_down_proj = weight("shared_down_proj", S, H)
             self.shared_expert_gate = init.normal(H, 1)
 
-    def _linear(self, name: str, x: jax.Array, lora: LoRATokens | None) -> jax.Array:
+    def _linear(self, name: str, x: jax.Array, lora: LoRATokens | None,
+                rows: jax.Array | None = None) -> jax.Array:
         """Projection ``name`` of x [T, in], plus its LoRA slots' delta when the model
-        has them (``jaxpage.models.lora``; ``lora`` says each token's slot)."""
-        out = linear(x, getattr(self, name), self.matmul_backend)
+        has them (``jaxpage.models.lora``; ``lora`` says each token's slot). ``rows``: the
+        tokens past it are padding (``linear``)."""
+        out = linear(x, getattr(self, name), self.matmul_backend, rows)
         if lora is not None and hasattr(self, f"{name}_lora_a"):
             out = out + lora_delta(x, getattr(self, f"{name}_lora_a")[...],
                                    getattr(self, f"{name}_lora_b")[...], lora)
         return out
 
-    def qkv(self, cfg: ArchConfig, h: jax.Array, positions: jax.Array,
-            inv_freq: jax.Array, lora: LoRATokens | None = None
+    def qkv(self, cfg: ArchConfig, h: jax.Array, rope: RopeTable,
+            lora: LoRATokens | None = None, rows: jax.Array | None = None
             ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """h [T, hidden] -> rotated q [T, Hq, D], rotated k and v [T, Hkv, D]."""
+        """h [T, hidden] -> rotated q [T, Hq, D], rotated k and v [T, Hkv, D]; ``rope``:
+        the tokens' ``rope_table``. ``rows``: the tokens past it are padding (``linear``)."""
         num_tokens = h.shape[0]
         eps, offset = cfg.rms_norm_eps, cfg.norm_offset
         x = rms_norm(h, self.input_norm[...], eps, offset)
-        q = self._linear("q_proj", x, lora)
-        k = self._linear("k_proj", x, lora)
-        v = self._linear("v_proj", x, lora)
+        q = self._linear("q_proj", x, lora, rows)
+        k = self._linear("k_proj", x, lora, rows)
+        v = self._linear("v_proj", x, lora, rows)
         if cfg.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
@@ -190,13 +195,14 @@ class DecoderLayer(nnx.Module):
         if cfg.qk_norm:
             q = rms_norm(q, self.q_norm[...], eps, offset)
             k = rms_norm(k, self.k_norm[...], eps, offset)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q, k = rotate(q, rope), rotate(k, rope)
         return q, k, v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
 
     def finish(self, cfg: ArchConfig, h: jax.Array, attn: jax.Array,
-               lora: LoRATokens | None = None) -> jax.Array:
-        """The residual stream after attention (attn [T, Hq, D]) and the MLP: [T, hidden]."""
-        out = self._linear("o_proj", attn.reshape(h.shape[0], -1), lora)
+               lora: LoRATokens | None = None, rows: jax.Array | None = None) -> jax.Array:
+        """The residual stream after attention (attn [T, Hq, D]) and the MLP: [T, hidden].
+        ``rows``: the tokens past it are padding (``linear``)."""
+        out = self._linear("o_proj", attn.reshape(h.shape[0], -1), lora, rows)
         if cfg.o_bias:
             out = out + self.o_bias[...]
         eps, offset = cfg.rms_norm_eps, cfg.norm_offset
@@ -208,9 +214,9 @@ class DecoderLayer(nnx.Module):
         if self.sparse:
             out = self._experts(cfg, x, act)
         else:
-            gate = self._linear("gate_proj", x, lora)
-            up = self._linear("up_proj", x, lora)
-            out = self._linear("down_proj", act(gate) * up, lora)
+            gate = self._linear("gate_proj", x, lora, rows)
+            up = self._linear("up_proj", x, lora, rows)
+            out = self._linear("down_proj", act(gate) * up, lora, rows)
         if cfg.sandwich_norms:
             out = rms_norm(out, self.mlp_out_norm[...], eps, offset)
         return h + out
@@ -288,8 +294,13 @@ class CausalLM(nnx.Module):
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
                  batch: dict[str, jax.Array]) -> tuple[jax.Array, KVCache]:
-        """input_ids, positions: int32 [T] -> hidden [T, hidden_size], updated kv_cache."""
+        """input_ids, positions: int32 [T] -> hidden [T, hidden_size], updated kv_cache.
+
+        ``batch["live_tokens"]`` (optional int32 scalar): the tokens from it on are padding
+        or finished rows; projections may skip them (their hidden states are unspecified).
+        """
         cfg = self.cfg
+        rows = batch.get("live_tokens")
         attention = self._sharded(self._attention)
 
         k_cache, v_cache = kv_cache                   # [L, N, B, Hkv, D] each
@@ -298,8 +309,9 @@ class CausalLM(nnx.Module):
         if getattr(self, "lora_shape", None) is not None:  # each token's adapter slot
             lora = token_slots(self.lora_shape, batch["lora_slot"], batch["cu_q_lens"],
                                input_ids.shape[0], h.dtype)
+        tables = self._rope_tables(positions)
         for index, layer in enumerate(self.layers):
-            q, k, v = layer.qkv(cfg, h, positions, self._inv_freq(index), lora)
+            q, k, v = layer.qkv(cfg, h, tables[self._local(index)], lora, rows)
             scales = ()
             if self.kv_format is not None:  # this layer's [Hkv, D] key and value scales
                 scales = (self.kv_scale[...][0, index], self.kv_scale[...][1, index])
@@ -309,13 +321,20 @@ class CausalLM(nnx.Module):
                 q, k, v, k_cache, v_cache, batch["slot_mapping"], batch["kv_lens"],
                 batch["block_tables"], batch["cu_q_lens"], batch["num_seqs"], *scales,
                 layer=index)
-            h = layer.finish(cfg, h, attn, lora)
+            h = layer.finish(cfg, h, attn, lora, rows)
         return (rms_norm(h, self.final_norm[...], cfg.rms_norm_eps, cfg.norm_offset),
                 (k_cache, v_cache))
 
-    def _inv_freq(self, layer: int) -> jax.Array:
-        """RoPE inverse frequencies of ``layer`` (sliding layers may have their own base)."""
-        return jnp.asarray(self.cfg.rope_inv_freq(local=self.cfg.window(layer) is not None))
+    def _local(self, layer: int) -> bool:
+        """Whether ``layer`` is a sliding one (whose RoPE may have its own base)."""
+        return self.cfg.window(layer) is not None
+
+    def _rope_tables(self, positions: jax.Array) -> dict[bool, RopeTable]:
+        """``rope_table`` of the positions for the global layers (False) and, when there
+        are any, the sliding ones (True): computed once per forward pass."""
+        kinds = {self._local(index) for index in range(len(self.layers))}
+        return {local: rope_table(positions, jnp.asarray(self.cfg.rope_inv_freq(local=local)))
+                for local in kinds}
 
     def kv_amax(self, input_ids: jax.Array) -> jax.Array:
         """The largest |k| and |v| of one sequence's forward pass (input_ids int32 [T]),
@@ -325,8 +344,9 @@ class CausalLM(nnx.Module):
         positions = jnp.arange(input_ids.shape[0], dtype=jnp.int32)
         h = self.embed_tokens(input_ids)
         amax = []
+        tables = self._rope_tables(positions)
         for index, layer in enumerate(self.layers):
-            q, k, v = layer.qkv(cfg, h, positions, self._inv_freq(index))
+            q, k, v = layer.qkv(cfg, h, tables[self._local(index)])
             amax.append(jnp.stack([jnp.abs(k).max(axis=0), jnp.abs(v).max(axis=0)]))
             h = layer.finish(cfg, h, _dense_causal_attention(q, k, v, cfg, index))
         return jnp.stack(amax, axis=1).astype(jnp.float32)
@@ -374,12 +394,13 @@ class CausalLM(nnx.Module):
             h = h * jnp.asarray(self.cfg.embed_scale, h.dtype)
         return h
 
-    def compute_logits(self, hidden: jax.Array) -> jax.Array:
-        """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
+    def compute_logits(self, hidden: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+        """hidden [N, hidden_size] -> float32 logits [N, vocab_size]. ``rows`` (int32
+        scalar): the rows past it are padding, their logits unspecified."""
         if not self.cfg.tie_word_embeddings:
-            logits = linear(hidden, self.lm_head, self.matmul_backend)
+            logits = linear(hidden, self.lm_head, self.matmul_backend, rows)
         elif isinstance(self.embed, QuantizedWeight):
-            logits = linear(hidden, self.embed, self.matmul_backend)
+            logits = linear(hidden, self.embed, self.matmul_backend, rows)
         else:
             logits = project("nh,vh->nv", hidden, self.embed[...])
         logits = logits.astype(jnp.float32)

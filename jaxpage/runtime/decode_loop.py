@@ -70,10 +70,15 @@ def make_decode_loop(graphdef: Any, num_steps: int, block_size: int,
             live = real & ~done[token_row]
             table = batch["block_tables"][token_row, positions // block_size]
             slots = jnp.where(live, table * block_size + positions % block_size, -1)
+            # From the last live token (row) on, all are padding or finished: the
+            # projections skip them (rows are packed, so this is the batch's live prefix)
+            live_tokens = jnp.max(jnp.where(live, jnp.arange(num_tokens) + 1, 0))
+            live_rows = jnp.max(jnp.where(done, 0, jnp.arange(num_rows) + 1))
             step_batch = dict(batch, input_ids=ids, positions=positions, slot_mapping=slots,
-                              kv_lens=kv_lens)
+                              kv_lens=kv_lens, live_tokens=live_tokens.astype(jnp.int32))
             hidden, kv = model(ids, positions, kv, step_batch)
-            logits = model.compute_logits(hidden[batch["logits_indices"]])  # [S, V]
+            logits = model.compute_logits(hidden[batch["logits_indices"]],  # [S, V]
+                                          live_rows.astype(jnp.int32))
             index = batch["sample_index"] + i
             new = sample(logits, dict(step_batch, sample_index=index), penalties)  # [S]
             penalties = record_tokens(penalties, jnp.where(done, -1, batch["penalty_slot"]), new)

@@ -47,16 +47,21 @@ def resolve_backend(backend: str, dtype) -> str:
     return "cpu" if cpu.available() else "reference"
 
 
-def dense_matmul(x: jax.Array, w: jax.Array, *, backend: str = "auto") -> jax.Array:
-    """x [..., K] @ w [K, N] -> [..., N] in the operands' dtype."""
+def dense_matmul(x: jax.Array, w: jax.Array, *, backend: str = "auto",
+                 rows: jax.Array | None = None) -> jax.Array:
+    """x [..., K] @ w [K, N] -> [..., N] in the operands' dtype.
+
+    ``rows`` (an int32 scalar, optional): only x's first ``rows`` rows (leading axes
+    flattened) matter, the rest are a batch's padding. Their results are unspecified:
+    the C++ kernel skips them (zeros), the reference computes them."""
     if w.ndim != 2 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"dense matmul: x {x.shape} and w {w.shape} must be [..., K] and [K, N]")
     lead = x.shape[:-1]
-    rows = 1
+    count = 1
     for d in lead:
-        rows *= d
-    if x.dtype != w.dtype or resolve_backend(backend, x.dtype) != "cpu" or rows == 0:
+        count *= d
+    if x.dtype != w.dtype or resolve_backend(backend, x.dtype) != "cpu" or count == 0:
         return jnp.einsum("...i,io->...o", x, w, precision=dot_precision(x.dtype))
     from pallas_kernels.dense_matmul.cpu import dense_matmul_cpu
 
-    return dense_matmul_cpu(x.reshape(rows, x.shape[-1]), w).reshape(*lead, w.shape[1])
+    return dense_matmul_cpu(x.reshape(count, x.shape[-1]), w, rows).reshape(*lead, w.shape[1])

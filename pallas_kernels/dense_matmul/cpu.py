@@ -30,10 +30,17 @@ def available() -> bool:
     return register()
 
 
-def dense_matmul_cpu(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x float32 [M, K] @ w float32 [K, N] -> float32 [M, N]."""
+def live_rows_operand(rows: jax.Array | int | None, m: int) -> jax.Array:
+    """The kernels' ``rows`` operand, int32 [1]: the rows to compute (None: all m)."""
+    value = m if rows is None else rows
+    return jnp.reshape(jnp.asarray(value, jnp.int32), (1,))
+
+
+def dense_matmul_cpu(x: jax.Array, w: jax.Array, rows: jax.Array | int | None = None) -> jax.Array:
+    """x float32 [M, K] @ w float32 [K, N] -> float32 [M, N]; with ``rows`` (an int32
+    scalar) only the first ``rows`` rows are computed, the others are zeros."""
     if not register():
         raise RuntimeError("the C++ dense-matmul kernel is not available here")
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32),
                             vmap_method="sequential")
-    return call(x, w)
+    return call(x, w, live_rows_operand(rows, x.shape[0]))

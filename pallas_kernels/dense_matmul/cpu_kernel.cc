@@ -1,7 +1,9 @@
 // Float32 matmuls of few rows for the CPU, as an XLA FFI custom call:
 //
-//   JaxpageDenseMatmulF32(x f32 [M, K], w f32 [K, N]) -> y f32 [M, N] = x @ w
+//   JaxpageDenseMatmulF32(x f32 [M, K], w f32 [K, N], rows s32 [1]) -> y f32 [M, N]
 //
+// y[:rows] = x[:rows] @ w; the rows past `rows` (a batch's padding) are not computed and
+// come out as zeros.
 // for a model's float32 projections on the CPU (``__init__.py``): at the 24-64 rows of a
 // decode step XLA:CPU's dots reach ~60% of the float32 roof on a 2-core AVX-512 machine,
 // this ~80-95%. Every output is one FMA chain over k in order, so a row's result does not
@@ -94,11 +96,17 @@ void Matmul(const float* x, const float* w, float* y, const Shape& s, ffi::Threa
 }
 
 ffi::Error DenseMatmulF32(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                          ffi::ResultBuffer<ffi::F32> y, ffi::ThreadPool pool) {
+                          ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y,
+                          ffi::ThreadPool pool) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
     return ffi::Error::InvalidArgument("dense matmul: x must be [M, K] and w [K, N]");
-  const Shape s{xd[0], xd[1], wd[1]};
+  if (rows.element_count() != 1)
+    return ffi::Error::InvalidArgument("dense matmul: rows must hold one value");
+  // Rows at or past `rows` are padding: not computed, written as zeros.
+  const int64_t live = std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]);
+  std::fill(y->typed_data() + live * wd[1], y->typed_data() + xd[0] * wd[1], 0.0f);
+  const Shape s{live, xd[1], wd[1]};
   if (s.m == 0 || s.n == 0) return ffi::Error::Success();
   Matmul(x.typed_data(), w.typed_data(), y->typed_data(), s, pool);
   return ffi::Error::Success();
@@ -110,5 +118,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageDenseMatmulF32, DenseMatmulF32,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w [K, N]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows [1]: live rows
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Ctx<ffi::ThreadPool>());

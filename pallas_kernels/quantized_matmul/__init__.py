@@ -76,20 +76,21 @@ def resolve_backend(backend: str, dtype: Any) -> str:
 
 
 def quantized_matmul(x: jax.Array, weight: dict[str, jax.Array], *,
-                     backend: str = "auto") -> jax.Array:
-    """``x [..., K] @ W -> [..., N]`` in x's dtype, W given quantized (see the module)."""
+                     backend: str = "auto", rows: jax.Array | None = None) -> jax.Array:
+    """``x [..., K] @ W -> [..., N]`` in x's dtype, W given quantized (see the module).
+    ``rows``: as ``dense_matmul``'s (the rows past it are padding, results unspecified)."""
     k, n = weight_shape(weight)
     if x.shape[-1] != k:
         raise ValueError(f"x {x.shape} and the quantized weight [{k}, {n}] disagree on K")
     lead = x.shape[:-1]
-    rows = x.reshape(-1, k)
-    if rows.shape[0] == 0:
+    flat = x.reshape(-1, k)
+    if flat.shape[0] == 0:
         return jnp.zeros((*lead, n), x.dtype)
     if resolve_backend(backend, x.dtype) == "cpu":
         from pallas_kernels.quantized_matmul import cpu
-        out = cpu.quantized_matmul_cpu(rows, weight)
+        out = cpu.quantized_matmul_cpu(flat, weight, rows)
     else:
-        out = reference.quantized_matmul(rows, weight)
+        out = reference.quantized_matmul(flat, weight)
     return out.reshape(*lead, n).astype(x.dtype)
 
 

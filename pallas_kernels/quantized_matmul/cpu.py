@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _cpu_build
+from pallas_kernels.dense_matmul.cpu import live_rows_operand
 
 _SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 _TARGETS = {"s8": "jaxpage_qmatmul_s8", "u4": "jaxpage_qmatmul_u4"}
@@ -32,8 +33,10 @@ def available() -> bool:
     return register()
 
 
-def quantized_matmul_cpu(x: jax.Array, weight: dict[str, jax.Array]) -> jax.Array:
-    """x float32 [M, K] @ W -> float32 [M, N]: the sums of ``dense_matmul`` on W's floats."""
+def quantized_matmul_cpu(x: jax.Array, weight: dict[str, jax.Array],
+                         rows: jax.Array | int | None = None) -> jax.Array:
+    """x float32 [M, K] @ W -> float32 [M, N]: the sums of ``dense_matmul`` on W's floats;
+    with ``rows`` (an int32 scalar) only the first ``rows`` rows, the others zeros."""
     if not register():
         raise RuntimeError("the C++ quantized-matmul kernels are not available here")
     four = "zero" in weight
@@ -44,4 +47,4 @@ def quantized_matmul_cpu(x: jax.Array, weight: dict[str, jax.Array]) -> jax.Arra
                             jax.ShapeDtypeStruct((x.shape[0], weight["codes"].shape[1]),
                                                  jnp.float32),
                             vmap_method="sequential")
-    return call(x.astype(jnp.float32), *operands)
+    return call(x.astype(jnp.float32), *operands, live_rows_operand(rows, x.shape[0]))

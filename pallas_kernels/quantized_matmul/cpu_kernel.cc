@@ -12,7 +12,8 @@
 // 37 ms against 3.6 ms in float32), so weight-only quantization in plain jnp would make
 // every decode step 10x slower on the CPU instead of reading 4x fewer bytes.
 //
-// JaxpageQMatmulS8 / JaxpageQMatmulU4: y [M, N] = x [M, K] @ W, for any M. Work items are
+// JaxpageQMatmulS8 / JaxpageQMatmulU4: y [M, N] = x [M, K] @ W, for any M; the rows at or
+// past the `rows` operand (a batch's padding) are not computed and come out as zeros. Work items are
 // panels of 64 columns of W times blocks of rows, claimed by the calling thread and XLA's
 // CPU pool. An item converts its panel once into a [K, 64] float buffer of its thread
 // (reading the codes, 1/4 or 1/8 of the float bytes, with software prefetch) and runs the
@@ -201,26 +202,42 @@ const char* DimsOf(bool four, int64_t x_rows, int64_t x_cols, ffi::Span<const in
   return nullptr;
 }
 
+// Rows at or past rows[0] (a batch's padding) are not computed: zeros. -> live rows, or -1
+// when `rows` is malformed.
+int64_t LiveRows(const Dims& d, ffi::Buffer<ffi::S32>& rows, float* y) {
+  if (rows.element_count() != 1) return -1;
+  const int64_t live = std::clamp<int64_t>(rows.typed_data()[0], 0, d.m);
+  std::fill(y + live * d.n, y + d.m * d.n, 0.0f);
+  return live;
+}
+
 ffi::Error QMatmulS8(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
-                     ffi::ResultBuffer<ffi::F32> y, ffi::ThreadPool pool) {
+                     ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y,
+                     ffi::ThreadPool pool) {
   const auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("quantized matmul: x must be [M, K]");
   Dims d;
   if (const char* e = DimsOf(false, xd[0], xd[1], q.dimensions(), scale.dimensions(), &d))
     return ffi::Error::InvalidArgument(e);
+  d.m = LiveRows(d, rows, y->typed_data());
+  if (d.m < 0) return ffi::Error::InvalidArgument("quantized matmul: rows must hold one value");
+  if (d.m == 0 || d.n == 0) return ffi::Error::Success();
   Matmul<false>(x.typed_data(), q.typed_data(), scale.typed_data(), nullptr, d,
                 y->typed_data(), pool);
   return ffi::Error::Success();
 }
 
 ffi::Error QMatmulU4(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi::F32> scale,
-                     ffi::Buffer<ffi::F32> zero, ffi::ResultBuffer<ffi::F32> y,
-                     ffi::ThreadPool pool) {
+                     ffi::Buffer<ffi::F32> zero, ffi::Buffer<ffi::S32> rows,
+                     ffi::ResultBuffer<ffi::F32> y, ffi::ThreadPool pool) {
   const auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("quantized matmul: x must be [M, K]");
   Dims d;
   if (const char* e = DimsOf(true, xd[0], xd[1], q.dimensions(), scale.dimensions(), &d))
     return ffi::Error::InvalidArgument(e);
+  d.m = LiveRows(d, rows, y->typed_data());
+  if (d.m < 0) return ffi::Error::InvalidArgument("quantized matmul: rows must hold one value");
+  if (d.m == 0 || d.n == 0) return ffi::Error::Success();
   Matmul<true>(x.typed_data(), q.typed_data(), scale.typed_data(), zero.typed_data(), d,
                y->typed_data(), pool);
   return ffi::Error::Success();
@@ -233,6 +250,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageQMatmulS8, QMatmulS8,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::S8>>()   // codes [K, N]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scale [G, N]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows [1]: live rows
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Ctx<ffi::ThreadPool>());
 
@@ -242,5 +260,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageQMatmulU4, QMatmulU4,
                                   .Arg<ffi::Buffer<ffi::U8>>()   // codes [K / 2, N]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scale [G, N]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // zero [G, N]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows [1]: live rows
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Ctx<ffi::ThreadPool>());

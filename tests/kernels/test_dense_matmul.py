@@ -57,3 +57,19 @@ def test_bad_shapes_and_backends_are_refused():
         dm.dense_matmul(x, w, backend="tpu")
     with pytest.raises(ValueError, match="float32"):
         dm.dense_matmul(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), backend="cpu")
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no C++ compiler")
+@pytest.mark.parametrize("live", [0, 1, 7, 13, 40])
+def test_rows_past_the_live_count_are_skipped_as_zeros(live):
+    """``rows``: a batch's padding (the rows from it on) is not computed; the live rows
+    are bit for bit what a full product gives (a traced count, as a decode step has)."""
+    rng = np.random.default_rng(live)
+    x = jnp.asarray(rng.standard_normal((13, 70), dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal((70, 130), dtype=np.float32))
+    full = np.asarray(jax.jit(cpu.dense_matmul_cpu)(x, w))
+    part = np.asarray(jax.jit(lambda x, w, r: dm.dense_matmul(x, w, backend="cpu", rows=r))(
+        x, w, jnp.int32(live)))
+    shown = min(live, 13)
+    np.testing.assert_array_equal(part[:shown], full[:shown])
+    assert not part[shown:].any()

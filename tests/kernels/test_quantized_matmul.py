@@ -87,3 +87,17 @@ def test_bad_weights_are_refused():
         quantized_matmul(jnp.ones((1, 63)), good)
     with pytest.raises(ValueError, match="backend"):
         quantized_matmul(jnp.ones((1, 64)), good, backend="tpu")
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no C++ compiler")
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("live", [0, 5, 9, 30])
+def test_rows_past_the_live_count_are_skipped_as_zeros(bits, live):
+    weight = _gguf_like(bits, 96, 150, seed=live)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((9, 96), dtype=np.float32))
+    full = np.asarray(jax.jit(cpu.quantized_matmul_cpu)(x, weight))
+    part = np.asarray(jax.jit(lambda x, w, r: quantized_matmul(x, w, backend="cpu", rows=r))(
+        x, weight, jnp.int32(live)))
+    shown = min(live, 9)
+    np.testing.assert_array_equal(part[:shown], full[:shown])
+    assert not part[shown:].any()
