@@ -72,8 +72,12 @@ def make_step(graphdef: Any, jit: Callable = jax.jit, verify: bool = False) -> C
         source = batch["input_src"]                                          # [T]
         input_ids = jax.numpy.where(source >= 0, prev_tokens[jax.numpy.clip(source, 0, rows - 1)],
                                     batch["input_ids"])
-        hidden, kv_cache = model(input_ids, batch["positions"], kv_cache, batch)
-        logits = model.compute_logits(hidden[batch["logits_indices"]])  # [S, V]
+        # the tokens past cu_q_lens[-1] and the rows past num_seqs are padding: the
+        # projections skip them
+        live = dict(batch, live_tokens=batch["cu_q_lens"][-1])
+        hidden, kv_cache = model(input_ids, batch["positions"], kv_cache, live)
+        logits = model.compute_logits(hidden[batch["logits_indices"]],  # [S, V]
+                                      batch["num_seqs"][0])
         tokens = sample(logits, batch, penalty_table)
         penalty_table = record_tokens(penalty_table, batch["penalty_slot"], tokens)
         chosen, rank, top_ids, top_values = sampled_logprobs(
