@@ -44,6 +44,7 @@ using jaxpage::ParallelForAhead;
 using jaxpage::PrefetchLines;
 
 constexpr int64_t kAheadRows = 48;    // rows of codes prefetched ahead while dequantizing
+constexpr int64_t kAheadGroups = 3;   // groups whose scales are prefetched ahead
 constexpr int64_t kChunk = 2048;      // rows of k dequantized at a time (512 KB, in L2)
 constexpr int64_t kItemsWanted = 16;  // split rows when the panels are fewer
 
@@ -72,7 +73,17 @@ void DequantRows(const void* codes, const float* scale, const float* zero, const
         sv[j] = _mm512_loadu_ps(scale + g * d.n + n0 + 16 * j);
         zv[j] = kFour ? _mm512_loadu_ps(zero + g * d.n + n0 + 16 * j) : _mm512_setzero_ps();
       }
+      // the scales of a group ahead: rows N floats apart, which the hardware does not
+      // fetch ahead by itself (a miss per group stalled small-M calls)
+      if (g + kAheadGroups < d.groups) {
+        PrefetchLines(scale + (g + kAheadGroups) * d.n + n0, kVectors, 0);
+        if (kFour) PrefetchLines(zero + (g + kAheadGroups) * d.n + n0, kVectors, 0);
+      }
     };
+    for (int64_t ahead = 1; ahead < kAheadGroups && g + ahead < d.groups; ++ahead) {
+      PrefetchLines(scale + (g + ahead) * d.n + n0, kVectors, 0);
+      if (kFour) PrefetchLines(zero + (g + ahead) * d.n + n0, kVectors, 0);
+    }
     load_group();
     for (int64_t k = k0; k < k0 + kc; k += step) {
       if (k == group_end) {
