@@ -15,6 +15,11 @@ timed. Models:
   needs 64), vocabulary 4096: the host-bound regime;
 * or any Hugging Face checkpoint directory.
 
+``--jaxpage-model`` has jaxpage load another file of the same weights: ``default`` is its
+embedded SmolLM2 GGUF itself, whose Q8_0 / Q4_1 blocks it keeps as stored on the CPU in
+float32 (the same float32 products as the safetensors copy vLLM loads, bit for bit in the
+projections; ``docs/quantization.md``).
+
     python scripts/bench_vs_vllm.py --model smollm2 --workload prefill-heavy
     python scripts/bench_vs_vllm.py --model tiny-hd64 --workload random \\
         --num-requests 256 --input-len 32 --output-len 128
@@ -111,7 +116,7 @@ def vocab_of(model_dir: str) -> int:
     return int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
 
 
-def run_jaxpage(model_dir: str, requests, warmup, sampling: dict, max_model_len: int,
+def run_jaxpage(model_dir: str | None, requests, warmup, sampling: dict, max_model_len: int,
                 options: dict) -> dict:
     from jaxpage import LLM, SamplingParams
 
@@ -158,6 +163,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--temperature", type=float, default=None,
                         help="sampling temperature for both (default: each one's default, 1.0)")
     parser.add_argument("--systems", default="jaxpage,vllm")
+    parser.add_argument("--jaxpage-model", default=None,
+                        help="the checkpoint jaxpage loads instead of --model's directory "
+                             "(the same weights in another file); 'default': its embedded "
+                             "GGUF")
     parser.add_argument("--jaxpage-options", default="{}",
                         help="JSON of engine options for jaxpage beyond its defaults")
     parser.add_argument("--warmup", choices=("none", "some", "full"), default="some",
@@ -184,7 +193,9 @@ def main(argv: list[str] | None = None) -> dict:
     for system in args.systems.split(","):
         print(f"{system}: running {len(requests)} requests ...", flush=True)
         if system == "jaxpage":
-            result = run_jaxpage(model_dir, requests, warmup, sampling, max_model_len,
+            jaxpage_model = {None: model_dir, "default": None}.get(args.jaxpage_model,
+                                                                    args.jaxpage_model)
+            result = run_jaxpage(jaxpage_model, requests, warmup, sampling, max_model_len,
                                  json.loads(args.jaxpage_options))
         elif system == "vllm":
             result = run_vllm(args.vllm_python, model_dir, requests, warmup, sampling,
@@ -192,6 +203,9 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             raise SystemExit(f"--systems: unknown system {system!r} (jaxpage, vllm)")
         result["system"] = system if "version" not in result else f"{system} {result['version']}"
+        if system == "jaxpage" and args.jaxpage_model:
+            result["system"] = ("jaxpage (embedded GGUF)" if args.jaxpage_model == "default"
+                                else f"jaxpage ({args.jaxpage_model})")
         result["output_tokens_per_s"] = result["output_tokens"] / result["wall_s"]
         rows.append(result)
         print(f"{system}: {result['output_tokens_per_s']:.1f} output tok/s "
