@@ -18,6 +18,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "_cpu_parallel.h"
+
 namespace jaxpage {
 
 constexpr int kTileRows = 6;
@@ -140,6 +142,28 @@ inline void PrefetchLines(const void* p, int lines, int hint_l2) {
 #else
   (void)p, (void)lines, (void)hint_l2;
 #endif
+}
+
+// The work items of an M x N product: panels of 64 columns times blocks of rows, claimed by
+// the calling thread and XLA's pool (ParallelForAhead), panel-major within a row block
+// (neighbours share x's rows; a worker's next item is usually the next panel). Rows are
+// split only when the panels are fewer than about 16 items, and only into blocks of at
+// least 4 tiles: below that an item is bound by reading its panel, which a split reads
+// twice. body(n0, m0, m1, next_n0): next_n0 is the first column of the panel the same
+// worker does next (-1: none), for prefetching.
+template <typename Body>
+void ForEachPanel(int64_t m, int64_t n, xla::ffi::ThreadPool& pool, Body body) {
+  constexpr int64_t kItemsWanted = 16;
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t tiles = (m + kTileRows - 1) / kTileRows;
+  const int64_t blocks =
+      std::clamp<int64_t>((kItemsWanted + panels - 1) / panels, 1, std::max<int64_t>(1, tiles / 4));
+  const int64_t block_rows = ((tiles + blocks - 1) / blocks) * kTileRows;
+  const int64_t row_blocks = (m + block_rows - 1) / block_rows;
+  ParallelForAhead(panels * row_blocks, pool, [=](int64_t item, int64_t after) {
+    const int64_t n0 = (item % panels) * kPanel, m0 = (item / panels) * block_rows;
+    body(n0, m0, std::min(m, m0 + block_rows), after >= 0 ? (after % panels) * kPanel : -1);
+  });
 }
 
 }  // namespace jaxpage

@@ -33,11 +33,9 @@ namespace {
 
 using jaxpage::kPanel;
 using jaxpage::kTileRows;
-using jaxpage::ParallelForAhead;
 using jaxpage::PrefetchLines;
 
 constexpr int64_t kAhead = 8;          // rows of w prefetched ahead of the first tile
-constexpr int64_t kItemsWanted = 16;   // split rows when the panels are fewer
 
 struct Shape {
   int64_t m, k, n;
@@ -77,21 +75,8 @@ void Item(const float* x, const float* w, float* y, const Shape& s, int64_t n0, 
 }
 
 void Matmul(const float* x, const float* w, float* y, const Shape& s, ffi::ThreadPool& pool) {
-  const int64_t panels = (s.n + kPanel - 1) / kPanel;
-  const int64_t tiles = (s.m + kTileRows - 1) / kTileRows;
-  // Rows are split only into blocks of at least 4 tiles: below that the item is bound by
-  // reading its panel of w, which a split would read twice.
-  const int64_t blocks =
-      std::clamp<int64_t>((kItemsWanted + panels - 1) / panels, 1, std::max<int64_t>(1, tiles / 4));
-  const int64_t block_rows = ((tiles + blocks - 1) / blocks) * kTileRows;
-  const int64_t row_blocks = (s.m + block_rows - 1) / block_rows;
-  // Items run panel-major within a row block: neighbours share x rows, and a worker's next
-  // item is usually the next panel (the one it prefetches).
-  ParallelForAhead(panels * row_blocks, pool, [=](int64_t item, int64_t after) {
-    const int64_t n0 = (item % panels) * kPanel, m0 = (item / panels) * block_rows;
-    const float* next = after >= 0 ? w + (after % panels) * kPanel : nullptr;
-    const int64_t m1 = std::min(s.m, m0 + block_rows);
-    Item(x, w, y, s, n0, m0, m1, next);
+  jaxpage::ForEachPanel(s.m, s.n, pool, [=](int64_t n0, int64_t m0, int64_t m1, int64_t next) {
+    Item(x, w, y, s, n0, m0, m1, next >= 0 ? w + next : nullptr);
   });
 }
 

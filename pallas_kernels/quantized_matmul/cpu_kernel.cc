@@ -18,6 +18,8 @@
 // CPU pool. An item converts its panel once into a [K, 64] float buffer of its thread
 // (reading the codes, 1/4 or 1/8 of the float bytes, with software prefetch) and runs the
 // register tiles of ``_cpu_tiles.h`` over it, prefetching the next item's codes meanwhile.
+// An item of up to 6 rows (one tile: a decode step's few rows) converts each row of codes
+// in registers and uses it at once instead (FusedTile).
 // The sums are those of ``dense_matmul`` on the dequantized weight, bit for bit: one FMA
 // chain per output over k in order, whatever M is.
 
@@ -40,13 +42,11 @@ namespace {
 using jaxpage::kPanel;
 using jaxpage::kTileRows;
 using jaxpage::kVectors;
-using jaxpage::ParallelForAhead;
 using jaxpage::PrefetchLines;
 
 constexpr int64_t kAheadRows = 48;    // rows of codes prefetched ahead while dequantizing
 constexpr int64_t kAheadGroups = 3;   // groups whose scales are prefetched ahead
 constexpr int64_t kChunk = 2048;      // rows of k dequantized at a time (512 KB, in L2)
-constexpr int64_t kItemsWanted = 16;  // split rows when the panels are fewer
 
 struct Dims {
   int64_t m, k, n, groups, group_size;
@@ -155,6 +155,77 @@ struct NextCodesHook {
   }
 };
 
+#ifdef __AVX512F__
+// The few rows of a decode step (R <= kTileRows, a full panel): each row of codes is
+// converted in registers and used at once, no buffer. The same weights and the same FMA
+// chain per output (over k in order) as the buffered path, so the same sums.
+template <int R, bool kFour>
+void FusedTile(const float* x, const void* codes, const float* scale, const float* zero,
+               const Dims& d, int64_t n0, float* y) {
+  __m512 acc[R][kVectors];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kVectors; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t step = kFour ? 2 : 1, code_rows = d.k / step;
+  for (int64_t g = 0; g < d.groups; ++g) {
+    const float* s = scale + g * d.n + n0;
+    const float* z = kFour ? zero + g * d.n + n0 : nullptr;
+    if (g + kAheadGroups < d.groups) {
+      PrefetchLines(s + kAheadGroups * d.n, kVectors, 0);
+      if (kFour) PrefetchLines(z + kAheadGroups * d.n, kVectors, 0);
+    }
+    for (int64_t k = g * d.group_size; k < (g + 1) * d.group_size; k += step) {
+      const int64_t row = k / step;
+      const uint8_t* src = static_cast<const uint8_t*>(codes) + row * d.n + n0;
+      if (row + kAheadRows < code_rows) PrefetchLines(src + kAheadRows * d.n, 1, 0);
+      for (int j = 0; j < kVectors; ++j) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * j));
+        const __m512 sj = _mm512_loadu_ps(s + 16 * j);
+        if constexpr (kFour) {
+          const __m512i q = _mm512_cvtepu8_epi32(bytes);
+          const __m512 zj = _mm512_loadu_ps(z + 16 * j);
+          const __m512 lo = _mm512_fmadd_ps(
+              _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))), sj, zj);
+          const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), sj, zj);
+          for (int r = 0; r < R; ++r)
+            acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * d.k + k]), lo, acc[r][j]);
+          for (int r = 0; r < R; ++r)
+            acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * d.k + k + 1]), hi, acc[r][j]);
+        } else {
+          const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), sj);
+          for (int r = 0; r < R; ++r)
+            acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * d.k + k]), w, acc[r][j]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kVectors; ++j) _mm512_storeu_ps(y + r * d.n + 16 * j, acc[r][j]);
+}
+
+// FusedTile for rows [0, rows) of a full panel; false when it does not apply.
+template <bool kFour>
+bool Fused(const float* x, const void* codes, const float* scale, const float* zero,
+           const Dims& d, int64_t n0, int64_t rows, float* y) {
+  if (d.n - n0 < kPanel || rows > kTileRows) return false;
+  switch (rows) {
+#define JAXPAGE_FUSED(R)                                                \
+  case R:                                                               \
+    FusedTile<R, kFour>(x, codes, scale, zero, d, n0, y);               \
+    return true;
+    JAXPAGE_FUSED(1) JAXPAGE_FUSED(2) JAXPAGE_FUSED(3) JAXPAGE_FUSED(4) JAXPAGE_FUSED(5)
+    JAXPAGE_FUSED(6)
+#undef JAXPAGE_FUSED
+  }
+  return false;
+}
+#else
+template <bool kFour>
+bool Fused(const float*, const void*, const float*, const float*, const Dims&, int64_t, int64_t,
+           float*) {
+  return false;
+}
+#endif
+
 // y[m0:m1, n0:n0+64] = x[m0:m1, :] @ W[:, n0:n0+64], up to kChunk rows of k at a time:
 // the chunk is dequantized into a buffer that stays in L2, then the shared register
 // tiles (``_cpu_tiles.h``) run over it for all the rows, each tile going on from the sums
@@ -162,6 +233,8 @@ struct NextCodesHook {
 template <bool kFour>
 void Item(const float* x, const void* codes, const float* scale, const float* zero,
           const Dims& d, int64_t n0, int64_t m0, int64_t m1, int64_t next_n0, float* y) {
+  if (Fused<kFour>(x + m0 * d.k, codes, scale, zero, d, n0, m1 - m0, y + m0 * d.n + n0))
+    return;
   float* buf = ChunkBuffer();
   const int64_t width = std::min(kPanel, d.n - n0);
   const int64_t code_rows = kFour ? d.k / 2 : d.k;
@@ -185,18 +258,9 @@ void Item(const float* x, const void* codes, const float* scale, const float* ze
 template <bool kFour>
 void Matmul(const float* x, const void* codes, const float* scale, const float* zero,
             const Dims& d, float* y, ffi::ThreadPool& pool) {
-  const int64_t panels = (d.n + kPanel - 1) / kPanel;
-  const int64_t tiles = (d.m + kTileRows - 1) / kTileRows;
-  // As dense_matmul: rows split only into blocks of at least 4 tiles (each block
-  // dequantizes its panel again).
-  const int64_t blocks =
-      std::clamp<int64_t>((kItemsWanted + panels - 1) / panels, 1, std::max<int64_t>(1, tiles / 4));
-  const int64_t block_rows = ((tiles + blocks - 1) / blocks) * kTileRows;
-  const int64_t row_blocks = (d.m + block_rows - 1) / block_rows;
-  ParallelForAhead(panels * row_blocks, pool, [=](int64_t item, int64_t after) {
-    const int64_t n0 = (item % panels) * kPanel, m0 = (item / panels) * block_rows;
-    const int64_t next_n0 = after >= 0 ? (after % panels) * kPanel : -1;
-    Item<kFour>(x, codes, scale, zero, d, n0, m0, std::min(d.m, m0 + block_rows), next_n0, y);
+  // (a split of the rows converts the panel once per block)
+  jaxpage::ForEachPanel(d.m, d.n, pool, [=](int64_t n0, int64_t m0, int64_t m1, int64_t next) {
+    Item<kFour>(x, codes, scale, zero, d, n0, m0, m1, next, y);
   });
 }
 
