@@ -68,6 +68,10 @@ class QuantizedWeight(nnx.Module):
                 if hasattr(self, part)}
 
 
+# ``CausalLM._rope_tables``: cos/sin evaluations above which the table is computed once.
+_ROPE_ONCE_ELEMENTS = 1 << 18
+
+
 def linear(x: jax.Array, weight: Any, backend: str = "auto",
            rows: jax.Array | None = None) -> jax.Array:
     """x [..., in] @ weight [in, out]: an ``nnx.Param`` array or a ``QuantizedWeight``
@@ -331,9 +335,14 @@ class CausalLM(nnx.Module):
 
     def _rope_tables(self, positions: jax.Array) -> dict[bool, RopeTable]:
         """``rope_table`` of the positions for the global layers (False) and, when there
-        are any, the sliding ones (True): computed once per forward pass."""
+        are any, the sliding ones (True). Computed once per forward pass when recomputing
+        them in every rotation would take over ~262k cosines and sines (SmolLM2: from 12
+        tokens; the tiny preset's batches, up to 1024 decodes, stay below)."""
+        cfg = self.cfg
+        rotations = len(self.layers) * (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
+        once = rotations * positions.shape[0] >= _ROPE_ONCE_ELEMENTS
         kinds = {self._local(index) for index in range(len(self.layers))}
-        return {local: rope_table(positions, jnp.asarray(self.cfg.rope_inv_freq(local=local)))
+        return {local: rope_table(positions, jnp.asarray(cfg.rope_inv_freq(local=local)), once)
                 for local in kinds}
 
     def kv_amax(self, input_ids: jax.Array) -> jax.Array:
