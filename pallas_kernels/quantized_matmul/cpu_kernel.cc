@@ -57,6 +57,21 @@ struct Dims {
 // blocks (float16 scales times codes of 4-8 bits) the product is exact, so the fma and
 // numpy's d * q + m round once, to the same float.
 
+#ifdef __AVX512F__
+// 16 columns of two rows of 4-bit codes (the low and high nibbles of 16 bytes) as
+// weights: fma(q, scale, zero).
+inline void ConvertU4(__m128i bytes, __m512 s, __m512 z, __m512& lo, __m512& hi) {
+  const __m512i q = _mm512_cvtepu8_epi32(bytes);
+  lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))), s, z);
+  hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), s, z);
+}
+
+// 16 columns of one row of 8-bit codes as weights: q * scale.
+inline __m512 ConvertS8(__m128i bytes, __m512 s) {
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), s);
+}
+#endif
+
 // buf [kc, 64] = W[k0 : k0 + kc, n0 : n0 + width] as floats (columns past width unset);
 // k0 and kc even for 4-bit codes.
 template <bool kFour>
@@ -98,14 +113,12 @@ void DequantRows(const void* codes, const float* scale, const float* zero, const
       for (int j = 0; j < kVectors; ++j) {
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * j));
         if constexpr (kFour) {
-          const __m512i q = _mm512_cvtepu8_epi32(bytes);
-          const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)));
-          const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
-          _mm512_store_ps(out + 16 * j, _mm512_fmadd_ps(lo, sv[j], zv[j]));
-          _mm512_store_ps(out + kPanel + 16 * j, _mm512_fmadd_ps(hi, sv[j], zv[j]));
+          __m512 lo, hi;
+          ConvertU4(bytes, sv[j], zv[j], lo, hi);
+          _mm512_store_ps(out + 16 * j, lo);
+          _mm512_store_ps(out + kPanel + 16 * j, hi);
         } else {
-          const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-          _mm512_store_ps(out + 16 * j, _mm512_mul_ps(q, sv[j]));
+          _mm512_store_ps(out + 16 * j, ConvertS8(bytes, sv[j]));
         }
       }
     }
@@ -181,17 +194,14 @@ void FusedTile(const float* x, const void* codes, const float* scale, const floa
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * j));
         const __m512 sj = _mm512_loadu_ps(s + 16 * j);
         if constexpr (kFour) {
-          const __m512i q = _mm512_cvtepu8_epi32(bytes);
-          const __m512 zj = _mm512_loadu_ps(z + 16 * j);
-          const __m512 lo = _mm512_fmadd_ps(
-              _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))), sj, zj);
-          const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), sj, zj);
+          __m512 lo, hi;
+          ConvertU4(bytes, sj, _mm512_loadu_ps(z + 16 * j), lo, hi);
           for (int r = 0; r < R; ++r)
             acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * d.k + k]), lo, acc[r][j]);
           for (int r = 0; r < R; ++r)
             acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * d.k + k + 1]), hi, acc[r][j]);
         } else {
-          const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), sj);
+          const __m512 w = ConvertS8(bytes, sj);
           for (int r = 0; r < R; ++r)
             acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * d.k + k]), w, acc[r][j]);
         }
