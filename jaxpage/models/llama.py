@@ -42,84 +42,15 @@ from jaxpage.arch_config import ArchConfig
 from jaxpage.models.layers import ACTIVATIONS, RopeTable, project, rms_norm, rope_table, rotate
 from jaxpage.models.lora import LoRATokens, lora_delta, token_slots
 from jaxpage.models.moe import moe_mlp
+from jaxpage.models.params import ParamInit, QuantizedWeight, linear
 from jaxpage.models.quantize import QuantFormat
 from jaxpage.parallel.sharding_rules import TP
-from pallas_kernels.dense_matmul import dense_matmul
 from pallas_kernels.kv_quant import encode
 from pallas_kernels.precision import dot_precision
-from pallas_kernels.quantized_matmul import gather_columns, quantized_matmul
+from pallas_kernels.quantized_matmul import gather_columns
 from pallas_kernels.write_and_attend import write_and_attend
 
 KVCache = tuple[jax.Array, jax.Array]
-
-
-class QuantizedWeight(nnx.Module):
-    """A weight [in, out] stored quantized (``jaxpage.models.quantize``): its parts
-    ``codes``, ``scale`` and, for 4 bits, ``zero``, each an ``nnx.Param``."""
-
-    def __init__(self, fmt: QuantFormat, in_features: int, out_features: int,
-                 rngs: nnx.Rngs | None) -> None:
-        for part, (shape, dtype) in fmt.shapes(in_features, out_features).items():
-            # shapes only: quantized weights are always loaded (or quantized from floats)
-            setattr(self, part, nnx.Param(jax.ShapeDtypeStruct(shape, dtype)))
-
-    def parts(self) -> dict[str, jax.Array]:
-        return {part: getattr(self, part)[...] for part in ("codes", "scale", "zero")
-                if hasattr(self, part)}
-
-
-# ``CausalLM._rope_tables``: cos/sin evaluations above which the table is computed once.
-_ROPE_ONCE_ELEMENTS = 1 << 18
-
-
-def linear(x: jax.Array, weight: Any, backend: str = "auto",
-           rows: jax.Array | None = None) -> jax.Array:
-    """x [..., in] @ weight [in, out]: an ``nnx.Param`` array or a ``QuantizedWeight``
-    (weight-only: the product is in x's dtype). ``backend`` picks the kernel of either
-    (``pallas_kernels.dense_matmul`` / ``quantized_matmul``; "reference" under a mesh).
-    ``rows`` (int32 scalar): x's rows past it are padding, their results unspecified."""
-    if isinstance(weight, QuantizedWeight):
-        return quantized_matmul(x, weight.parts(), backend=backend, rows=rows)
-    return dense_matmul(x, weight[...], backend=backend, rows=rows)
-
-
-class ParamInit:
-    """New parameters: random normal (std 0.02), ones or zeros; with ``rngs=None`` only
-    their shapes (``jax.ShapeDtypeStruct``), for a model whose weights are loaded next.
-
-    Shapes only need no tracing: ``nnx.eval_shape`` of the same model costs ~0.7 s for
-    SmolLM2, most of it flax asking each traced parameter for its sharding.
-    """
-
-    def __init__(self, rngs: nnx.Rngs | None, dtype: Any,
-                 quant_plan: dict[str, QuantFormat] | None = None) -> None:
-        self.rngs, self.dtype = rngs, dtype
-        self.quant_plan = quant_plan or {}
-
-    def weight(self, name: str, in_features: int, out_features: int):
-        """Projection ``name`` [in, out]: quantized when the plan names it, else normal."""
-        fmt = self.quant_plan.get(name)
-        if fmt is None:
-            return self.normal(in_features, out_features)
-        if self.rngs is not None:
-            raise ValueError("quantized weights are loaded or quantized from floats, not "
-                             "initialized at random: build the float model and quantize it")
-        return QuantizedWeight(fmt, in_features, out_features, self.rngs)
-
-    def normal(self, *shape: int) -> nnx.Param:
-        if self.rngs is None:
-            return nnx.Param(jax.ShapeDtypeStruct(shape, self.dtype))
-        return nnx.Param(nnx.initializers.normal(0.02)(self.rngs.params(), shape, self.dtype))
-
-    def ones(self, *shape: int) -> nnx.Param:
-        if self.rngs is None:
-            return nnx.Param(jax.ShapeDtypeStruct(shape, self.dtype))
-        return nnx.Param(jnp.ones(shape, self.dtype))
-
-    def zeros(self, *shape: int) -> nnx.Param:
-        if self.rngs is None:
-            return nnx.Param(jax.ShapeDtypeStruct(shape, self.dtype))
-        return nnx.Param(jnp.zeros(shape, self.dtype))
 
 
 class DecoderLayer(nnx.Module):
@@ -257,6 +188,10 @@ def _dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         mask &= pos[None, :] > pos[:, None] - window
     probs = jax.nn.softmax(jnp.where(mask[None], scores, -jnp.inf), axis=-1)
     return jnp.einsum("hqk,khd->qhd", probs.astype(v.dtype), vv, precision=dot_precision(v.dtype))
+
+
+# ``CausalLM._rope_tables``: cos/sin evaluations above which the table is computed once.
+_ROPE_ONCE_ELEMENTS = 1 << 18
 
 
 class CausalLM(nnx.Module):

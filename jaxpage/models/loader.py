@@ -120,7 +120,7 @@ def load_model(path: str | None, *, dtype: str = "float32", attention_backend: s
     quantization, plan = _source_plan(source, path, run_arch, quantization,
                                       quantization_group_size,
                                       lossless_blocks=_lossless_blocks(jdtype, mesh))
-    # rngs=None: parameter shapes only, no arrays and nothing traced (llama.ParamInit)
+    # rngs=None: parameter shapes only, no arrays and nothing traced (params.ParamInit)
     abstract = model_cls(run_arch, dtype=jdtype, attention_backend=attention_backend,
                          rngs=None, mesh=mesh, quant_plan=plan)
     graphdef, state = nnx.split(abstract)
