@@ -239,10 +239,7 @@ class GGUFSource(HFTensorSource):
         (checked as read: a stale or corrupted entry is converted again and replaced)."""
         if self.cache is None:
             return super().read_params(arch, run_arch, template, placement, dtype)
-        # kept blocks: their own entry, named by which parameters keep which format
-        variant = ("blocks-" + hashlib.sha256(json.dumps(
-            plan_to_json({n: f for n, f in self.quant_plan.items() if n in self._kept}),
-            sort_keys=True).encode()).hexdigest()[:8]) if self.keeps_blocks else ""
+        variant = self._cache_variant()
         try:
             cached = self.cache.load(dtype, arch, variant)
             if cached is not None:
@@ -256,6 +253,14 @@ class GGUFSource(HFTensorSource):
                      for leaf in jax.tree.leaves(template))
         converted = self.cache.save(dtype, arch, self.layout_arrays(arch), nbytes, variant)
         return self.place(self.repeat_kv(converted, arch, run_arch), placement, dtype)
+
+    def _cache_variant(self) -> str:
+        """The converted-cache entry's variant: "" for floats; with kept blocks, named by
+        which parameters keep which format (their parts are what the entry holds)."""
+        if not self.keeps_blocks:
+            return ""
+        plan = json.dumps(plan_to_json(self.quant_plan), sort_keys=True)
+        return "blocks-" + hashlib.sha256(plan.encode()).hexdigest()[:8]
 
     @property
     def keeps_blocks(self) -> bool:
