@@ -92,9 +92,14 @@ def register(source: Path, targets: dict[str, str]) -> bool:
     return True
 
 
+def compiler() -> str | None:
+    """The C++ compiler the kernels are built with (``$CXX``, else g++ or c++), or None."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
 def _build_and_load(source: Path) -> ctypes.CDLL | None:
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
+    compiler_path = compiler()
+    if compiler_path is None:
         logger.warning("no C++ compiler found: using the plain-jnp reference for %s", source.name)
         return None
     import jax.ffi
@@ -104,7 +109,7 @@ def _build_and_load(source: Path) -> ctypes.CDLL | None:
     headers = Path(__file__).parent  # the kernels' shared headers (_cpu_parallel.h)
     digest = hashlib.sha256()
     for part in (source.read_bytes(), *(h.read_bytes() for h in sorted(headers.glob("*.h"))),
-                 compiler.encode(), " ".join(_FLAGS).encode(), jaxlib.__version__.encode(),
+                 compiler_path.encode(), " ".join(_FLAGS).encode(), jaxlib.__version__.encode(),
                  _cpu_features().encode()):
         digest.update(part)
     target = _cache_root() / f"{source.stem}-{digest.hexdigest()[:16]}.so"
@@ -112,7 +117,7 @@ def _build_and_load(source: Path) -> ctypes.CDLL | None:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
-        command = [compiler, *_FLAGS, f"-I{include}", f"-I{headers}", str(source), "-o", tmp]
+        command = [compiler_path, *_FLAGS, f"-I{include}", f"-I{headers}", str(source), "-o", tmp]
         logger.info("compiling %s (once per machine)", source.name)
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:

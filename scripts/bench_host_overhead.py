@@ -12,11 +12,13 @@ queued) and every ``num_scheduler_steps`` (``--steps``), it reports per engine c
 * the fraction of wall time the device had nothing to run (``idle_s`` over the wall
   time: the device waiting for the host; an upper bound, see ``engine.device_calls``).
 
-Each engine runs the whole measurement once untimed first (every program it needs is
-compiled then), then ``--repeats`` times per waiting count, timed; the run with the median
-host time is the row (the range over the runs beside it). ``--profile FILE`` then measures the
-first configuration once more under cProfile (not a row of the table: the profiler slows
-the host), writes the profile to FILE and prints its top functions.
+Each configuration (K, running) runs in a fresh process (``--in-process``: all in this one).
+Its engine runs the whole measurement once untimed first (every program it needs is
+compiled then), then ``--repeats`` times per waiting count, timed, the waiting counts
+taking turns; the run with the median host time is the row (the range over the runs beside
+it). ``--profile FILE`` then measures the first configuration once more under cProfile (not
+a row of the table: the profiler slows the host), writes the profile to FILE and prints its
+top functions.
 
     python scripts/bench_host_overhead.py                       # the full table
     python scripts/bench_host_overhead.py --running 256 --waiting 0,10000 --steps 1
@@ -28,10 +30,12 @@ import argparse
 import cProfile
 import copy
 import gc
+import multiprocessing
 import os
 import pstats
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -126,6 +130,43 @@ def measure(engine, running: int, waiting: int, calls: int, max_tokens: int,
     return row
 
 
+def run_configuration(steps: int, running: int, waitings: list[int], calls: int, repeats: int,
+                      block_size: int, profile: str | None = None) -> list[dict]:
+    """The rows of one engine (``steps``, ``running``): one per waiting count, the median of
+    ``repeats`` timed runs, the waiting counts taking turns."""
+    calls = calls if steps == 1 else max(6, 2 * calls // steps)
+    max_tokens = 16 + steps * (calls + 8)
+    engine = make_engine(running, steps, max_tokens, block_size)
+    measure(engine, running, 0, calls, max_tokens)  # untimed: compiles every shape
+    # The waiting counts take turns, each round starting one further (0, 1,000, 10,000;
+    # 1,000, 10,000, 0; ...), so that a drift of the machine's speed over the minutes of a
+    # configuration, or within a round, lands on all of them alike.
+    by_waiting: dict[int, list[dict]] = {waiting: [] for waiting in waitings}
+    for round_ in range(max(1, repeats)):
+        shift = round_ % len(waitings)
+        for waiting in waitings[shift:] + waitings[:shift]:
+            by_waiting[waiting].append(measure(engine, running, waiting, calls, max_tokens))
+    rows = []
+    for waiting in waitings:
+        runs = sorted(by_waiting[waiting], key=lambda r: r["host_us_per_call"])
+        row = runs[len(runs) // 2]
+        row["host_us_range"] = [runs[0]["host_us_per_call"], runs[-1]["host_us_per_call"]]
+        row["K"] = steps
+        rows.append(row)
+        print(f"K={steps} running={running:5d} waiting={waiting:6d}: host "
+              f"{row['host_us_per_call']:8.0f} us/call ("
+              + ", ".join(f"{p} {row[p + '_us']:.0f}" for p in PHASES)
+              + f"), device idle {row['idle_fraction']:.1%}", flush=True)
+    if profile:
+        profiler = cProfile.Profile()
+        measure(engine, running, waitings[0], calls, max_tokens, profiler)
+        Path(profile).parent.mkdir(parents=True, exist_ok=True)
+        profiler.dump_stats(profile)
+        pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(25)
+        sys.stdout.flush()
+    return rows
+
+
 def plot(rows: list[dict]):
     def draw(ax):
         for steps in sorted({r["K"] for r in rows}):
@@ -151,42 +192,33 @@ def main(argv: list[str] | None = None) -> dict:
                         help="num_scheduler_steps values (8 is the engine's default)")
     parser.add_argument("--calls", type=int, default=60, help="timed engine calls at K=1 "
                         "(at K > 1: calls / K * 2, at least 6)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per configuration; "
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per configuration; "
                         "the run with the median host time is reported (this 2-core machine's "
-                        "timings drift by 20-30%% between runs)")
+                        "timings drift by 20-30%% between runs, with spikes of +30%%)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--out", default="docs/benchmarks/results")
     parser.add_argument("--stem", default="host_overhead")
     parser.add_argument("--profile", default=None, help="write a cProfile of the first "
                         "configuration's timed calls to this file")
+    parser.add_argument("--in-process", action="store_true", help="measure every "
+                        "configuration in this process (default: each in a fresh one)")
     args = parser.parse_args(argv)
 
     rows = []
     for steps in args.steps:
-        calls = args.calls if steps == 1 else max(6, 2 * args.calls // steps)
-        max_tokens = 16 + steps * (calls + 8)
         for running in args.running:
-            engine = make_engine(running, steps, max_tokens, args.block_size)
-            measure(engine, running, 0, calls, max_tokens)  # untimed: compiles every shape
-            for waiting in args.waiting:
-                runs = sorted((measure(engine, running, waiting, calls, max_tokens)
-                               for _ in range(max(1, args.repeats))),
-                              key=lambda r: r["host_us_per_call"])
-                row = runs[len(runs) // 2]
-                row["host_us_range"] = [runs[0]["host_us_per_call"], runs[-1]["host_us_per_call"]]
-                row["K"] = steps
-                rows.append(row)
-                print(f"K={steps} running={running:5d} waiting={waiting:6d}: host "
-                      f"{row['host_us_per_call']:8.0f} us/call ("
-                      + ", ".join(f"{p} {row[p + '_us']:.0f}" for p in PHASES)
-                      + f"), device idle {row['idle_fraction']:.1%}", flush=True)
-            if args.profile and steps == args.steps[0] and running == args.running[0]:
-                profiler = cProfile.Profile()
-                measure(engine, running, args.waiting[0], calls, max_tokens, profiler)
-                Path(args.profile).parent.mkdir(parents=True, exist_ok=True)
-                profiler.dump_stats(args.profile)
-                pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(25)
-            del engine
+            profile = (args.profile if args.profile and steps == args.steps[0]
+                       and running == args.running[0] else None)
+            config = (steps, running, args.waiting, args.calls, args.repeats, args.block_size,
+                      profile)
+            if args.in_process:
+                rows += run_configuration(*config)
+                continue
+            # A fresh process per configuration: measured in one process after the engines
+            # before it, a configuration inherits their heap (1,024 running gave 1.6 ms a
+            # call alone and 2.5 ms after the smaller ones).
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                rows += pool.submit(run_configuration, *config).result()
     columns = [("K", "K"), ("running", "running"), ("waiting", "waiting"),
                ("host_us_per_call", "host us/call"), ("host_range", "range over runs")]
     columns += [(f"{p}_us", f"{p} us") for p in PHASES]
