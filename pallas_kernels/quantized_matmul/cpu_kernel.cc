@@ -18,8 +18,9 @@
 // CPU pool. An item converts its panel once into a [K, 64] float buffer of its thread
 // (reading the codes, 1/4 or 1/8 of the float bytes, with software prefetch) and runs the
 // register tiles of ``_cpu_tiles.h`` over it, prefetching the next item's codes meanwhile.
-// An item of up to 18 rows (a decode step's few rows) converts each row of codes in
-// registers and uses it at once instead, in passes of up to 6 rows (FusedTile).
+// An item of up to 18 rows of 4-bit codes, or 6 of 8-bit (a decode step's few rows),
+// converts each row of codes in registers and uses it at once instead, in passes of up to
+// 6 rows (FusedTile).
 // The sums are those of ``dense_matmul`` on the dequantized weight, bit for bit: one FMA
 // chain per output over k in order, whatever M is.
 
@@ -46,7 +47,12 @@ using jaxpage::PrefetchLines;
 
 constexpr int64_t kAheadRows = 48;    // rows of codes prefetched ahead while dequantizing
 constexpr int64_t kAheadGroups = 3;   // groups whose scales are prefetched ahead
-constexpr int64_t kFusedPasses = 3;   // up to 3 x 6 rows convert in registers (Fused)
+// Rows converted in registers (Fused): up to 3 passes of 6 for 4-bit codes; for 8-bit
+// codes, whose conversion is cheap, the buffered panel is as fast from 7 rows on, and
+// faster when the codes stream from memory (an LM head of 49,152 columns: 2.2-2.3 against
+// 2.4 ms at 8 rows, 2.9-3.0 against 3.7 at 16).
+template <bool kFour>
+constexpr int64_t kFusedPasses = kFour ? 3 : 1;
 constexpr int64_t kChunk = 2048;      // rows of k dequantized at a time (512 KB, in L2)
 
 struct Dims {
@@ -215,13 +221,14 @@ void FusedTile(const float* x, const void* codes, const float* scale, const floa
 }
 
 // FusedTile for rows [0, rows) of a full panel, in up to kFusedPasses passes of at most
-// kTileRows rows (the panel's codes, 4.5 KB - 18 KB, stay in L1 / L2 after the first);
-// false when it does not apply. One core, SmolLM2's shapes: 2.9 against 4.2 us a panel at
-// 8 rows (the buffered path), 4.7 against 5.8 at 13; the buffered path wins from ~20 rows.
+// kTileRows rows (the panel's codes, 18 KB of 4-bit codes at K = 576, stay in L1 / L2
+// after the first); false when it does not apply. One core, SmolLM2's 4-bit shapes: 2.9
+// against 4.2 us a panel at 8 rows (the buffered path), 4.7 against 5.8 at 13; the
+// buffered path wins from ~20 rows.
 template <bool kFour>
 bool Fused(const float* x, const void* codes, const float* scale, const float* zero,
            const Dims& d, int64_t n0, int64_t rows, float* y) {
-  if (d.n - n0 < kPanel || rows > kFusedPasses * kTileRows) return false;
+  if (d.n - n0 < kPanel || rows > kFusedPasses<kFour> * kTileRows) return false;
   if (rows > kTileRows) {
     const int64_t passes = (rows + kTileRows - 1) / kTileRows;
     const int64_t first = (rows + passes - 1) / passes;
