@@ -43,7 +43,8 @@ def _gguf_like(bits: int, k: int, n: int, seed: int) -> dict:
 
 @pytest.mark.skipif(not (cpu.available() and dense_cpu.available()), reason="no C++ compiler")
 @pytest.mark.parametrize("bits", [8, 4])
-# 1-6 rows: one pass in registers; 7-18: two or three; 19 and more: the buffered panel
+# 1-6 rows: one pass in registers; 7-18: two or three (4-bit; 8-bit: the buffered panel);
+# 19 and more: the buffered panel
 @pytest.mark.parametrize("m", [1, 6, 7, 12, 13, 18, 19, 48, 200])
 @pytest.mark.parametrize("k,n", [(64, 192), (2304, 130)])  # K over one 2048-row chunk
 def test_gguf_blocks_give_the_float_weights_products_bit_for_bit(bits, m, k, n):
