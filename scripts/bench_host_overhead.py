@@ -207,8 +207,8 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for steps in args.steps:
         for running in args.running:
-            profile = (args.profile if args.profile and steps == args.steps[0]
-                       and running == args.running[0] else None)
+            first = (steps, running) == (args.steps[0], args.running[0])
+            profile = args.profile if first else None
             config = (steps, running, args.waiting, args.calls, args.repeats, args.block_size,
                       profile)
             if args.in_process:

@@ -45,10 +45,10 @@ Invariants:
 spent filling grammar masks and advancing grammars): ``device_s`` (waiting for results),
 ``host_s`` (the host's own work), ``idle_s`` (the device had nothing dispatched, counted
 from the last moment the host saw it busy: when the last results arrived, or after they
-were applied if the call queued behind them was still running then; an upper bound), ``chained`` (calls dispatched
-before the previous call's tokens were processed) and ``steady`` (those of them scheduled
-and built in the steady state of decoding, from the call before alone:
-``Scheduler.schedule_ahead``, ``BatchBuilder.build``). After each dispatch,
+were applied if the call queued behind them was still running then; an upper bound),
+``chained`` (calls dispatched before the previous call's tokens were processed) and
+``steady`` (those of them scheduled and built in the steady state of decoding, from the
+call before alone: ``Scheduler.schedule_ahead``, ``BatchBuilder.build``). After each dispatch,
 ``compile_ahead`` asks for the programs the batch will drain into (``engine.compile_ahead``).
 """
 
@@ -145,17 +145,18 @@ class DeviceCalls:
         touched = self._process(call)
         processed = time.perf_counter()
         queued = self.inflight
-        # still running after the tokens were applied: the device idled from then at most
-        busy_at = processed if queued is not None and not queued.pending.is_ready() else None
+        # The last moment the device was seen busy: when this call's results arrived, or
+        # after they were applied if the queued call was still running then.
+        seen_busy = (processed if queued is not None and not queued.pending.is_ready()
+                     else self._results_at)
         outputs, self._pending_outputs = self._pending_outputs + self.collect(touched), []
         ended = time.perf_counter()
         self._phases["process"] += processed - self._results_at
         self._phases["outputs"] += ended - processed
-        if queued is not None and (busy_at is None or queued.pending.is_ready()):
+        if queued is not None and queued.pending.is_ready():
             # The queued call finished while the host was busy: count the device as idle
-            # from the last moment it was seen busy (an upper bound: when this call's
-            # results arrived, or when they had been applied).
-            self._idle_since = busy_at if busy_at is not None else self._results_at
+            # from the last moment it was seen busy (an upper bound).
+            self._idle_since = seen_busy
         profile = self.step_profile
         profile["calls"] += 1
         profile["device_s"] += self._results_at - waited
