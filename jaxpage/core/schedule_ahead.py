@@ -126,8 +126,9 @@ class AheadOfHost:
     def chain_multi_step(self, out: SchedulerOutput, num_steps: int) -> SchedulerOutput | None:
         """Schedule the same decodes again while ``out``'s multi-step call still runs.
 
-        The new schedule continues each still-unfinished request of ``out``, ``num_steps``
-        tokens past what the host knows (the device feeds it the last tokens). It is only
+        The new schedule continues each request of ``out`` that outlives it (unfinished,
+        with more than ``num_steps`` tokens to go), ``num_steps`` tokens past what the host
+        knows (the device feeds it the last tokens). It is only
         made when nothing else could use the step: no request is swapped out, none waits
         for a free seat,
         every running request is in ``out`` (none was left out for budget), one of them
@@ -144,14 +145,17 @@ class AheadOfHost:
         alive = [item.request for item in out.scheduled if not item.request.is_finished]
         if not alive or {id(r) for r in alive} != {id(r) for r in self.running}:
             return None
-        if not any(r.max_tokens - r.num_output_tokens > num_steps for r in alive):
+        # A request that ``out`` brings to ``max_tokens`` finishes there for certain (the
+        # device stops it at its length): a row for it here would compute nothing.
+        going_on = [r for r in alive if r.max_tokens - r.num_output_tokens > num_steps]
+        if not going_on:
             return None
-        for request in alive:
-            remaining = max(1, request.max_tokens - request.num_output_tokens)
+        for request in going_on:
+            remaining = request.max_tokens - request.num_output_tokens
             if not self.kv.allocate_slots(request, min(2 * num_steps, remaining)):
                 return None
         self.step_count += 1
-        return SchedulerOutput(scheduled=[ScheduledRequest(r, 1) for r in alive])
+        return SchedulerOutput(scheduled=[ScheduledRequest(r, 1) for r in going_on])
 
     def schedule_ahead(self, previous: SchedulerOutput) -> SchedulerOutput | None:
         """Schedule the next single step while ``previous`` still runs, its tokens unknown.

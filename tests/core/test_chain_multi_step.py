@@ -65,3 +65,17 @@ def test_chain_skips_finished_requests():
     s.finish_request("b", RequestStatus.FINISHED_ABORTED)
     chained = s.chain_multi_step(out, 4)
     assert [i.request.request_id for i in chained.scheduled] == ["a", "c"]
+
+
+def test_chain_leaves_out_requests_the_running_window_finishes():
+    """A request with at most ``num_steps`` tokens to go reaches ``max_tokens`` inside the
+    window in flight: the chained window has no row for it, and reserves nothing for it."""
+    s = make_scheduler(num_blocks=32, block_size=4)
+    s.add_request(make_request("long", 5, max_tokens=30))
+    s.add_request(make_request("edge", 5, max_tokens=5))   # 1 out + 4 in the window: done
+    s.add_request(make_request("past", 5, max_tokens=6))   # 1 out + 4: one more to go
+    out = decode_window(s)
+    edge_blocks = block_ids(s, "edge")
+    chained = s.chain_multi_step(out, 4)
+    assert [i.request.request_id for i in chained.scheduled] == ["long", "past"]
+    assert block_ids(s, "edge") == edge_blocks
