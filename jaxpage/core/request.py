@@ -70,6 +70,7 @@ class Request:
         self.first_token_time: float | None = None  # monotonic time of its first output token
         self.has_stop_strings = bool(sampling_params.stop)
         self.has_many_stop_ids = False  # set below, once the stop ids are known
+        self.streams_deltas = sampling_params.output_kind == "delta"  # an output every step
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)

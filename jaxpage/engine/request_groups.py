@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from jaxpage.core.request import Request
+from jaxpage.core.request import FINISHED_IDS, Request
 from jaxpage.engine.logprobs import LogprobsRecorder
 from jaxpage.engine.output_processor import OutputProcessor
 from jaxpage.outputs import CompletionOutput, RequestOutput
@@ -49,10 +49,13 @@ class RequestGroups:
         """Outputs for the groups of ``requests``: deltas, and finals of finished groups."""
         outputs = []
         seen: set[str] = set()
-        moved = {seq.request_id for seq in requests}
+        moved: set[str] | None = None  # made on first use (most steps have no output)
+        finished_ids = FINISHED_IDS
         for request in requests:
-            if not request.is_finished and request.sampling_params.output_kind != "delta":
+            if not request.streams_deltas and id(request.status) not in finished_ids:
                 continue  # a final-only request that moved but did not finish: nothing to say
+            if moved is None:
+                moved = {seq.request_id for seq in requests}
             group_id = self._group_of.get(request.request_id)
             if group_id is None or group_id in seen:
                 continue
