@@ -26,7 +26,8 @@ from jaxpage.models.hf_layout import place_arrays
 from jaxpage.models.presets import PREFIX as PRESET_PREFIX
 from jaxpage.models.presets import preset_config
 from jaxpage.models.quantize import (QUANTIZABLE, QUANTIZATION_MODES,
-                                     QuantFormat, mode_plan, weight_dims)
+                                     QuantFormat, mode_plan, pack_quantized_panels,
+                                     weight_dims)
 from jaxpage.models.registry import resolve_architecture
 from jaxpage.models.weight_sources import open_source
 from jaxpage.parallel.placement import Placement
@@ -129,6 +130,8 @@ def load_model(path: str | None, *, dtype: str = "float32", attention_backend: s
                                       attention_backend, mesh, placement, plan)
     else:
         pure = source.read_params(arch, run_arch, nnx.to_pure_dict(state), placement, jdtype)
+    if plan and _cpu_kernels_run(jdtype, mesh):
+        pure = pack_quantized_panels(pure)
     nnx.replace_by_pure_dict(state, pure)
     model = nnx.merge(graphdef, state)
     if kv_format is not None:
@@ -179,6 +182,16 @@ def _restore_then_quantize(source: Any, model_cls: Any, arch: ArchConfig,
     return place_arrays(arrays, placement, jdtype, plan)
 
 
+def _cpu_kernels_run(jdtype: Any, mesh: Any) -> bool:
+    """Whether the model's quantized matmuls run ``quantized_matmul``'s C++ CPU kernels:
+    float32 on one CPU device, the kernels built (the model's backend is "auto" there)."""
+    if mesh is not None or jnp.dtype(jdtype) != jnp.float32:
+        return False
+    from pallas_kernels.quantized_matmul import resolve_backend
+
+    return resolve_backend("auto", jnp.float32) == "cpu"
+
+
 def _lossless_blocks(jdtype: Any, mesh: Any) -> bool:
     """Whether a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks stay as stored with
     ``quantization=None``: float32 on one CPU device, where ``quantized_matmul``'s C++
@@ -187,11 +200,7 @@ def _lossless_blocks(jdtype: Any, mesh: Any) -> bool:
     bit, reading 1/4-1/7 of the bytes. ``JAXPAGE_GGUF_BLOCKS=0`` turns it off (floats)."""
     if os.environ.get("JAXPAGE_GGUF_BLOCKS", "1") == "0":
         return False
-    if mesh is not None or jnp.dtype(jdtype) != jnp.float32:
-        return False
-    from pallas_kernels.quantized_matmul import resolve_backend
-
-    return resolve_backend("auto", jnp.float32) == "cpu"
+    return _cpu_kernels_run(jdtype, mesh)
 
 
 def _source_plan(source: Any, path: str, run_arch: ArchConfig, quantization: str | None,
@@ -280,6 +289,8 @@ def _quantized_preset(name: str, hf_config: dict[str, Any], model_cls: Any, arch
     arrays = ((tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path),
                np.asarray(leaf)) for path, leaf in leaves)
     pure = place_arrays(arrays, placement, jdtype, plan)
+    if _cpu_kernels_run(jdtype, mesh):
+        pure = pack_quantized_panels(pure)
     nnx.replace_by_pure_dict(state, pure)
     return LoadedModel(nnx.merge(graphdef, state), arch, hf_config, name, mesh,
                        quantization=quantization, quant_plan=plan)

@@ -25,7 +25,7 @@ import jax
 from flax import nnx
 
 from jaxpage.arch_config import ArchConfig
-from jaxpage.models.quantize import plan_from_json
+from jaxpage.models.quantize import plan_from_json, unpack_quantized_panels
 from jaxpage.parallel.placement import Placement
 from jaxpage.parallel.sharding_rules import kv_heads_for
 
@@ -62,7 +62,9 @@ def _int_keys(tree: Any, like: Any) -> Any:
 def save_state(runner: Any, path: str, metadata: dict[str, Any]) -> None:
     """Write ``runner.state`` to ``path`` (every process calls this with the same args)."""
     path = os.path.abspath(path)
-    params = nnx.to_pure_dict(runner.state)
+    # quantized weights as the plain layout (the CPU kernels' packed panels are a layout of
+    # the running engine, not of the checkpoint)
+    params = unpack_quantized_panels(nnx.to_pure_dict(runner.state))
     params.pop("kv_scale", None)  # a byte KV cache's calibration belongs to the engine run
     for layer in params.get("layers", {}).values():  # LoRA slots: the engine run's too
         for name in [n for n in layer if "_lora_" in n]:

@@ -222,3 +222,31 @@ def stored_bytes(tree: Any) -> int:
         return sum(stored_bytes(value) for value in tree)
     size = getattr(tree, "nbytes", None)
     return int(size) if size is not None else 0
+
+
+def pack_quantized_panels(tree: Any) -> Any:
+    """``tree`` (nested dicts of params) with every quantized weight whose N is a multiple
+    of 64 packed by panels (``quantized_matmul.pack_panels``): the CPU kernels' layout,
+    read as one stream per panel. Only for models whose matmuls run those kernels
+    (``loader._cpu_kernels_run``); ``unpack_quantized_panels`` undoes it (checkpoints are
+    plain)."""
+    from pallas_kernels.quantized_matmul import PANEL, is_quantized, pack_panels, weight_shape
+
+    if not isinstance(tree, dict):
+        return tree
+    if is_quantized(tree):
+        plain = len(tree["codes"].shape) == 2
+        return pack_panels(tree) if plain and weight_shape(tree)[1] % PANEL == 0 else tree
+    return {key: pack_quantized_panels(value) for key, value in tree.items()}
+
+
+def unpack_quantized_panels(tree: Any) -> Any:
+    """``tree`` with every quantized weight in the plain layout (``pack_quantized_panels``
+    undone)."""
+    from pallas_kernels.quantized_matmul import is_quantized, unpack_panels
+
+    if not isinstance(tree, dict):
+        return tree
+    if is_quantized(tree):
+        return unpack_panels(tree)
+    return {key: unpack_quantized_panels(value) for key, value in tree.items()}

@@ -39,12 +39,14 @@ def quantized_matmul_cpu(x: jax.Array, weight: dict[str, jax.Array],
     with ``rows`` (an int32 scalar) only the first ``rows`` rows, the others zeros."""
     if not register():
         raise RuntimeError("the C++ quantized-matmul kernels are not available here")
+    from pallas_kernels.quantized_matmul import weight_shape
+
     four = "zero" in weight
+    _, n = weight_shape(weight)  # plain or packed by panels: the kernel reads either
     operands = [weight["codes"], weight["scale"].astype(jnp.float32)]
     if four:
         operands.append(weight["zero"].astype(jnp.float32))
     call = jax.ffi.ffi_call(_TARGETS["u4" if four else "s8"],
-                            jax.ShapeDtypeStruct((x.shape[0], weight["codes"].shape[1]),
-                                                 jnp.float32),
+                            jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
                             vmap_method="sequential")
     return call(x.astype(jnp.float32), *operands, live_rows_operand(rows, x.shape[0]))

@@ -6,6 +6,9 @@
 //   4-bit: codes uint8 [K / 2, N], two per byte    W[k, n] = scale[k / gs, n] * q[k, n]
 //          (row 2i in the low nibble of byte row i,         + zero[k / gs, n]
 //          row 2i + 1 in the high nibble), q in 0..15.
+// Or packed by panels of 64 columns (``quantized_matmul.pack_panels``): codes
+// [N / 64, K or K / 2, 64], scale and zero [N / 64, G, 64], the same values, each panel
+// contiguous. One row of a decode step reads the packed layout ~1.6x as fast.
 //
 // Why hand-written: XLA's CPU backend converts int8 to float32 at ~1 ns an element when
 // the result feeds a dot (measured: a decode step of SmolLM2's shapes at batch 1 took
@@ -55,8 +58,19 @@ template <bool kFour>
 constexpr int64_t kFusedPasses = kFour ? 3 : 1;
 constexpr int64_t kChunk = 2048;      // rows of k dequantized at a time (512 KB, in L2)
 
+// A weight's layout: plain, codes [K or K / 2, N] and scales [G, N] (a panel's rows N
+// apart); or packed by panels, codes [N / 64, K or K / 2, 64] and scales [N / 64, G, 64]
+// (each panel's codes, and its scales, contiguous: read as one stream, which the hardware
+// prefetches, where the plain layout's rows N bytes apart each cost a miss).
 struct Dims {
   int64_t m, k, n, groups, group_size;
+  bool packed = false;
+  int64_t ld = 0;  // elements between a panel's consecutive rows of codes or scales: N or 64
+
+  int64_t code_rows(bool four) const { return four ? k / 2 : k; }
+  // Offsets of the panel starting at column n0: its first row of codes, of scales.
+  int64_t CodeBase(bool four, int64_t n0) const { return packed ? n0 * code_rows(four) : n0; }
+  int64_t ScaleBase(int64_t n0) const { return packed ? n0 * groups : n0; }
 };
 
 // Every weight is converted exactly as ``reference.dequantize`` (and GGUF's own
@@ -85,26 +99,29 @@ template <bool kFour>
 void DequantRows(const void* codes, const float* scale, const float* zero, const Dims& d,
                  int64_t n0, int64_t width, int64_t k0, int64_t kc, float* buf) {
   const int64_t step = kFour ? 2 : 1;  // rows of W per row of codes
-  const int64_t code_rows = d.k / step;
+  const int64_t code_rows = d.k / step, ld = d.ld;
+  codes = static_cast<const uint8_t*>(codes) + d.CodeBase(kFour, n0);
+  scale += d.ScaleBase(n0);
+  if constexpr (kFour) zero += d.ScaleBase(n0);
 #ifdef __AVX512F__
   if (width == kPanel) {
     int64_t g = k0 / d.group_size, group_end = (g + 1) * d.group_size;
     __m512 sv[kVectors], zv[kVectors];
     auto load_group = [&] {
       for (int j = 0; j < kVectors; ++j) {
-        sv[j] = _mm512_loadu_ps(scale + g * d.n + n0 + 16 * j);
-        zv[j] = kFour ? _mm512_loadu_ps(zero + g * d.n + n0 + 16 * j) : _mm512_setzero_ps();
+        sv[j] = _mm512_loadu_ps(scale + g * ld + 16 * j);
+        zv[j] = kFour ? _mm512_loadu_ps(zero + g * ld + 16 * j) : _mm512_setzero_ps();
       }
       // the scales of a group ahead: rows N floats apart, which the hardware does not
       // fetch ahead by itself (a miss per group stalled small-M calls)
       if (g + kAheadGroups < d.groups) {
-        PrefetchLines(scale + (g + kAheadGroups) * d.n + n0, kVectors, 0);
-        if (kFour) PrefetchLines(zero + (g + kAheadGroups) * d.n + n0, kVectors, 0);
+        PrefetchLines(scale + (g + kAheadGroups) * ld, kVectors, 0);
+        if (kFour) PrefetchLines(zero + (g + kAheadGroups) * ld, kVectors, 0);
       }
     };
     for (int64_t ahead = 1; ahead < kAheadGroups && g + ahead < d.groups; ++ahead) {
-      PrefetchLines(scale + (g + ahead) * d.n + n0, kVectors, 0);
-      if (kFour) PrefetchLines(zero + (g + ahead) * d.n + n0, kVectors, 0);
+      PrefetchLines(scale + (g + ahead) * ld, kVectors, 0);
+      if (kFour) PrefetchLines(zero + (g + ahead) * ld, kVectors, 0);
     }
     load_group();
     for (int64_t k = k0; k < k0 + kc; k += step) {
@@ -114,8 +131,8 @@ void DequantRows(const void* codes, const float* scale, const float* zero, const
         load_group();
       }
       const int64_t row = k / step;
-      const uint8_t* src = static_cast<const uint8_t*>(codes) + row * d.n + n0;
-      if (row + kAheadRows < code_rows) PrefetchLines(src + kAheadRows * d.n, 1, 0);
+      const uint8_t* src = static_cast<const uint8_t*>(codes) + row * ld;
+      if (row + kAheadRows < code_rows) PrefetchLines(src + kAheadRows * ld, 1, 0);
       float* out = buf + (k - k0) * kPanel;
       for (int j = 0; j < kVectors; ++j) {
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * j));
@@ -134,17 +151,17 @@ void DequantRows(const void* codes, const float* scale, const float* zero, const
 #endif
   for (int64_t k = k0; k < k0 + kc; ++k) {
     const int64_t g = k / d.group_size;
-    const float* s = scale + g * d.n + n0;
+    const float* s = scale + g * ld;
     float* out = buf + (k - k0) * kPanel;
     if constexpr (kFour) {
-      const uint8_t* src = static_cast<const uint8_t*>(codes) + (k / 2) * d.n + n0;
-      const float* z = zero + g * d.n + n0;
+      const uint8_t* src = static_cast<const uint8_t*>(codes) + (k / 2) * ld;
+      const float* z = zero + g * ld;
       for (int64_t c = 0; c < width; ++c) {
         const float q = static_cast<float>(k % 2 ? src[c] >> 4 : src[c] & 15);
         out[c] = __builtin_fmaf(q, s[c], z[c]);
       }
     } else {
-      const int8_t* src = static_cast<const int8_t*>(codes) + k * d.n + n0;
+      const int8_t* src = static_cast<const int8_t*>(codes) + k * ld;
       for (int64_t c = 0; c < width; ++c) out[c] = static_cast<float>(src[c]) * s[c];
     }
   }
@@ -185,18 +202,19 @@ void FusedTile(const float* x, const void* codes, const float* scale, const floa
   __m512 acc[R][kVectors];
   _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
     _Pragma("GCC unroll 16") for (int j = 0; j < kVectors; ++j) acc[r][j] = _mm512_setzero_ps();
-  const int64_t step = kFour ? 2 : 1, code_rows = d.k / step;
+  const int64_t step = kFour ? 2 : 1, code_rows = d.k / step, ld = d.ld;
+  const uint8_t* panel = static_cast<const uint8_t*>(codes) + d.CodeBase(kFour, n0);
   for (int64_t g = 0; g < d.groups; ++g) {
-    const float* s = scale + g * d.n + n0;
-    const float* z = kFour ? zero + g * d.n + n0 : nullptr;
+    const float* s = scale + d.ScaleBase(n0) + g * ld;
+    const float* z = kFour ? zero + d.ScaleBase(n0) + g * ld : nullptr;
     if (g + kAheadGroups < d.groups) {
-      PrefetchLines(s + kAheadGroups * d.n, kVectors, 0);
-      if (kFour) PrefetchLines(z + kAheadGroups * d.n, kVectors, 0);
+      PrefetchLines(s + kAheadGroups * ld, kVectors, 0);
+      if (kFour) PrefetchLines(z + kAheadGroups * ld, kVectors, 0);
     }
     for (int64_t k = g * d.group_size; k < (g + 1) * d.group_size; k += step) {
       const int64_t row = k / step;
-      const uint8_t* src = static_cast<const uint8_t*>(codes) + row * d.n + n0;
-      if (row + kAheadRows < code_rows) PrefetchLines(src + kAheadRows * d.n, 1, 0);
+      const uint8_t* src = panel + row * ld;
+      if (row + kAheadRows < code_rows) PrefetchLines(src + kAheadRows * ld, 1, 0);
       _Pragma("GCC unroll 16") for (int j = 0; j < kVectors; ++j) {
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * j));
         const __m512 sj = _mm512_loadu_ps(s + 16 * j);
@@ -269,7 +287,7 @@ void Item(const float* x, const void* codes, const float* scale, const float* ze
   const int64_t code_rows = kFour ? d.k / 2 : d.k;
   const int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
   const uint8_t* next =
-      next_n0 >= 0 ? static_cast<const uint8_t*>(codes) + next_n0 : nullptr;
+      next_n0 >= 0 ? static_cast<const uint8_t*>(codes) + d.CodeBase(kFour, next_n0) : nullptr;
   int64_t next_row = 0, due = 1;
   const int64_t every = std::max<int64_t>(1, tiles * d.k / code_rows);
   for (int64_t k0 = 0; k0 < d.k; k0 += kChunk) {
@@ -279,7 +297,7 @@ void Item(const float* x, const void* codes, const float* scale, const float* ze
                                  y + m0 * d.n + n0, d.n, width};
     jaxpage::MultiplyPanel(
         args, m1 - m0,
-        [&](bool) { return NextCodesHook{next, d.n, code_rows, every, next_row, due}; },
+        [&](bool) { return NextCodesHook{next, d.ld, code_rows, every, next_row, due}; },
         k0 > 0);
   }
 }
@@ -293,15 +311,25 @@ void Matmul(const float* x, const void* codes, const float* scale, const float* 
   });
 }
 
-// Shapes of a call: codes [K or K / 2, N], scale (and zero) [G, N]; K from x when given.
+// Shapes of a call: codes [K or K / 2, N], scale (and zero) [G, N]; or packed by panels,
+// codes [N / 64, K or K / 2, 64], scale (and zero) [N / 64, G, 64]. K from x when given.
 const char* DimsOf(bool four, int64_t x_rows, int64_t x_cols, ffi::Span<const int64_t> cd,
                    ffi::Span<const int64_t> sd, Dims* d) {
-  if (cd.size() != 2 || sd.size() != 2) return "quantized matmul: codes and scales must be 2-D";
-  const int64_t k = four ? 2 * cd[0] : cd[0];
+  const bool packed = cd.size() == 3;
+  if (packed) {
+    if (sd.size() != 3 || cd[2] != kPanel || sd[2] != kPanel || sd[0] != cd[0])
+      return "quantized matmul: packed codes and scales must be [P, K or K / 2, 64] and "
+             "[P, G, 64]";
+  } else if (cd.size() != 2 || sd.size() != 2) {
+    return "quantized matmul: codes and scales must be 2-D, or 3-D packed by panels";
+  }
+  const int64_t rows = cd[packed ? 1 : 0], groups = sd[packed ? 1 : 0];
+  const int64_t n = packed ? cd[0] * kPanel : cd[1];
+  const int64_t k = four ? 2 * rows : rows;
   if (x_cols >= 0 && x_cols != k) return "quantized matmul: x and codes disagree on K";
-  if (sd[1] != cd[1] || sd[0] <= 0 || k % sd[0] != 0)
+  if ((!packed && sd[1] != cd[1]) || groups <= 0 || k % groups != 0)
     return "quantized matmul: scales must be [G, N] with G dividing K";
-  *d = Dims{x_rows, k, cd[1], sd[0], k / sd[0]};
+  *d = Dims{x_rows, k, n, groups, k / groups, packed, packed ? kPanel : n};
   if (four && d->group_size % 2 != 0) return "quantized matmul: 4-bit groups must be even";
   return nullptr;
 }
@@ -352,8 +380,8 @@ ffi::Error QMatmulU4(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q, ffi::Buffe
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageQMatmulS8, QMatmulS8,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // codes [K, N]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [G, N]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // codes [K, N] (or packed)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [G, N] (or packed)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows [1]: live rows
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Ctx<ffi::ThreadPool>());
@@ -361,9 +389,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageQMatmulS8, QMatmulS8,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageQMatmulU4, QMatmulU4,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // codes [K / 2, N]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [G, N]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // zero [G, N]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // codes [K / 2, N] (or packed)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [G, N] (or packed)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // zero [G, N] (or packed)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows [1]: live rows
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Ctx<ffi::ThreadPool>());

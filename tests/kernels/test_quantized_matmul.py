@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.dense_matmul import cpu as dense_cpu
-from pallas_kernels.quantized_matmul import (dequantize, gather_columns, quantized_matmul,
-                                             weight_shape)
+from pallas_kernels.quantized_matmul import (dequantize, gather_columns, pack_panels,
+                                             quantized_matmul, unpack_panels, weight_shape)
 from pallas_kernels.quantized_matmul import cpu, reference
 
 
@@ -103,3 +103,59 @@ def test_rows_past_the_live_count_are_skipped_as_zeros(bits, live):
     shown = min(live, 9)
     np.testing.assert_array_equal(part[:shown], full[:shown])
     assert not part[shown:].any()
+
+
+def test_packed_panels_round_trip_and_shapes():
+    for bits in (8, 4):
+        plain = _weight(bits, 96, 192, 3)
+        packed = pack_panels(plain)
+        assert packed["codes"].shape == ((3, 96, 64) if bits == 8 else (3, 48, 64))
+        assert packed["scale"].shape == (3, 3, 64)
+        assert weight_shape(packed) == weight_shape(plain) == (96, 192)
+        back = unpack_panels(packed)
+        for name in plain:
+            np.testing.assert_array_equal(np.asarray(back[name]), np.asarray(plain[name]))
+        numpy_packed = pack_panels({k: np.asarray(v) for k, v in plain.items()})
+        assert all(isinstance(v, np.ndarray) and v.flags.c_contiguous
+                   for v in numpy_packed.values())
+        for name in plain:
+            np.testing.assert_array_equal(numpy_packed[name], np.asarray(packed[name]))
+        np.testing.assert_array_equal(np.asarray(dequantize(packed)),
+                                      np.asarray(dequantize(plain)))
+        ids = jnp.asarray([0, 63, 64, 191, 100, 0])
+        np.testing.assert_array_equal(np.asarray(gather_columns(packed, ids, jnp.float32)),
+                                      np.asarray(gather_columns(plain, ids, jnp.float32)))
+        # the jnp backend reads packed weights too
+        x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 96), dtype=np.float32))
+        np.testing.assert_array_equal(
+            np.asarray(quantized_matmul(x, packed, backend="reference")),
+            np.asarray(quantized_matmul(x, plain, backend="reference")))
+
+
+def test_bad_packed_weights_are_refused():
+    good = pack_panels(_weight(4, 64, 128, 2))
+    with pytest.raises(ValueError, match="N a multiple of 64"):
+        pack_panels(_weight(4, 64, 100, 2))
+    with pytest.raises(ValueError, match="N a multiple of 64"):
+        pack_panels(good)  # already packed
+    with pytest.raises(ValueError, match="packed by panels"):
+        weight_shape({**good, "scale": jnp.ones((2, 2, 32))})
+    with pytest.raises(ValueError, match="packed by panels"):
+        weight_shape({**good, "zero": jnp.ones((1, 2, 64))})
+    with pytest.raises(ValueError, match="groups"):
+        weight_shape({**good, "scale": jnp.ones((2, 3, 64)), "zero": jnp.ones((2, 3, 64))})
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no C++ compiler")
+@pytest.mark.parametrize("bits", [8, 4])
+# 1-6 rows in registers, 7-18 in passes (4-bit), the buffered panel from 19; K over a chunk
+@pytest.mark.parametrize("m", [1, 6, 7, 13, 19, 48])
+@pytest.mark.parametrize("k", [64, 2304])
+def test_packed_panels_give_the_plain_layouts_products_bit_for_bit(bits, m, k):
+    plain = _gguf_like(bits, k, 192, seed=m)
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((m, k), dtype=np.float32))
+    run = jax.jit(lambda x, w, r: quantized_matmul(x, w, backend="cpu", rows=r))
+    live = max(1, m - 2)  # and the rows past the live count still come out as zeros
+    ours = np.asarray(run(x, pack_panels(plain), jnp.int32(live)))
+    np.testing.assert_array_equal(ours, np.asarray(run(x, plain, jnp.int32(live))))
+    assert not ours[live:].any()

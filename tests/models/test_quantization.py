@@ -9,6 +9,7 @@ from gguf.quants import quantize as gguf_quantize
 from jaxpage import LLM, SamplingParams
 from jaxpage.models.quantize import (QuantFormat, dequantize, gguf_parts, group_size_for,
                                      quantize)
+from pallas_kernels.quantized_matmul import unpack_panels
 from tests.options import FEW_BUCKETS
 
 ENGINE = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=64,
@@ -84,7 +85,9 @@ def test_by_default_a_gguf_file_keeps_its_blocks_and_the_float_products(
     stats = llm.get_stats()
     assert stats["quantization"] is None
     assert stats["weight_bytes"] <= 0.25 * float_bytes, (stats["weight_bytes"], float_bytes)
-    assert llm.llm_engine.runner.params["layers"][0]["up_proj"]["codes"].dtype == np.uint8
+    up_proj = llm.llm_engine.runner.params["layers"][0]["up_proj"]
+    # packed by panels for the CPU kernels: [1536 / 64, 576 / 2, 64]
+    assert up_proj["codes"].dtype == np.uint8 and up_proj["codes"].shape == (24, 288, 64)
     assert _tokens(llm, PROMPTS) == tokens
 
 
@@ -109,7 +112,8 @@ def test_int8_weights_keep_smollm2_greedy_tokens(smollm2_path, smollm2_float):
     agree = sum(a[:8] == b[:8] for a, b in zip(ours, tokens))
     assert agree >= 3, (ours, tokens)
     per_channel = LLM(smollm2_path, quantization="int8", quantization_group_size=0, **ENGINE)
-    assert per_channel.llm_engine.runner.params["layers"][0]["q_proj"]["scale"].shape[0] == 1
+    q_proj = unpack_panels(per_channel.llm_engine.runner.params["layers"][0]["q_proj"])
+    assert q_proj["scale"].shape[0] == 1
     assert per_channel.get_stats()["weight_bytes"] < llm.get_stats()["weight_bytes"]
 
 
@@ -117,7 +121,8 @@ def test_int4_runs_and_bad_options_are_refused(smollm2_path, tiny_checkpoints):
     llm = LLM(tiny_checkpoints["llama"], quantization="int4", quantization_group_size=32,
               **ENGINE)
     assert len(_tokens(llm, PROMPTS[:2], 4)[0]) == 4
-    assert llm.llm_engine.runner.params["layers"][0]["q_proj"]["scale"].shape[0] == 64 // 32
+    q_proj = unpack_panels(llm.llm_engine.runner.params["layers"][0]["q_proj"])
+    assert q_proj["scale"].shape[0] == 64 // 32
     with pytest.raises(ValueError, match="quantization='fp4'"):
         LLM(smollm2_path, quantization="fp4", **ENGINE)
     with pytest.raises(ValueError, match="not a GGUF file"):
