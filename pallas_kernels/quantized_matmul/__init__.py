@@ -56,27 +56,26 @@ def pack_panels(weight: dict[str, Any]) -> dict[str, Any]:
     """A plain quantized weight (numpy or jax arrays) packed by panels of 64 columns:
     each part [R, N] -> [N / 64, R, 64], the same values. ``ValueError`` unless plain with
     N a multiple of 64."""
-    k, n = weight_shape(weight)
+    _, n = weight_shape(weight)
     if is_packed(weight) or n % PANEL:
         raise ValueError(f"pack_panels: needs a plain weight with N a multiple of {PANEL}, "
                          f"got codes {tuple(weight['codes'].shape)}")
-    xp = np if all(isinstance(part, np.ndarray) for part in weight.values()) else jnp
-    return {name: xp.ascontiguousarray(
-                part.reshape(part.shape[0], n // PANEL, PANEL).transpose(1, 0, 2))
-            if xp is np else part.reshape(part.shape[0], n // PANEL, PANEL).transpose(1, 0, 2)
-            for name, part in weight.items()}
+    out = {}
+    for name, part in weight.items():
+        panels = part.reshape(part.shape[0], n // PANEL, PANEL).transpose(1, 0, 2)
+        out[name] = np.ascontiguousarray(panels) if isinstance(part, np.ndarray) else panels
+    return out
 
 
 def unpack_panels(weight: dict[str, Any]) -> dict[str, Any]:
     """The plain layout of a weight packed by panels (a plain weight is returned as is)."""
     if not is_packed(weight):
         return weight
-    xp = np if all(isinstance(part, np.ndarray) for part in weight.values()) else jnp
     out = {}
     for name, part in weight.items():
         panels, rows, _ = part.shape
         plain = part.transpose(1, 0, 2).reshape(rows, panels * PANEL)
-        out[name] = np.ascontiguousarray(plain) if xp is np else plain
+        out[name] = np.ascontiguousarray(plain) if isinstance(part, np.ndarray) else plain
     return out
 
 

@@ -39,10 +39,9 @@ def quantized_matmul_cpu(x: jax.Array, weight: dict[str, jax.Array],
     with ``rows`` (an int32 scalar) only the first ``rows`` rows, the others zeros."""
     if not register():
         raise RuntimeError("the C++ quantized-matmul kernels are not available here")
-    from pallas_kernels.quantized_matmul import weight_shape
-
     four = "zero" in weight
-    _, n = weight_shape(weight)  # plain or packed by panels: the kernel reads either
+    codes = weight["codes"]  # plain [R, N] or packed by panels [N / 64, R, 64]
+    n = codes.shape[0] * codes.shape[2] if codes.ndim == 3 else codes.shape[1]
     operands = [weight["codes"], weight["scale"].astype(jnp.float32)]
     if four:
         operands.append(weight["zero"].astype(jnp.float32))
