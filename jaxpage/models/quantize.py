@@ -230,13 +230,14 @@ def pack_quantized_panels(tree: Any) -> Any:
     read as one stream per panel. Only for models whose matmuls run those kernels
     (``loader._cpu_kernels_run``); ``unpack_quantized_panels`` undoes it (checkpoints are
     plain)."""
-    from pallas_kernels.quantized_matmul import PANEL, is_quantized, pack_panels, weight_shape
+    from pallas_kernels.quantized_matmul import (PANEL, is_packed, is_quantized, pack_panels,
+                                                 weight_shape)
 
     if not isinstance(tree, dict):
         return tree
     if is_quantized(tree):
-        plain = len(tree["codes"].shape) == 2
-        return pack_panels(tree) if plain and weight_shape(tree)[1] % PANEL == 0 else tree
+        packable = not is_packed(tree) and weight_shape(tree)[1] % PANEL == 0
+        return pack_panels(tree) if packable else tree
     return {key: pack_quantized_panels(value) for key, value in tree.items()}
 
 

@@ -65,8 +65,9 @@ constexpr int64_t kChunk = 2048;      // rows of k dequantized at a time (512 KB
 struct Dims {
   int64_t m, k, n, groups, group_size;
   bool packed = false;
-  int64_t ld = 0;  // elements between a panel's consecutive rows of codes or scales: N or 64
 
+  // Elements between a panel's consecutive rows of codes or of scales.
+  int64_t ld() const { return packed ? kPanel : n; }
   int64_t code_rows(bool four) const { return four ? k / 2 : k; }
   // Offsets of the panel starting at column n0: its first row of codes, of scales.
   int64_t CodeBase(bool four, int64_t n0) const { return packed ? n0 * code_rows(four) : n0; }
@@ -99,7 +100,7 @@ template <bool kFour>
 void DequantRows(const void* codes, const float* scale, const float* zero, const Dims& d,
                  int64_t n0, int64_t width, int64_t k0, int64_t kc, float* buf) {
   const int64_t step = kFour ? 2 : 1;  // rows of W per row of codes
-  const int64_t code_rows = d.k / step, ld = d.ld;
+  const int64_t code_rows = d.code_rows(kFour), ld = d.ld();
   codes = static_cast<const uint8_t*>(codes) + d.CodeBase(kFour, n0);
   scale += d.ScaleBase(n0);
   if constexpr (kFour) zero += d.ScaleBase(n0);
@@ -112,8 +113,8 @@ void DequantRows(const void* codes, const float* scale, const float* zero, const
         sv[j] = _mm512_loadu_ps(scale + g * ld + 16 * j);
         zv[j] = kFour ? _mm512_loadu_ps(zero + g * ld + 16 * j) : _mm512_setzero_ps();
       }
-      // the scales of a group ahead: rows N floats apart, which the hardware does not
-      // fetch ahead by itself (a miss per group stalled small-M calls)
+      // the scales of a group ahead: in the plain layout rows N floats apart, which the
+      // hardware does not fetch ahead by itself (a miss per group stalled small-M calls)
       if (g + kAheadGroups < d.groups) {
         PrefetchLines(scale + (g + kAheadGroups) * ld, kVectors, 0);
         if (kFour) PrefetchLines(zero + (g + kAheadGroups) * ld, kVectors, 0);
@@ -202,11 +203,13 @@ void FusedTile(const float* x, const void* codes, const float* scale, const floa
   __m512 acc[R][kVectors];
   _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
     _Pragma("GCC unroll 16") for (int j = 0; j < kVectors; ++j) acc[r][j] = _mm512_setzero_ps();
-  const int64_t step = kFour ? 2 : 1, code_rows = d.k / step, ld = d.ld;
+  const int64_t step = kFour ? 2 : 1, code_rows = d.code_rows(kFour), ld = d.ld();
   const uint8_t* panel = static_cast<const uint8_t*>(codes) + d.CodeBase(kFour, n0);
+  scale += d.ScaleBase(n0);
+  if constexpr (kFour) zero += d.ScaleBase(n0);
   for (int64_t g = 0; g < d.groups; ++g) {
-    const float* s = scale + d.ScaleBase(n0) + g * ld;
-    const float* z = kFour ? zero + d.ScaleBase(n0) + g * ld : nullptr;
+    const float* s = scale + g * ld;
+    const float* z = kFour ? zero + g * ld : nullptr;
     if (g + kAheadGroups < d.groups) {
       PrefetchLines(s + kAheadGroups * ld, kVectors, 0);
       if (kFour) PrefetchLines(z + kAheadGroups * ld, kVectors, 0);
@@ -284,7 +287,7 @@ void Item(const float* x, const void* codes, const float* scale, const float* ze
     return;
   float* buf = ChunkBuffer();
   const int64_t width = std::min(kPanel, d.n - n0);
-  const int64_t code_rows = kFour ? d.k / 2 : d.k;
+  const int64_t code_rows = d.code_rows(kFour);
   const int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
   const uint8_t* next =
       next_n0 >= 0 ? static_cast<const uint8_t*>(codes) + d.CodeBase(kFour, next_n0) : nullptr;
@@ -297,7 +300,7 @@ void Item(const float* x, const void* codes, const float* scale, const float* ze
                                  y + m0 * d.n + n0, d.n, width};
     jaxpage::MultiplyPanel(
         args, m1 - m0,
-        [&](bool) { return NextCodesHook{next, d.ld, code_rows, every, next_row, due}; },
+        [&](bool) { return NextCodesHook{next, d.ld(), code_rows, every, next_row, due}; },
         k0 > 0);
   }
 }
@@ -329,7 +332,7 @@ const char* DimsOf(bool four, int64_t x_rows, int64_t x_cols, ffi::Span<const in
   if (x_cols >= 0 && x_cols != k) return "quantized matmul: x and codes disagree on K";
   if ((!packed && sd[1] != cd[1]) || groups <= 0 || k % groups != 0)
     return "quantized matmul: scales must be [G, N] with G dividing K";
-  *d = Dims{x_rows, k, n, groups, k / groups, packed, packed ? kPanel : n};
+  *d = Dims{x_rows, k, n, groups, k / groups, packed};
   if (four && d->group_size % 2 != 0) return "quantized matmul: 4-bit groups must be even";
   return nullptr;
 }
