@@ -83,6 +83,7 @@ ENGINE_FLAGS = {
                         "prefill step and the decode programs, unless saved) or false "
                         "(default: true on accelerators, core on the CPU)"),
     "async_scheduling": (_bool, "dispatch the next call before processing the last one's tokens (true/false)"),
+    "cpu_compute_niceness": (int, "CPU backend: nice value of XLA's compute threads, so the host loop gets a core first (0..19; 0: unchanged; default 10)"),
     "compile_ahead": (_bool, "build the decode programs of smaller batches in the background (true/false; default: on accelerators only)"),
     "tensor_parallel_size": (int, "devices per model replica (sharded Megatron-style)"),
     "data_parallel_size": (int, "model replicas on disjoint device groups"),

@@ -164,6 +164,10 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # > 0: most prompt tokens one request takes a step
     num_scheduler_steps: int = 8  # decode iterations run on device per call when all decode
     async_scheduling: bool = True  # dispatch the next call before the last one's tokens are processed
+    # On the CPU backend, the nice value given to XLA's compute threads (``runtime.
+    # cpu_threads``): the host loop, which overlaps the device step, gets a core first.
+    # 0 leaves them at the process's priority.
+    cpu_compute_niceness: int = 10
     # Build the decode programs a running batch drains into on a background thread while
     # the device runs; None: on accelerators only (on a CPU the compiler and the step share
     # the same cores, and measured no faster).
@@ -206,6 +210,11 @@ class SchedulerConfig:
                  f"num_scheduler_steps={self.num_scheduler_steps!r} must be an integer >= 1")
         _require(isinstance(self.async_scheduling, bool),
                  f"async_scheduling={self.async_scheduling!r} must be a bool")
+        _require(isinstance(self.cpu_compute_niceness, int)
+                 and not isinstance(self.cpu_compute_niceness, bool)
+                 and 0 <= self.cpu_compute_niceness <= 19,
+                 f"cpu_compute_niceness={self.cpu_compute_niceness!r} must be an integer "
+                 "in 0..19 (0 leaves XLA's CPU threads alone)")
         _require(self.compile_ahead is None or isinstance(self.compile_ahead, bool),
                  f"compile_ahead={self.compile_ahead!r} must be None (auto), True or False")
         _require(self.max_waiting_requests is None

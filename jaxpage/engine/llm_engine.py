@@ -44,6 +44,7 @@ from jaxpage.lora_request import LoRARequest
 from jaxpage.models.loader import load_model, resolve_model_path
 from jaxpage.outputs import RequestOutput
 from jaxpage.parallel.placement import default_mesh
+from jaxpage.runtime.cpu_threads import lower_compute_threads
 from jaxpage.runtime.kv_cache import bytes_per_block
 from jaxpage.runtime.model_runner import ModelRunner
 from jaxpage.sampling_params import SamplingParams, StructuredOutputsParams
@@ -135,6 +136,8 @@ class LLMEngine(LoRAAdapters, kv_handoff.KVHandoff):
                                   executable_dir=(os.path.join(cache_dir(), "executables")
                                                   if mc.compilation_cache else None),
                                   num_host_blocks=num_host_blocks)
+        if jax_backend() == "cpu":  # the runner's first computations started XLA's threads
+            lower_compute_threads(config.scheduler.cpu_compute_niceness)
         self.cost_model = PreemptionCostModel(
             bytes_per_block=per_block, host_bandwidth=self.runner.measure_host_bandwidth())
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.cost_model)
