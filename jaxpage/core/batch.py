@@ -178,6 +178,9 @@ class BatchBuilder(BatchShapes):
         self.penalty_slots = PenaltySlots(num_penalty_slots or max_num_seqs)
         self.rows = BatchRows(max_num_seqs, max_blocks)
         self._last: tuple[SchedulerOutput, BatchMetadata] | None = None  # the latest build
+        self._continued: BatchMetadata | None = None  # the latest continuing build
+        # ``_advance``'s increments: ((rows, tokens' shape, ints' shape), [4, T], [S, C])
+        self._advance_steps: tuple | None = None
 
 
     def empty(self, T: int, S: int, M: int) -> BatchMetadata:
@@ -230,7 +233,7 @@ class BatchBuilder(BatchShapes):
         num_new = np.fromiter((item.num_new_tokens for item in items), np.int32, n)   # [n]
         computed = np.fromiter((r.num_computed_tokens for r in requests), np.int32, n)  # [n]
         known = np.fromiter((len(r.all_token_ids) for r in requests), np.int32, n)      # [n]
-        sampled = np.fromiter((len(r.output_token_ids) for r in requests), np.int32, n)  # [n]
+        sampled = np.fromiter((r.num_output_tokens for r in requests), np.int32, n)  # [n]
         source = None
         if ahead:
             computed += ahead
@@ -309,7 +312,8 @@ class BatchBuilder(BatchShapes):
         Made from ``last``'s packed arrays: the per-row ints are copied and two columns
         advanced, block tables rewritten only where they changed, the floats shared
         (nothing in them changes). Nothing is read from the requests. A change of the
-        block-table bucket or a penalized row takes the row by row build instead.
+        block-table bucket or a penalized row takes the row by row build instead; a
+        continuing build right after another takes ``_advance``.
         """
         requests = out.requests
         n = len(requests)
@@ -318,6 +322,49 @@ class BatchBuilder(BatchShapes):
         M = last.block_tables.shape[1]
         if rows.longest_table > M or rows.reordered or rows.any_penalties:
             return self._build_rows(out, 0)
+        if last is self._continued and out.positions is not None:
+            batch = self._advance(out, last, rows, M)
+        else:
+            batch = self._continue(out, last, rows, M)
+        self._continued = batch
+        return batch
+
+    def _advance(self, out: SchedulerOutput, last: BatchMetadata, rows: BatchRows,
+                 M: int) -> BatchMetadata:
+        """``_build_continuing`` after a continuing build: one addition per array moves
+        every row one token on (position, slot, ``kv_lens``, ``sample_index``); only the
+        rows whose token starts a block (the scheduler's ``positions``) and the tables that
+        changed are then written. Few numpy calls, whatever the row count: after a long
+        device step each call's code and data are cold (~5-10 us a call at 1,024 rows)."""
+        tokens, ints, floats = last.packed()
+        n = len(out.scheduled)
+        key = (n, tokens.shape, ints.shape)
+        if self._advance_steps is None or self._advance_steps[0] != key:
+            step_tokens = np.zeros(tokens.shape, np.int32)                    # [4, T]
+            step_tokens[1:3, :n] = 1  # positions, slot_mapping
+            step_ints = np.zeros(ints.shape, np.int32)                        # [S, C]
+            step_ints[:n, _KV_LENS] = 1
+            step_ints[:n, _SAMPLE_INDEX] = 1
+            self._advance_steps = (key, step_tokens, step_ints)
+        tokens = tokens + self._advance_steps[1]
+        ints = ints + self._advance_steps[2]
+        if rows.rewritten:
+            ints[rows.rewritten, _TABLES:] = rows.tables[rows.rewritten, :M]
+        starting = out.positions.starting_block()
+        if starting:  # the first slot of the row's next block
+            block = tokens[1, starting] // self.block_size
+            tokens[2, starting] = ints[starting, _TABLES + block] * self.block_size
+        out.all_decodes = True
+        return last.replaced(
+            _packed=(tokens, ints, floats), input_ids=tokens[0], positions=tokens[1],
+            slot_mapping=tokens[2], input_src=tokens[3], kv_lens=ints[:, _KV_LENS],
+            sample_index=ints[:, _SAMPLE_INDEX], block_tables=ints[:, _TABLES:])
+
+    def _continue(self, out: SchedulerOutput, last: BatchMetadata, rows: BatchRows,
+                  M: int) -> BatchMetadata:
+        """``_build_continuing`` from a batch built row by row."""
+        tokens, ints, floats = last.packed()
+        n = len(out.scheduled)
         first = np.arange(n, dtype=np.int32)                                  # [n]
         ints = ints.copy()                                                    # [S, C]
         position = ints[:n, _KV_LENS].copy()  # the new token: right after the last  [n]

@@ -65,11 +65,24 @@ class BatchRows:
             for row in self._reorder(requests):
                 self._write_table(row, blocks.get(requests[row].request_id, ()), 0)
         row_of_id = self._row_of_id
+        tables, table_len, max_blocks = self.tables, self.table_len, self.max_blocks
+        longest = 0
         for request_id, first in changed.items():
             row = row_of_id.get(request_id)
-            if row is not None:
-                self._write_table(row, blocks.get(request_id, ()), first)
-                self.rewritten.append(row)
+            if row is None:
+                continue
+            request_blocks = blocks.get(request_id, ())
+            count = first + 1
+            # One block appended (the usual change), inline: per-call numpy work is what
+            # costs here, its code and data cold after a long device step.
+            if len(request_blocks) == count <= max_blocks and table_len[row] <= count:
+                tables[row, first] = request_blocks[first].block_id
+                table_len[row] = count
+                longest = max(longest, count)
+            else:
+                self._write_table(row, request_blocks, first)
+            self.rewritten.append(row)
+        self.longest_table = max(self.longest_table, longest)
         return self
 
     def _reorder(self, requests: list[Request]) -> list[int]:

@@ -53,6 +53,20 @@ class FreeBlockQueue:
         self.remove(block)
         return block
 
+    def popleft_many(self, count: int) -> list[KVBlock]:
+        """The first ``count`` blocks, unlinked as one run (``popleft`` ``count`` times)."""
+        if not 0 <= count <= self.num_free_blocks:
+            raise ValueError(f"asked for {count} blocks but {self.num_free_blocks} are free")
+        taken = []
+        block = self._head.next_free
+        for _ in range(count):
+            taken.append(block)
+            block.prev_free, block.next_free, block = None, None, block.next_free
+        self._head.next_free = block
+        block.prev_free = self._head
+        self.num_free_blocks -= count
+        return taken
+
     def remove(self, block: KVBlock) -> None:
         if block.prev_free is None or block.next_free is None:
             raise ValueError(f"{block} is not in the free queue")
@@ -107,13 +121,12 @@ class BlockPool:
         """Take ``count`` blocks from the head of the free queue, each with ref_cnt 1."""
         if count > self.num_free_blocks:
             raise ValueError(f"asked for {count} blocks but only {self.num_free_blocks} are free")
-        taken = []
-        for _ in range(count):
-            block = self.free_queue.popleft()
+        taken = self.free_queue.popleft_many(count)
+        for block in taken:
             assert block.ref_cnt == 0, block
-            self._evict(block)
+            if block.block_hash is not None:
+                self._evict(block)
             block.ref_cnt = 1
-            taken.append(block)
         return taken
 
     def _evict(self, block: KVBlock) -> None:

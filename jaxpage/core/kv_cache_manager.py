@@ -218,6 +218,41 @@ class KVCacheManager:
             blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
         return True
 
+    def append_blocks(self, requests: list[Request], counts: list[int]) -> bool:
+        """Bring request ``i`` to ``counts[i]`` blocks where it holds one fewer: decodes
+        whose next token starts a block, all at once (the steady state of decoding, where
+        many rows start a block in the same step); ``allocate_slots(request, 2)`` for
+        each. Requests already holding ``counts[i]`` blocks are left alone.
+
+        All or nothing: False, changing nothing, when a request holds fewer still, its
+        last block is shared (it would need a copy), a sliding window applies, or fewer
+        blocks are free than needed; the caller then takes ``allocate_slots`` one by one.
+        """
+        if self.sliding_window is not None:
+            return False
+        req_to_blocks = self.req_to_blocks
+        growing = []  # (request id, its block list)
+        for request, count in zip(requests, counts):
+            blocks = req_to_blocks.get(request.request_id)
+            if blocks is None:
+                return False
+            held = len(blocks)
+            if held >= count:
+                continue  # reserved earlier
+            if held != count - 1 or blocks[-1].ref_cnt != 1:
+                return False
+            growing.append((request.request_id, blocks))
+        if len(growing) > self.block_pool.num_free_blocks:
+            return False
+        changed = self.changed
+        for (request_id, blocks), block in zip(growing,
+                                               self.block_pool.get_new_blocks(len(growing))):
+            first = changed.get(request_id)
+            if first is None or len(blocks) < first:
+                changed[request_id] = len(blocks)
+            blocks.append(block)
+        return True
+
     def fork(self, parent: Request, child: Request) -> None:
         """Give ``child`` the parent's blocks, shared by reference count."""
         if child.request_id in self.req_to_blocks:

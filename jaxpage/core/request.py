@@ -50,7 +50,10 @@ class Request:
     """Tokens, progress and stop rules of one sequence.
 
     Invariants: ``num_computed_tokens <= num_tokens`` (tokens whose K/V are in the cache
-    versus all tokens known); ``all_token_ids == prompt_token_ids + output_token_ids``.
+    versus all tokens known); ``all_token_ids == prompt_token_ids + output_token_ids``,
+    where only ``all_token_ids`` is stored: ``output_token_ids`` is a copy of its tail
+    (``num_output_tokens`` and ``last_token_id`` read it without one), so a decode step
+    appends each token to one list.
     ``max_tokens`` is already clipped so that ``num_prompt_tokens + max_tokens <=
     max_model_len``.
     """
@@ -60,7 +63,7 @@ class Request:
     # a step over 1,024 requests touches about half the memory it did with a dict (the
     # tiny preset's host work at K=1: ~1.7 -> ~1.2-1.4 ms a step at 1,024 running).
     __slots__ = (
-        "status", "num_computed_tokens", "output_token_ids", "all_token_ids",
+        "status", "num_computed_tokens", "all_token_ids", "num_prompt_tokens",
         "first_token_time", "has_stop_strings", "has_many_stop_ids", "streams_deltas",
         "request_id", "prompt", "prompt_token_ids", "sampling_params", "eos_token_ids",
         "sample_seed", "arrival_time", "max_tokens", "stop_reason", "num_preemptions",
@@ -78,8 +81,8 @@ class Request:
         # The decode hot loop's attributes first (``__slots__`` keeps the same order).
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.all_token_ids: list[int] = list(prompt_token_ids)  # the prompt, then the outputs
+        self.num_prompt_tokens = len(self.all_token_ids)
         self.first_token_time: float | None = None  # monotonic time of its first output token
         self.has_stop_strings = bool(sampling_params.stop)
         self.has_many_stop_ids = False  # set below, once the stop ids are known
@@ -145,7 +148,6 @@ class Request:
             setattr(child, name, getattr(self, name))
         child.request_id = request_id
         child.sample_seed = sample_seed
-        child.output_token_ids = list(self.output_token_ids)
         child.all_token_ids = list(self.all_token_ids)
         child.block_hashes = list(self.block_hashes)
         child.fork_children = []
@@ -155,12 +157,17 @@ class Request:
         return child
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def output_token_ids(self) -> list[int]:
+        """The tokens generated so far (a new list: appending to it changes nothing)."""
+        return self.all_token_ids[self.num_prompt_tokens:]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def last_token_id(self) -> int:
+        return self.all_token_ids[-1]
 
     @property
     def num_tokens(self) -> int:
@@ -179,13 +186,12 @@ class Request:
         return tuple(sorted(ids))
 
     def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
     def check_token_stop(self) -> RequestStatus | None:
         """The finished status implied by the last token (EOS, stop ids, lengths), if any."""
         params = self.sampling_params
-        last = self.output_token_ids[-1]
+        last = self.all_token_ids[-1]
         if self.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED

@@ -47,6 +47,36 @@ class ScheduledRequest:
     draft_q_row: int = -1
 
 
+@dataclass(slots=True)
+class DecodePositions:
+    """Where each row of a run of steady decode steps writes its token, known without a
+    pass over the rows: row ``i`` writes position ``base[i] + offset``. The rows whose
+    token starts a block are found by residue: ``by_residue[r]`` lists the rows with
+    ``base[i] % block_size == r``, in row order."""
+
+    base: list[int]
+    by_residue: list[list[int]]
+    offset: int = 0
+
+    @classmethod
+    def of(cls, positions: list[int], block_size: int) -> "DecodePositions":
+        by_residue: list[list[int]] = [[] for _ in range(block_size)]
+        for row, position in enumerate(positions):
+            by_residue[position % block_size].append(row)
+        return cls(positions, by_residue)
+
+    def next(self) -> "DecodePositions":
+        """The positions one step later (the same rows, one token further)."""
+        return DecodePositions(self.base, self.by_residue, self.offset + 1)
+
+    def position(self, row: int) -> int:
+        return self.base[row] + self.offset
+
+    def starting_block(self) -> list[int]:
+        """The rows whose token is the first of a block, in row order."""
+        return self.by_residue[-self.offset % len(self.by_residue)]
+
+
 @dataclass
 class SchedulerOutput:
     """What runs in one step. The i-th scheduled request is sequence i of the batch.
@@ -69,6 +99,9 @@ class SchedulerOutput:
     min_room: int = 0
     continues: "SchedulerOutput | None" = None
     num_draft_tokens: int = 0  # speculative proposals over all rows: > 0 makes a verify step
+    # With ``continues``: the position of each row's token (its request's
+    # ``num_computed_tokens + 1`` when this output was made).
+    positions: "DecodePositions | None" = None
     _requests: list[Request] | None = None
 
     @property
@@ -205,7 +238,7 @@ class AheadOfHost:
             computed = request.num_computed_tokens + ahead
             known = len(request.all_token_ids)
             emits = ahead > 0 and computed >= known
-            if emits and len(request.output_token_ids) + 1 >= request.max_tokens:
+            if emits and request.num_output_tokens + 1 >= request.max_tokens:
                 continue  # its in-flight token is its last
             count = known + emits - computed
             if threshold and count > 1:
@@ -226,7 +259,7 @@ class AheadOfHost:
         self._admit(out, budget)
         if not out.scheduled:
             return None
-        out.min_room = min(item.request.max_tokens - len(item.request.output_token_ids)
+        out.min_room = min(item.request.max_tokens - item.request.num_output_tokens
                            for item in out.scheduled)
         return out
 
@@ -254,17 +287,32 @@ class AheadOfHost:
             return None  # a waiting request could be admitted: the row by row path does it
         # Row i computes the token after the one in flight: position num_computed + 1
         # (the in-flight row writes num_computed, so only a block's first slot is new).
-        block_size, blocks = self.kv.block_size, self.kv.req_to_blocks
-        for request in [r for r in running if (r.num_computed_tokens + 1) % block_size == 0]:
-            needed = (request.num_computed_tokens + 1) // block_size + 1
-            if (needed > len(blocks.get(request.request_id, ()))
-                    and not self.kv.allocate_slots(request, 2)):
-                return False  # needs a preemption; blocks taken so far stay (as above)
+        # Along a run of steady outputs every row is one further than in ``previous``
+        # (exactly one step was applied since it was made), so the requests are not read;
+        # neither is numpy called: after a long device step its code and data are cold.
+        block_size = self.kv.block_size
+        if previous.continues is not None and previous.positions is not None:
+            positions = previous.positions.next()
+        else:
+            positions = DecodePositions.of([r.num_computed_tokens + 1 for r in running],
+                                           block_size)
+        starting = positions.starting_block()
+        if starting:
+            requests = [running[row] for row in starting]
+            counts = [positions.position(row) // block_size + 1 for row in starting]
+            # One new block each, at once; else one by one (sharing, a window, too few).
+            if not self.kv.append_blocks(requests, counts):
+                blocks = self.kv.req_to_blocks
+                for request, count in zip(requests, counts):
+                    if (count > len(blocks.get(request.request_id, ()))
+                            and not self.kv.allocate_slots(request, 2)):
+                        return False  # needs a preemption; blocks taken so far stay (as above)
         self.step_count += 1
         scheduled = (previous.scheduled if previous.continues is not None
                      else [ScheduledRequest(r, 1, 1, 1, row) for row, r in enumerate(running)])
         return SchedulerOutput(scheduled, planned_ahead=True, min_room=previous.min_room - 1,
-                               continues=previous, _requests=previous.requests)
+                               continues=previous, positions=positions,
+                               _requests=previous.requests)
 
     def _check_continued(self, previous: SchedulerOutput, steady: SchedulerOutput | bool) -> None:
         """``check_fast_paths``: the row by row path must agree with ``_continue_decodes``
@@ -281,3 +329,6 @@ class AheadOfHost:
                for i in steady.scheduled]
         assert expected == got, "steady path disagrees with the row by row path"
         assert steady.min_room <= rows.min_room
+        assert ([steady.positions.position(row) for row in range(len(self.running))]
+                == [r.num_computed_tokens + 1 for r in self.running]), \
+            "steady path's carried positions disagree with the requests'"

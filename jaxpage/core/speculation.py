@@ -120,7 +120,7 @@ class SpeculativeScheduling:
         wanted: list[tuple[ScheduledRequest, int]] = []
         for item in items:
             request = item.request
-            room = request.max_tokens - len(request.output_token_ids) - 1
+            room = request.max_tokens - request.num_output_tokens - 1
             if budget <= 0 or room <= 0:
                 continue
             if on_device:  # a draft model: slots first, then one device call for all rows

@@ -60,34 +60,43 @@ class TokenAcceptance:
         return produced
 
     def accept_decodes(self, out: SchedulerOutput, sampled_token_ids: np.ndarray,
-                       may_stop: np.ndarray | None = None) -> list[Request]:
+                       may_stop: np.ndarray | None = None,
+                       follow_up: list[Request] | None = None) -> list[Request]:
         """``update_from_output`` for a step of decodes only (``out.all_decodes``); returns
         the requests that took their token, in row order.
 
         Every row is one token completing its request's known tokens, none is beam search,
         so each unfinished row's request takes ``accept_token``'s steps, inlined: this is
         the hot loop of decoding (one pass over the requests, no per-row call).
+        ``follow_up``, when given, receives (in the same pass) those of them still without
+        a ``first_token_time`` or with stop strings: the engine's per-token work.
         """
-        touched = []
+        skipped: set[int] | None = None  # ids of requests that took no token (rare)
         block_size = self.kv.block_size
         cache_full_blocks = self.kv.cache_full_blocks
         finished = FINISHED_IDS
         stops = itertools.repeat(True) if may_stop is None else may_stop.tolist()
-        for request, token, stop in zip(out.requests, sampled_token_ids.tolist(), stops):
+        requests = out.requests
+        for request, token, stop in zip(requests, sampled_token_ids.tolist(), stops):
             if id(request.status) in finished:
+                skipped = skipped or set()
+                skipped.add(id(request))
                 continue  # aborted, or stopped while it ran
             computed = request.num_computed_tokens + 1
             request.num_computed_tokens = computed
             if computed % block_size == 0:
                 cache_full_blocks(request)
-            request.output_token_ids.append(token)
             request.all_token_ids.append(token)
-            touched.append(request)
+            if follow_up is not None and (request.first_token_time is None
+                                          or request.has_stop_strings):
+                follow_up.append(request)
             if stop or request.has_many_stop_ids:
                 status = request.check_token_stop()
                 if status is not None:
                     self.finish_request(request.request_id, status)
-        return touched
+        if skipped is None:
+            return list(requests)
+        return [request for request in requests if id(request) not in skipped]
 
     def accept_token(self, request: Request, token: int, may_stop: bool = True) -> bool:
         """Append a token whose predecessor's K/V the device just wrote; True if it stops.
@@ -99,7 +108,6 @@ class TokenAcceptance:
         request.num_computed_tokens += 1
         if request.num_computed_tokens % self.kv.block_size == 0:
             self.kv.cache_full_blocks(request)
-        request.output_token_ids.append(token)
         request.all_token_ids.append(token)
         if not (may_stop or request.has_many_stop_ids):
             return False

@@ -317,12 +317,13 @@ class DeviceCalls:
             self._observe_step(call.out, self._results_at - call.dispatched_at)
         with_logprobs = result.top_ids is not None
         if call.out.all_decodes and not with_logprobs:
-            # The hot path of decoding: one pass applies the tokens, a second looks only
-            # at the requests that still want a first-token time or stop strings.
-            touched = self.scheduler.accept_decodes(call.out, result.tokens, result.may_stop)
-            for request in touched:
-                if request.first_token_time is None or request.has_stop_strings:
-                    self._after_tokens(request)
+            # The hot path of decoding: one pass applies the tokens and picks out the
+            # requests that still want a first-token time or stop strings.
+            follow_up: list[Request] = []
+            touched = self.scheduler.accept_decodes(call.out, result.tokens, result.may_stop,
+                                                    follow_up)
+            for request in follow_up:
+                self._after_tokens(request)
             return touched
         produced = self.scheduler.update_from_output(call.out, result.tokens, result.may_stop)
         touched = []

@@ -29,7 +29,7 @@ class LogprobsRecorder:
         if want is None or result.token_logprobs is None:
             return
         at = (row,) if step is None else (step, row)
-        token = request.output_token_ids[-1]
+        token = request.last_token_id
         logprob = float(result.token_logprobs[at])
         entry = {token: Logprob(logprob, int(result.token_ranks[at]), self._decode_one(token))}
         ids = result.top_ids[at][:want].tolist()

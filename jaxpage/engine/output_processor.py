@@ -93,7 +93,7 @@ class OutputProcessor:
         else:
             text = self._text(request)
             safe = len(text) - held_back(text, request.sampling_params.stop)
-        new_tokens = request.output_token_ids[state.sent_tokens:]
+        new_tokens = request.all_token_ids[request.num_prompt_tokens + state.sent_tokens:]
         new_text = text[state.sent_chars:safe] if safe > state.sent_chars else ""
         if not new_tokens and not new_text and not finished:
             return None

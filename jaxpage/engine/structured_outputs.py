@@ -222,10 +222,10 @@ def advance(requests: Iterable[Any]) -> list[Any]:
         state = request.grammar
         if state is None or request.is_finished:
             continue
-        tokens = request.output_token_ids
+        tokens, first = request.all_token_ids, request.num_prompt_tokens  # outputs from first
         matcher = state.matcher
-        while state.consumed < len(tokens):
-            matcher.consume_token(tokens[state.consumed])
+        while first + state.consumed < len(tokens):
+            matcher.consume_token(tokens[first + state.consumed])
             state.consumed += 1
         if matcher.is_error():
             logger.warning("request %s: its grammar rejected an output token (%s); finishing it",

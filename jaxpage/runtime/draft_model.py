@@ -193,7 +193,7 @@ class DraftModelProposer:
             tokens = request.all_token_ids
             ints[:, i] = (tokens[-1], len(tokens) - 1, k,
                           np.uint32(request.sample_seed).view(np.int32),
-                          len(request.output_token_ids))
+                          request.num_output_tokens)
             temperature[i] = request.sampling_params.temperature
             block_tables[i] = self._table(blocks, M)
         self.compiled_shapes.add(("propose", S, M))

@@ -76,3 +76,73 @@ def test_manager_refuses_without_taking_anything():
     assert not manager.allocate_slots(make_request("a", 13), 13)
     assert manager.block_pool.num_free_blocks == 3
     assert "a" not in manager.req_to_blocks
+
+
+def test_popleft_many_unlinks_a_run_from_the_head():
+    pool = BlockPool(8)
+    pool.free_blocks([pool.get_new_blocks(1)[0]])  # block 1 goes to the tail
+    taken = pool.free_queue.popleft_many(3)
+    assert [b.block_id for b in taken] == [2, 3, 4]
+    assert all(b.prev_free is None and b.next_free is None for b in taken)
+    assert pool.free_queue.block_ids() == [5, 6, 7, 1]
+    assert pool.num_free_blocks == 4
+    assert pool.free_queue.popleft_many(0) == []
+    assert [b.block_id for b in pool.free_queue.popleft_many(4)] == [5, 6, 7, 1]
+    assert pool.free_queue.block_ids() == [] and pool.num_free_blocks == 0
+    pool.free_queue.append(taken[1])  # the queue still links both ways
+    assert pool.free_queue.block_ids() == [3]
+    with pytest.raises(ValueError, match="asked for 2 blocks but 1 are free"):
+        pool.free_queue.popleft_many(2)
+
+
+def test_append_blocks_gives_each_request_the_block_allocate_slots_would():
+    def run(batched: bool):
+        manager = KVCacheManager(BlockPool(12), block_size=4)
+        requests = [make_request(name, 8) for name in "abc"]
+        for request in requests:
+            assert manager.allocate_slots(request, 8)
+            request.num_computed_tokens = 7  # token 7 ends block 1, token 8 starts block 2
+        manager.take_changed()
+        if batched:
+            assert manager.append_blocks(requests, [3, 3, 3])
+        else:
+            assert all(manager.allocate_slots(request, 2) for request in requests)
+        return ({r.request_id: manager.block_ids(r.request_id) for r in requests},
+                manager.take_changed(), manager.block_pool.free_queue.block_ids())
+
+    assert run(True) == run(False) == (
+        {"a": [1, 2, 7], "b": [3, 4, 8], "c": [5, 6, 9]}, {"a": 2, "b": 2, "c": 2}, [10, 11])
+
+
+def test_append_blocks_is_all_or_nothing():
+    manager = KVCacheManager(BlockPool(8), block_size=4)
+    a, b, c = (make_request(name, 4) for name in "abc")
+    for request in (a, b, c):
+        assert manager.allocate_slots(request, 4)
+    manager.take_changed()
+    assert manager.block_pool.num_free_blocks == 4
+    assert manager.append_blocks([a, b], [2, 2])
+    assert manager.block_ids("a") == [1, 4] and manager.block_ids("b") == [2, 5]
+    # Too few free blocks: nothing taken.
+    d, e, f = (make_request(name, 1) for name in "def")
+    for request in (d, e):
+        assert manager.allocate_slots(request, 1)
+    assert manager.block_pool.num_free_blocks == 0
+    assert not manager.append_blocks([c], [2])
+    manager.free(d)
+    manager.free(e)
+    # A request whose last block is shared would need a copy: nothing taken.
+    manager.fork(c, f)
+    before = manager.block_pool.free_queue.block_ids()
+    manager.take_changed()
+    assert not manager.append_blocks([a, c], [3, 2])
+    assert manager.block_ids("a") == [1, 4] and manager.block_ids("c") == [3]
+    assert manager.block_pool.free_queue.block_ids() == before and manager.take_changed() == {}
+    # A request holding no blocks, or two fewer than asked, is refused too.
+    assert not manager.append_blocks([make_request("g", 4)], [1])
+    assert not manager.append_blocks([a], [4])
+    # One already holding its count is left alone; the others still grow.
+    manager.free(f)
+    manager.take_changed()
+    assert manager.append_blocks([a, c], [2, 2]) and manager.block_ids("a") == [1, 4]
+    assert manager.block_ids("c") == [3, before[0]] and manager.take_changed() == {"c": 1}

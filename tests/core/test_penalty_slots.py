@@ -11,7 +11,6 @@ from tests.core.helpers import make_request, make_scheduler
 
 def test_fill_marks_prompt_and_output_tokens_and_counts_the_output():
     r = make_request("a", 0, prompt=[5, 9, 5, 7])
-    r.output_token_ids += [9, 9, 3]
     r.all_token_ids += [9, 9, 3]
     fill = penalty_fill(4, r)
     assert fill.slot == 4

@@ -18,8 +18,8 @@ def test_no_per_object_dict_and_no_stray_attributes():
     assert not hasattr(request, "__dict__")
     with pytest.raises(AttributeError):
         request.not_an_attribute = 1  # a typo fails loudly instead of adding an attribute
-    assert Request.__slots__[:4] == ("status", "num_computed_tokens", "output_token_ids",
-                                     "all_token_ids")  # the decode hot loop's, first
+    assert Request.__slots__[:4] == ("status", "num_computed_tokens", "all_token_ids",
+                                     "num_prompt_tokens")  # the decode hot loop's, first
     for name in Request.__slots__[:-1]:
         getattr(request, name)  # every slot is set by __init__
     assert weakref.ref(request)() is request  # (the draft model's WeakKeyDictionary)
@@ -39,6 +39,17 @@ def test_fork_copies_every_slot_and_owns_its_lists():
     child.append_output_token(10)
     assert leader.output_token_ids == [9] and leader.all_token_ids == [5, 6, 7, 9]
     assert child.all_token_ids == [5, 6, 7, 9, 10]
+
+
+def test_output_tokens_are_the_tail_of_all_tokens():
+    request = make()
+    assert request.output_token_ids == [] and request.num_output_tokens == 0
+    request.append_output_token(9)
+    request.append_output_token(4)
+    assert request.output_token_ids == [9, 4] and request.num_output_tokens == 2
+    assert request.last_token_id == 4 and request.num_prompt_tokens == 3
+    request.output_token_ids.append(1)  # a copy: the request is unchanged
+    assert request.all_token_ids == [5, 6, 7, 9, 4] and request.num_tokens == 5
 
 
 def test_pickles():

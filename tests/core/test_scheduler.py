@@ -141,3 +141,17 @@ def test_duplicate_request_id_is_rejected():
     s.add_request(make_request("a", 4))
     with pytest.raises(ValueError, match="already"):
         s.add_request(make_request("a", 4))
+
+
+def test_decode_positions_find_the_rows_starting_a_block_without_a_pass():
+    from jaxpage.core.schedule_ahead import DecodePositions
+
+    positions = DecodePositions.of([15, 16, 31, 1, 32], block_size=16)
+    assert positions.starting_block() == [1, 4]  # 16 and 32 start blocks
+    later = positions.next()
+    assert [later.position(row) for row in range(5)] == [16, 17, 32, 2, 33]
+    assert later.starting_block() == [0, 2]
+    for _ in range(14):
+        later = later.next()
+    assert later.starting_block() == [3] and later.position(3) == 16
+    assert positions.starting_block() == [1, 4]  # next() leaves the original as it was
