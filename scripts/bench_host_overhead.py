@@ -16,7 +16,10 @@ Each configuration (K, running) runs in a fresh process (``--in-process``: all i
 Its engine runs the whole measurement once untimed first (every program it needs is
 compiled then), then ``--repeats`` times per waiting count, timed, the waiting counts
 taking turns; the run with the median host time is the row (the range over the runs beside
-it). ``--profile FILE`` then measures the first configuration once more under cProfile (not
+it). A timed run is ``--calls`` engine calls (64: every row starts exactly 4 blocks of 16
+in it), up to 4x as many below 256 running so that it lasts tens of milliseconds. The
+targets (under 1 ms at 256 running, linear, flat within 10%, idle under 5%) are read off
+the rows and printed after the table. ``--profile FILE`` then measures the first configuration once more under cProfile (not
 a row of the table: the profiler slows the host), writes the profile to FILE and prints its
 top functions.
 
@@ -134,6 +137,8 @@ def run_configuration(steps: int, running: int, waitings: list[int], calls: int,
                       block_size: int, profile: str | None = None) -> list[dict]:
     """The rows of one engine (``steps``, ``running``): one per waiting count, the median of
     ``repeats`` timed runs, the waiting counts taking turns."""
+    if running < 256:  # the same ~16k tokens a timed run, up to 4x the calls (~20-50 ms)
+        calls = min(4 * calls, max(calls, calls * 256 // running))
     calls = calls if steps == 1 else max(6, 2 * calls // steps)
     max_tokens = 16 + steps * (calls + 8)
     engine = make_engine(running, steps, max_tokens, block_size)
@@ -167,6 +172,41 @@ def run_configuration(steps: int, running: int, waitings: list[int], calls: int,
     return rows
 
 
+def target_summary(rows: list[dict]) -> str:
+    """The issue's targets read off the rows: host work under 1 ms at 256 running (K=1),
+    growing at most linearly with the running count (each 4x of rows at most 4x the host
+    time), flat within 10% in the number waiting, the device idle under 5%."""
+    lines = ["Targets, read off the rows above:", ""]
+    for steps in sorted({r["K"] for r in rows}):
+        sel = [r for r in rows if r["K"] == steps]
+        host = {(r["running"], r["waiting"]): r["host_us_per_call"] for r in sel}
+        runnings = sorted({r["running"] for r in sel})
+        waitings = sorted({r["waiting"] for r in sel})
+        if steps == 1 and 256 in runnings:
+            worst = max(host[(256, w)] for w in waitings)
+            lines.append(f"- K=1, 256 running: at most {worst:,.0f} us a call "
+                         f"({'under' if worst < 1000 else 'NOT under'} 1 ms)")
+        growth = []
+        for low, high in zip(runnings, runnings[1:]):
+            ratio = max(host[(high, w)] / host[(low, w)] for w in waitings)
+            growth.append(f"{low} -> {high}: {ratio:.2f}x for {high / low:g}x the rows")
+        if growth:
+            linear = all(max(host[(high, w)] / host[(low, w)] for w in waitings) <= high / low
+                         for low, high in zip(runnings, runnings[1:]))
+            lines.append(f"- K={steps}, growth ({'linear or less' if linear else 'NOT linear'}): "
+                         + "; ".join(growth))
+        spreads = {n: max(host[(n, w)] for w in waitings) / min(host[(n, w)] for w in waitings) - 1
+                   for n in runnings}
+        flat = all(spread <= 0.10 for spread in spreads.values())
+        lines.append(f"- K={steps}, waiting 0 to {waitings[-1]:,} ({'flat' if flat else 'NOT flat'}"
+                     " within 10%): " + ", ".join(f"{n} running +{spread:.1%}"
+                                                  for n, spread in spreads.items()))
+        idle = max(r["idle_fraction"] for r in sel)
+        lines.append(f"- K={steps}, device idle: at most {idle:.1%} "
+                     f"({'under' if idle < 0.05 else 'NOT under'} 5%)")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict]):
     def draw(ax):
         for steps in sorted({r["K"] for r in rows}):
@@ -190,9 +230,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--waiting", type=ints, default=[0, 1000, 10000])
     parser.add_argument("--steps", type=ints, default=[1, 8],
                         help="num_scheduler_steps values (8 is the engine's default)")
-    parser.add_argument("--calls", type=int, default=60, help="timed engine calls at K=1 "
-                        "(at K > 1: calls / K * 2, at least 6)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per configuration; "
+    parser.add_argument("--calls", type=int, default=64, help="timed engine calls at K=1 "
+                        "and 256 or more running (fewer running: up to 4x as many; at K > 1: "
+                        "calls / K * 2, at least 6); a multiple of the block size "
+                        "makes every row start the same number of blocks in every timed run")
+    parser.add_argument("--repeats", type=int, default=9, help="timed runs per configuration; "
                         "the run with the median host time is reported (this 2-core machine's "
                         "timings drift by 20-30%% between runs, with spikes of +30%%)")
     parser.add_argument("--block-size", type=int, default=16)
@@ -230,9 +272,12 @@ def main(argv: list[str] | None = None) -> dict:
         row["host_range"] = f"{low:,.0f}-{high:,.0f}"
     table = markdown_table(rows, columns)
     print(table)
-    payload = {"environment": environment(), "command": " ".join(sys.argv), "rows": rows}
+    summary = target_summary(rows)
+    print(summary)
+    payload = {"environment": environment(), "command": " ".join(sys.argv), "rows": rows,
+               "targets": summary}
     paths = write_report(args.out, args.stem, title="Host work per engine call", payload=payload,
-                         table=table, plot=plot(rows))
+                         table=table, notes=summary, plot=plot(rows))
     print("wrote", ", ".join(str(p) for p in paths.values()))
     return payload
 
