@@ -32,3 +32,21 @@ def test_the_script_writes_its_table(tmp_path):
         assert low <= row["host_us_per_call"] <= high
     assert (tmp_path / "host_overhead.md").read_text().count("\n| ") >= len(rows)
     assert (tmp_path / "host_overhead.png").exists()
+    assert "Targets, read off the rows above" in (tmp_path / "host_overhead.md").read_text()
+    assert "K=4, waiting 0 to 20" in payload["targets"]
+
+
+def test_the_targets_are_read_off_the_rows():
+    def row(running, waiting, host, idle=0.0):
+        return {"K": 1, "running": running, "waiting": waiting, "host_us_per_call": host,
+                "idle_fraction": idle}
+
+    rows = [row(64, 0, 100), row(64, 10_000, 105), row(256, 0, 300), row(256, 10_000, 320),
+            row(1024, 0, 1100), row(1024, 10_000, 1300, idle=0.06)]
+    summary = bench_host_overhead.target_summary(rows)
+    assert "256 running: at most 320 us a call (under 1 ms)" in summary
+    # 1,300 / 320 = 4.06x for 4x the rows: the worst waiting count decides.
+    assert "growth (NOT linear): 64 -> 256: 3.05x for 4x the rows; 256 -> 1024: 4.06x" in summary
+    assert "(NOT flat within 10%): 64 running +5.0%, 256 running +6.7%, 1024 running +18.2%" \
+        in summary
+    assert "device idle: at most 6.0% (NOT under 5%)" in summary
