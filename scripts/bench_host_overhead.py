@@ -16,12 +16,12 @@ Each configuration (K, running) runs in a fresh process (``--in-process``: all i
 Its engine runs the whole measurement once untimed first (every program it needs is
 compiled then), then ``--repeats`` times per waiting count, timed, the waiting counts
 taking turns; the row is the mean of the runs without the fastest and the slowest (the
-range over all the runs beside it). A timed run is ``--calls`` engine calls (64: every row starts exactly 4 blocks of 16
-in it), up to 4x as many below 256 running so that it lasts tens of milliseconds. The
-targets (under 1 ms at 256 running, linear, flat within 10%, idle under 5%) are read off
-the rows and printed after the table. ``--profile FILE`` then measures the first configuration once more under cProfile (not
-a row of the table: the profiler slows the host), writes the profile to FILE and prints its
-top functions.
+range over all the runs beside it). A timed run is ``--calls`` engine calls (64: every row
+starts exactly 4 blocks of 16 in it), up to 4x as many below 256 running so that it lasts
+tens of milliseconds. The targets (under 1 ms at 256 running, linear, flat within 10%,
+idle under 5%) are read off the rows and printed after the table. ``--profile FILE`` then
+measures the first configuration once more under cProfile (not a row of the table: the
+profiler slows the host), writes the profile to FILE and prints its top functions.
 
     python scripts/bench_host_overhead.py                       # the full table
     python scripts/bench_host_overhead.py --running 256 --waiting 0,10000 --steps 1
