@@ -1,5 +1,6 @@
-"""BatchMetadata, the one host-to-device contract, and BatchBuilder, which pads it to
-the rungs of the bucket ladders (``jaxpage.core.bucket_ladder``).
+"""BatchBuilder: a SchedulerOutput padded into a ``BatchMetadata``
+(``jaxpage.core.batch_metadata``, padding rules there) of the rungs of the bucket
+ladders (``jaxpage.core.bucket_ladder``).
 
 Every array has a fixed, bucketed shape so the jitted step compiles a small set of
 programs: ``T`` (tokens), ``S`` (sequences) and ``M`` (blocks per sequence) are each
@@ -7,25 +8,14 @@ rounded up to a rung of their ladder. A batch of decodes only (one token per seq
 pads its tokens like its sequences (``T = S``, capped by the token ladder's rung): the
 token ladder starts at 16, and on the CPU a decode of one sequence padded to 16 tokens
 costs much more than at 1 (16x the matmul work for the same weights read), while the
-long tail of a workload decodes a few sequences at a time. Padding is explicit:
-
-* padded tokens: ``input_ids = 0``, ``positions = 0``, ``slot_mapping = -1`` (not written);
-* padded sequences: ``kv_lens = 0``, ``cu_q_lens`` repeats its last value, block table
-  rows are 0 (the null block), ``logits_indices = 0``, greedy sampling;
-* ``num_seqs[0]`` is the number of real sequences.
-
-Penalties read the device's own table of seen tokens and output counts: a row names its
-row of that table (``penalty_slot``, see ``jaxpage.core.penalty_slots``), or -1 when it
-has no penalties or its sampled token is thrown away (a prefill chunk before the last).
-A penalized batch therefore has the same shapes as any other.
+long tail of a workload decodes a few sequences at a time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-
 import numpy as np
 
+from jaxpage.core.batch_metadata import ROW_INT_FIELDS, BatchMetadata
 from jaxpage.core.batch_rows import BatchRows
 from jaxpage.core.batch_shapes import BatchShapes
 from jaxpage.core.bucket_ladder import BucketLadder  # noqa: F401 (re-exported)
@@ -33,129 +23,12 @@ from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.penalty_slots import PenaltyFill, PenaltySlots
 from jaxpage.core.request import MAX_STOP_TOKENS
 from jaxpage.core.scheduler import SchedulerOutput
-from jaxpage.sampling_params import MAX_LOGPROBS
-
-# Top log-probabilities the step returns per sequence when any sequence asks for them: as
-# many as a request may ask for.
-MAX_TOP_LOGPROBS = MAX_LOGPROBS
-
-
-@dataclass(frozen=True)
-class BatchMetadata:
-    """Numpy arrays for one model step (see the module docstring for padding rules)."""
-
-    input_ids: np.ndarray        # int32 [T]
-    input_src: np.ndarray        # int32 [T]  -1, or the previous call's row that sampled it
-    positions: np.ndarray        # int32 [T]
-    slot_mapping: np.ndarray     # int32 [T]  flat slot block_id * block_size + offset, -1 = skip
-    block_tables: np.ndarray     # int32 [S, M]
-    kv_lens: np.ndarray          # int32 [S]  tokens in the cache per sequence, new ones included
-    cu_q_lens: np.ndarray        # int32 [S + 1]  prefix sums of new-token counts
-    num_seqs: np.ndarray         # int32 [1]
-    logits_indices: np.ndarray   # int32 [S]  token whose logits sample sequence i
-    temperature: np.ndarray      # float32 [S]  0 = greedy
-    top_k: np.ndarray            # int32 [S]  <= 0 = disabled
-    top_p: np.ndarray            # float32 [S]
-    min_p: np.ndarray            # float32 [S]
-    sample_seeds: np.ndarray     # uint32 [S]
-    sample_index: np.ndarray     # int32 [S]  output tokens so far (keys the random stream)
-    stop_token_ids: np.ndarray   # int32 [S, MAX_STOP_TOKENS]  EOS (unless ignored) + stop ids; -1 = none
-    min_tokens: np.ndarray       # int32 [S]  stop tokens are masked while sample_index < this
-    max_output: np.ndarray       # int32 [S]  the request's max_tokens (after context clipping)
-    want_logprobs: np.ndarray    # int32 [S]  1 = return this row's top log-probabilities
-    presence_penalty: np.ndarray   # float32 [S]  0 = off
-    frequency_penalty: np.ndarray  # float32 [S]  0 = off
-    repetition_penalty: np.ndarray  # float32 [S]  1 = off
-    penalty_slot: np.ndarray     # int32 [S]  row of the device's penalty table, -1 = none
-    lora_slot: np.ndarray        # int32 [S]  LoRA adapter slot 1..max_loras, 0 = base model
-    # ``packed()``'s arrays, once made (or given: ``from_packed``). Never modified.
-    _packed: tuple[np.ndarray, np.ndarray, np.ndarray] | None = field(
-        default=None, repr=False, compare=False)
-
-    @classmethod
-    def from_packed(cls, tokens: np.ndarray, rows: np.ndarray,
-                    floats: np.ndarray) -> "BatchMetadata":
-        """The batch whose ``packed()`` arrays these are; its fields are views of them."""
-        values = unpack_batch(tokens, rows, floats)
-        values["sample_seeds"] = values["sample_seeds"].view(np.uint32)
-        return cls(**values, _packed=(tokens, rows, floats))
-
-    def replaced(self, **changes) -> "BatchMetadata":
-        """A copy with ``changes`` (fields, ``_packed``) and every other field shared.
-        Skips ``__init__``: on the hot path ``dataclasses.replace`` costs ~20 us."""
-        copy = object.__new__(BatchMetadata)
-        copy.__dict__.update(self.__dict__)
-        copy.__dict__.update(changes)
-        return copy
-
-    @property
-    def shape_key(self) -> tuple[int, int, int]:
-        """Which compiled program runs this batch: (T, S, M)."""
-        return (self.input_ids.shape[0], self.block_tables.shape[0], self.block_tables.shape[1])
-
-    def as_dict(self) -> dict[str, np.ndarray]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_packed"}
-
-    def packed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The batch as three arrays, what actually crosses to the device (one transfer
-        each instead of one per field; ``unpack_batch`` undoes it inside the program):
-
-        tokens int32 [4, T] (input_ids, positions, slot_mapping, input_src), rows int32
-        [S, len(ROW_INT_FIELDS) + MAX_STOP_TOKENS + M] (per-row ints, stop ids, block
-        table; ``cu_q_lens[1:]`` and ``num_seqs`` ride as columns) and floats float32
-        [S, len(ROW_FLOAT_FIELDS)].
-        """
-        if self._packed is not None:
-            return self._packed
-        S = self.block_tables.shape[0]
-        ints = [getattr(self, name) for name in ROW_INT_FIELDS[:-3]]
-        ints += [self.sample_seeds.view(np.int32), self.cu_q_lens[1:],
-                 np.broadcast_to(self.num_seqs, (S,))]
-        rows = np.concatenate([np.stack(ints, axis=1), self.stop_token_ids, self.block_tables],
-                              axis=1)
-        tokens = np.stack([self.input_ids, self.positions, self.slot_mapping, self.input_src])
-        floats = np.stack([getattr(self, name) for name in ROW_FLOAT_FIELDS], axis=1)
-        object.__setattr__(self, "_packed", (tokens, rows, floats))
-        return self._packed
-
-
-# Column order of ``BatchMetadata.packed``'s per-row arrays.
-ROW_INT_FIELDS = ("kv_lens", "logits_indices", "top_k", "sample_index", "min_tokens",
-                  "max_output", "want_logprobs", "penalty_slot", "lora_slot", "sample_seeds",
-                  "cu_q_lens", "num_seqs")
-ROW_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty")
-
 
 # Columns of the packed per-row ints that a continuing build touches.
 _KV_LENS = ROW_INT_FIELDS.index("kv_lens")
 _SAMPLE_INDEX = ROW_INT_FIELDS.index("sample_index")
 _TABLES = len(ROW_INT_FIELDS) + MAX_STOP_TOKENS
 
-
-def unpack_batch(tokens, rows, floats) -> dict:
-    """The fields of a batch from ``BatchMetadata.packed``'s arrays (numpy or traced jax
-    arrays: only slicing, so it costs nothing inside a compiled program). ``sample_seeds``
-    comes back as int32 bits (the sampler only uses them as a key)."""
-    batch = {"input_ids": tokens[0], "positions": tokens[1], "slot_mapping": tokens[2],
-             "input_src": tokens[3]}
-    for column, name in enumerate(ROW_INT_FIELDS):
-        batch[name] = rows[:, column]
-    num_ints = len(ROW_INT_FIELDS)
-    batch["cu_q_lens"] = _prepend_zero(batch["cu_q_lens"])
-    batch["num_seqs"] = batch["num_seqs"][:1]
-    batch["stop_token_ids"] = rows[:, num_ints:num_ints + MAX_STOP_TOKENS]
-    batch["block_tables"] = rows[:, num_ints + MAX_STOP_TOKENS:]
-    for column, name in enumerate(ROW_FLOAT_FIELDS):
-        batch[name] = floats[:, column]
-    return batch
-
-
-def _prepend_zero(values):
-    """[0, *values] for a numpy or a jax array (their shared array-API namespace: no jax
-    import on this floor)."""
-    xp = values.__array_namespace__()
-    return xp.concatenate([xp.zeros(1, dtype=values.dtype), values])
 
 
 class BatchBuilder(BatchShapes):
@@ -178,7 +51,7 @@ class BatchBuilder(BatchShapes):
         self.penalty_slots = PenaltySlots(num_penalty_slots or max_num_seqs)
         self.rows = BatchRows(max_num_seqs, max_blocks)
         self._last: tuple[SchedulerOutput, BatchMetadata] | None = None  # the latest build
-        self._continued: BatchMetadata | None = None  # the latest continuing build
+        self._last_continued = False  # the latest build was a continuing one
         # ``_advance``'s increments: ((rows, tokens' shape, ints' shape), [4, T], [S, C])
         self._advance_steps: tuple | None = None
 
@@ -219,6 +92,7 @@ class BatchBuilder(BatchShapes):
                 _assert_same_batch(batch, self._build_rows(out, 0))
         else:
             batch = self._build_rows(out, ahead)
+            self._last_continued = False
         self._last = (out, batch)
         return batch
 
@@ -321,12 +195,13 @@ class BatchBuilder(BatchShapes):
         tokens, ints, floats = last.packed()
         M = last.block_tables.shape[1]
         if rows.longest_table > M or rows.reordered or rows.any_penalties:
+            self._last_continued = False
             return self._build_rows(out, 0)
-        if last is self._continued and out.positions is not None:
+        if self._last_continued and out.positions is not None:
             batch = self._advance(out, last, rows, M)
         else:
             batch = self._continue(out, last, rows, M)
-        self._continued = batch
+        self._last_continued = True
         return batch
 
     def _advance(self, out: SchedulerOutput, last: BatchMetadata, rows: BatchRows,

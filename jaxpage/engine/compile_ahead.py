@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from jaxpage.config import SchedulerConfig
-from jaxpage.core.batch import BatchBuilder, BatchMetadata
+from jaxpage.core.batch import BatchBuilder
+from jaxpage.core.batch_metadata import BatchMetadata
 
 
 class DrainPrograms:

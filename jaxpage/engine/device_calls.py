@@ -61,7 +61,8 @@ from typing import Callable
 import numpy as np
 
 from jaxpage.config import SchedulerConfig
-from jaxpage.core.batch import BatchBuilder, BatchMetadata
+from jaxpage.core.batch import BatchBuilder
+from jaxpage.core.batch_metadata import BatchMetadata
 from jaxpage.core.block_pool import BlockPool
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.request import Request, RequestStatus

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from jaxpage.core.batch import MAX_STOP_TOKENS
+from jaxpage.core.request import MAX_STOP_TOKENS
 from jaxpage.core.request import Request, derive_sample_seed
 from jaxpage.sampling_params import SamplingParams
 

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpage.core.batch import MAX_TOP_LOGPROBS
+from jaxpage.core.batch_metadata import MAX_TOP_LOGPROBS
 from jaxpage.runtime.sampler import record_tokens, sample, sampled_logprobs
 from jaxpage.runtime.step import Caches, Packed, unpack
 

@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpage.runtime import block_ops
-from jaxpage.core.batch import BatchMetadata
+from jaxpage.core.batch_metadata import BatchMetadata
 from jaxpage.models.loader import LoadedModel
 from jaxpage.runtime.decode_loop import make_decode_loop
 from jaxpage.parallel.placement import JitDispatch, Placement

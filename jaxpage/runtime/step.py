@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpage.core.batch import MAX_TOP_LOGPROBS, unpack_batch
+from jaxpage.core.batch_metadata import MAX_TOP_LOGPROBS, unpack_batch
 from jaxpage.runtime.sampler import (adjusted_logits, fill_penalty_row, record_token_runs,
                                      record_tokens, rejection_sample, sample, sampled_logprobs,
                                      sampling_probs)
