@@ -6,7 +6,12 @@
 #   STEPS="kernel_tests bench_kernels" bash scripts/accelerator_check.sh   # some steps only
 #
 # It runs, on the real device, each step under a time limit (STEP_TIMEOUT seconds, default
-# 300), a failing or timed-out step recorded and the next one run:
+# 300; TIMEOUT_<step> for one step, e.g. TIMEOUT_kernel_tests=200), a failing or timed-out
+# step recorded and the next one run:
+#   host_overhead     scripts/bench_host_overhead.py on the device: host microseconds per engine
+#                     call by phase and the fraction of wall time the device waits for the
+#                     host, tiny preset, K=1 and K=8 (HOST_RUNNING, default 16,256,1024;
+#                     HOST_WAITING, default 0,10000; HOST_REPEATS, default 5);
 #   kernel_tests      the Pallas kernel tests compiled for the device (JAXPAGE_KERNELS_ON_DEVICE=1:
 #                     the device's own backend, not interpret mode) against the jnp reference;
 #   bench_kernels     scripts/bench_kernels.py: Llama-3-8B decode attention, batch 64, context
@@ -29,7 +34,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$(pwd)"
 export PYTHONUNBUFFERED=1
 PYTHON="${PYTHON:-python3}"
-STEPS="${STEPS:-kernel_tests bench_kernels engine_vs_hf bench_throughput bench_spec_decode}"
+STEPS="${STEPS:-host_overhead kernel_tests bench_kernels engine_vs_hf bench_throughput bench_spec_decode}"
 STEP_TIMEOUT="${STEP_TIMEOUT:-300}"
 # The tests and benchmark scripts default to the CPU; here the device's own platform runs.
 if command -v nvidia-smi >/dev/null 2>&1; then export JAX_PLATFORMS=cuda; else export JAX_PLATFORMS=tpu; fi
@@ -43,13 +48,15 @@ summary="$dir/README.md"
 run_step() {  # name, then the command; output to $dir/<name>.log, status to the summary
     local name=$1; shift
     case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
-    echo "== $name: $*"
+    local limit_var="TIMEOUT_$name"
+    local limit="${!limit_var:-$STEP_TIMEOUT}"
+    echo "== $name (limit $limit s): $*"
     local began=$(date +%s)
-    timeout "$STEP_TIMEOUT" "$@" > "$dir/$name.log" 2>&1
+    timeout "$limit" "$@" > "$dir/$name.log" 2>&1
     local status=$?
     tail -n 25 "$dir/$name.log"
     local result=ok
-    [ $status -eq 124 ] && result="TIMED OUT (${STEP_TIMEOUT} s)"
+    [ $status -eq 124 ] && result="TIMED OUT (${limit} s)"
     [ $status -ne 0 ] && [ $status -ne 124 ] && result="FAILED ($status)"
     echo "| $name | \`$*\` | $result | $(( $(date +%s) - began )) s |" >> "$summary"
     return 0
@@ -69,6 +76,9 @@ run_step() {  # name, then the command; output to $dir/<name>.log, status to the
     echo "|---|---|---|---|"
 } > "$summary"
 
+run_step host_overhead "$PYTHON" scripts/bench_host_overhead.py \
+    --running "${HOST_RUNNING:-16,256,1024}" --waiting "${HOST_WAITING:-0,10000}" --steps 1,8 \
+    --repeats "${HOST_REPEATS:-5}" --out "$dir" --stem host_overhead
 run_step kernel_tests env JAXPAGE_KERNELS_ON_DEVICE=1 "$PYTHON" -m pytest -q -p no:cacheprovider \
     tests/kernels/test_attention_kernels.py tests/kernels/test_kv_cache_update_kernels.py
 run_step bench_kernels "$PYTHON" scripts/bench_kernels.py --markdown --json "$dir/bench_kernels.json"

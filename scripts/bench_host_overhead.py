@@ -154,8 +154,11 @@ def run_configuration(steps: int, running: int, waitings: list[int], calls: int,
         calls = min(4 * calls, max(calls, calls * 256 // running))
     calls = calls if steps == 1 else max(6, 2 * calls // steps)
     max_tokens = 16 + steps * (calls + 8)
+    began = time.perf_counter()
     engine = make_engine(running, steps, max_tokens, block_size)
     measure(engine, running, 0, calls, max_tokens)  # untimed: compiles every shape
+    print(f"K={steps} running={running:5d}: engine and untimed pass (compiles) "
+          f"{time.perf_counter() - began:.1f} s", flush=True)
     # The waiting counts take turns, each round starting one further (0, 1,000, 10,000;
     # 1,000, 10,000, 0; ...), so that a drift of the machine's speed over the minutes of a
     # configuration, or within a round, lands on all of them alike.
@@ -174,7 +177,8 @@ def run_configuration(steps: int, running: int, waitings: list[int], calls: int,
         print(f"K={steps} running={running:5d} waiting={waiting:6d}: host "
               f"{row['host_us_per_call']:8.0f} us/call ("
               + ", ".join(f"{p} {row[p + '_us']:.0f}" for p in PHASES)
-              + f"), device idle {row['idle_fraction']:.1%}", flush=True)
+              + f"), device idle {row['idle_fraction']:.1%}, "
+              f"{row['tokens_per_s']:,.0f} tok/s", flush=True)
     if profile:
         profiler = cProfile.Profile()
         measure(engine, running, waitings[0], calls, max_tokens, profiler)
