@@ -37,6 +37,19 @@ def platform_backend(platform: str | None = None) -> str:
     return _PLATFORM_BACKEND.get(platform or current_platform(), "reference")
 
 
+def branches_wait_for_device(platform: str | None = None) -> bool:
+    """Whether a data-dependent branch inside a program makes the host wait for the device
+    on ``platform`` (default: ``current_platform()``).
+
+    XLA:GPU runs a conditional by copying its predicate to the host and blocking on the
+    stream before it picks the branch, and a while loop without a known trip count does
+    the same every iteration: the thread that launched the program waits for everything
+    queued before it, the previous step included. On the CPU and the TPU the branch is
+    decided without the host.
+    """
+    return platform_backend(platform) == "gpu"
+
+
 def resolve(backend: str, *, interpret: bool = False, platform: str | None = None,
             auto: str | None = None) -> str:
     """The concrete backend ("reference", "gpu" or "tpu") for a request.

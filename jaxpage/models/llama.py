@@ -45,6 +45,7 @@ from jaxpage.models.moe import moe_mlp
 from jaxpage.models.params import ParamInit, QuantizedWeight, linear
 from jaxpage.models.quantize import QuantFormat
 from jaxpage.parallel.sharding_rules import TP
+from pallas_kernels._backend import branches_wait_for_device
 from pallas_kernels.kv_quant import encode
 from pallas_kernels.precision import dot_precision
 from pallas_kernels.quantized_matmul import gather_columns
@@ -272,10 +273,13 @@ class CausalLM(nnx.Module):
         """``rope_table`` of the positions for the global layers (False) and, when there
         are any, the sliding ones (True). Computed once per forward pass when recomputing
         them in every rotation would take over ~262k cosines and sines (SmolLM2: from 12
-        tokens; the tiny preset's batches, up to 1024 decodes, stay below)."""
+        tokens; the tiny preset's batches, up to 1024 decodes, stay below). Never on a
+        GPU: what keeps them apart is a conditional, and there a conditional makes the
+        host wait for the device (``branches_wait_for_device``)."""
         cfg = self.cfg
         rotations = len(self.layers) * (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
-        once = rotations * positions.shape[0] >= _ROPE_ONCE_ELEMENTS
+        once = (rotations * positions.shape[0] >= _ROPE_ONCE_ELEMENTS
+                and not branches_wait_for_device())
         kinds = {self._local(index) for index in range(len(self.layers))}
         return {local: rope_table(positions, jnp.asarray(cfg.rope_inv_freq(local=local)), once)
                 for local in kinds}

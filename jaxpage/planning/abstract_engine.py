@@ -41,6 +41,8 @@ from jaxpage.runtime.decode_loop import make_decode_loop
 from jaxpage.runtime.kv_cache import bytes_per_block
 from jaxpage.runtime.model_runner import PENALTY_FILL_WIDTH, _powers_of_two_upto
 from jaxpage.runtime.step import make_penalty_fill, make_step
+from jaxpage.runtime.step_features import ALL_FEATURES
+from pallas_kernels._backend import branches_wait_for_device
 
 
 
@@ -97,6 +99,10 @@ class AbstractEngine:
                              f"{len(devices)}")
         self.config = config
         self.device = devices[0]
+        # Where the host decides the sampling features (a GPU: ``step_features``), the
+        # programs compiled are those doing all of it: the largest of every bucket.
+        self.features = (ALL_FEATURES if branches_wait_for_device(self.device.platform)
+                         else None)
         self.mesh = Mesh(np.array(devices[:tp]), (TP,))
         self.placement = Placement(self.mesh)
         self.hf_config = {**model_config(mc.model), **(mc.hf_overrides or {})}
@@ -183,14 +189,15 @@ class AbstractEngine:
                                                                 placement.replicated))
 
     def step_program(self, shape, num_blocks: int | None = None) -> Program:
-        run = make_step(self.graphdef, jit=self._jit_with_caches)
+        run = make_step(self.graphdef, jit=self._jit_with_caches, features=self.features)
         return Program("step", tuple(shape), run.jitted,
                        (self.state, self.caches(num_blocks), self.batch(shape),
                         self._replicated((self.max_num_seqs,), jnp.int32)))
 
     def verify_program(self, shape, num_blocks: int | None = None) -> Program:
         """The speculative-decoding verify step (``make_step(verify=True)``)."""
-        run = make_step(self.graphdef, jit=self._jit_with_caches, verify=True)
+        run = make_step(self.graphdef, jit=self._jit_with_caches, verify=True,
+                        features=self.features)
         return Program("verify", tuple(shape), run.jitted,
                        (self.state, self.caches(num_blocks), self.batch(shape),
                         self._replicated((self.max_num_seqs,), jnp.int32),
@@ -199,7 +206,7 @@ class AbstractEngine:
 
     def decode_program(self, shape, num_blocks: int | None = None) -> Program:
         run = make_decode_loop(self.graphdef, self.num_steps, self.block_size,
-                               jit=self._jit_with_caches)
+                               jit=self._jit_with_caches, features=self.features)
         rows = self.max_num_seqs
         args = (self.state, self.caches(num_blocks), self.batch(shape),
                 self._replicated((rows,), jnp.int32), self._replicated((rows,), jnp.bool_),

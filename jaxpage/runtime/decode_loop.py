@@ -1,4 +1,5 @@
-"""Up to K decode iterations on the device in one call (``lax.while_loop``).
+"""Up to K decode iterations on the device in one call (``lax.while_loop``; with host-decided
+``features``, exactly K, see ``make_decode_loop``).
 
 Every iteration runs the model on one token per sequence, samples the next one, writes
 its K/V through the block table (the host reserved blocks for all K tokens), and checks
@@ -30,10 +31,11 @@ from flax import nnx
 from jaxpage.core.batch_metadata import MAX_TOP_LOGPROBS
 from jaxpage.runtime.sampler import record_tokens, sample, sampled_logprobs
 from jaxpage.runtime.step import Caches, Packed, unpack
+from jaxpage.runtime.step_features import StepFeatures
 
 
 def make_decode_loop(graphdef: Any, num_steps: int, block_size: int,
-                     jit: Callable = jax.jit) -> Callable:
+                     jit: Callable = jax.jit, features: StepFeatures | None = None) -> Callable:
     """Jitted ``loop(state, caches, packed, prev_tokens, prev_done, row_map)``
     (``packed``: ``BatchMetadata.packed()``).
 
@@ -42,6 +44,11 @@ def make_decode_loop(graphdef: Any, num_steps: int, block_size: int,
     Returns ``(caches, tokens int32 [num_steps, S], (last_tokens int32 [R], done bool [R]),
     (top_ids, top_logprobs, token_logprobs, token_ranks))``: top_* [num_steps, S,
     MAX_TOP_LOGPROBS], token_* [num_steps, S], all zeros unless some row wants logprobs.
+
+    ``features`` (``jaxpage.runtime.step_features``, for a GPU): the sampler's optional
+    work decided by the host, and the loop runs all ``num_steps`` iterations (a loop of
+    known length: XLA:GPU checks no predicate on the host). The iterations after every
+    row finished write nothing and return -1, as when the loop stops early.
     """
 
     def loop(state: Any, caches: Caches, packed: Packed,
@@ -80,9 +87,11 @@ def make_decode_loop(graphdef: Any, num_steps: int, block_size: int,
             logits = model.compute_logits(hidden[batch["logits_indices"]],  # [S, V]
                                           live_rows.astype(jnp.int32))
             index = batch["sample_index"] + i
-            new = sample(logits, dict(step_batch, sample_index=index), penalties)  # [S]
+            new = sample(logits, dict(step_batch, sample_index=index), penalties,  # [S]
+                         features)
             penalties = record_tokens(penalties, jnp.where(done, -1, batch["penalty_slot"]), new)
-            logprobs = sampled_logprobs(logits, new, batch["want_logprobs"], MAX_TOP_LOGPROBS)
+            logprobs = sampled_logprobs(logits, new, batch["want_logprobs"], MAX_TOP_LOGPROBS,
+                                        features)
             num_out = index + 1
             is_stop = jnp.any((new[:, None] == stop_ids) & (stop_ids >= 0), axis=-1)
             finishes = (is_stop & (num_out >= batch["min_tokens"])) | (num_out >= batch["max_output"])
@@ -97,7 +106,11 @@ def make_decode_loop(graphdef: Any, num_steps: int, block_size: int,
                jnp.zeros((K, S, N), jnp.float32))
         carry = (0, kv_cache, ids, batch["positions"], batch["kv_lens"], done, penalty_table,
                  out)
-        _, kv_cache, ids, _, _, done, penalty_table, out = jax.lax.while_loop(cond, body, carry)
+        if features is None:
+            carry = jax.lax.while_loop(cond, body, carry)
+        else:
+            carry = jax.lax.fori_loop(0, num_steps, lambda _, c: body(c), carry)
+        _, kv_cache, ids, _, _, done, penalty_table, out = carry
         tokens, chosen, rank, top_ids, top_values = out
         rows = min(num_rows, carry_rows)
         row_token = jnp.minimum(jnp.arange(num_rows), num_tokens - 1)       # [S]

@@ -21,6 +21,8 @@ from jaxpage.runtime.kv_cache import allocate_kv_cache
 from jaxpage.runtime.pending_calls import PendingMultiStep, PendingStep, StepResult
 from jaxpage.core.penalty_slots import PenaltyFill
 from jaxpage.runtime.step import make_forward_logits, make_penalty_fill, make_step
+from jaxpage.runtime.step_features import StepFeatures, features_of
+from pallas_kernels._backend import branches_wait_for_device
 from pallas_kernels.dense_matmul import resolve_backend as resolve_dense_backend
 from pallas_kernels.quantized_matmul import resolve_backend as resolve_quantized_backend
 from pallas_kernels.sampling import resolve_backend as resolve_sampling_backend
@@ -70,14 +72,17 @@ class ModelRunner:
                                                 self.placement.replicated)
             if self.placement.mesh is not None else None)
         self._jit_with_caches = caches_jit
-        self._step = make_step(graphdef, jit=caches_jit)
-        self._verify_step = make_step(graphdef, jit=caches_jit, verify=True)
+        # On a GPU a conditional inside a program makes the launching thread wait for the
+        # device: there the host picks each batch's sampling features and every feature
+        # set is its own program (``step_features``); elsewhere one program decides.
+        self.host_decides_branches = branches_wait_for_device(self.placement_platform())
+        self._steps: dict[tuple[bool, StepFeatures | None], Any] = {}
         self._fill_penalties = make_penalty_fill(jit=functools.partial(
             self.placement.jit, carry_sharding=self.placement.replicated
             if self.placement.mesh is not None else None))
         self._graphdef = graphdef
         self._block_size = block_size
-        self._decode_loops: dict[int, object] = {}
+        self._decode_loops: dict[tuple[int, StepFeatures | None], object] = {}
         self._forward_logits = make_forward_logits(graphdef, jit=self.placement.jit)
         self.compiled_shapes: set[tuple[int, int, int]] = set()
         # The carry of a multi-step call that continues nothing: one row per possible sequence.
@@ -234,7 +239,8 @@ class ModelRunner:
             raise ValueError("a verify step cannot continue a call on the device")
         if token_mask is not None and verify:
             raise ValueError("a verify step takes no grammar mask")
-        name, step = ("verify", self._verify_step) if verify else ("step", self._step)
+        features = features_of(batch, self.host_decides_branches)
+        name, step = "verify" if verify else "step", self._step_program(verify, features)
         if token_mask is not None:
             expected = (batch.block_tables.shape[0], self.mask_words)
             if token_mask.shape != expected or token_mask.dtype != np.int32:
@@ -253,6 +259,8 @@ class ModelRunner:
             name = f"verify-q{draft_probs.shape[0]}"  # the program depends on Q
         elif token_mask is not None:
             args += (token_mask,)
+        if features is not None:
+            name += features.suffix
         program = self.executables.get(name, batch.shape_key, step, args)
         (self.kv_cache, self.penalty_table), (sampled, *logprobs), last_tokens = program(*args)
         outputs = (sampled, *logprobs) if batch.want_logprobs.any() else (sampled,)
@@ -274,12 +282,23 @@ class ModelRunner:
         """Run one step and wait for it. Rows past ``num_seqs`` are junk."""
         return self.dispatch(batch, token_mask=token_mask).fetch()
 
-    def _decode_loop(self, num_steps: int) -> Any:
-        """The jitted multi-step decode loop of ``num_steps`` iterations (made once)."""
-        loop = self._decode_loops.get(num_steps)
+    def _step_program(self, verify: bool, features: StepFeatures | None) -> Any:
+        """The jitted single step (``verify``: the speculative verify step) for
+        ``features`` (None: the one program that decides on the device), made once."""
+        step = self._steps.get((verify, features))
+        if step is None:
+            step = self._steps[verify, features] = make_step(
+                self._graphdef, jit=self._jit_with_caches, verify=verify, features=features)
+        return step
+
+    def _decode_loop(self, num_steps: int, features: StepFeatures | None = None) -> Any:
+        """The jitted multi-step decode loop of ``num_steps`` iterations for ``features``
+        (see ``_step_program``), made once."""
+        loop = self._decode_loops.get((num_steps, features))
         if loop is None:
-            loop = self._decode_loops[num_steps] = make_decode_loop(
-                self._graphdef, num_steps, self._block_size, jit=self._jit_with_caches)
+            loop = self._decode_loops[num_steps, features] = make_decode_loop(
+                self._graphdef, num_steps, self._block_size, jit=self._jit_with_caches,
+                features=features)
         return loop
 
     def dispatch_multi_step(self, batch: BatchMetadata, num_steps: int,
@@ -291,7 +310,8 @@ class ModelRunner:
         input token and done flag from the device; the host built ``batch`` as far ahead
         as that call goes.
         """
-        loop = self._decode_loop(num_steps)
+        features = features_of(batch, self.host_decides_branches)
+        loop = self._decode_loop(num_steps, features)
         num_rows = batch.block_tables.shape[0]
         if row_map is None:
             prev_tokens, prev_done = self._no_carry
@@ -303,7 +323,8 @@ class ModelRunner:
         self.compiled_shapes.add(batch.shape_key + (num_steps,))
         args = (self.params, (self.kv_cache, self.penalty_table), batch.packed(),
                 prev_tokens, prev_done, row_map)
-        program = self.executables.get(f"decode{num_steps}", batch.shape_key, loop, args)
+        name = f"decode{num_steps}" + (features.suffix if features is not None else "")
+        program = self.executables.get(name, batch.shape_key, loop, args)
         (self.kv_cache, self.penalty_table), tokens, carry, logprobs = program(*args)
         if self._copy_outputs_early:
             tokens.copy_to_host_async()
@@ -340,12 +361,15 @@ class ModelRunner:
         the params and caches as shapes only (the live caches are donated by every call)."""
         fixed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                              (self.params, (self.kv_cache, self.penalty_table)))
+        features = features_of(batch, self.host_decides_branches)
+        suffix = features.suffix if features is not None else ""
         if num_steps == 1:
-            return "step", batch.shape_key, self._step, (*fixed, batch.packed(), self._no_carry[0])
-        loop = self._decode_loop(num_steps)
+            return ("step" + suffix, batch.shape_key, self._step_program(False, features),
+                    (*fixed, batch.packed(), self._no_carry[0]))
+        loop = self._decode_loop(num_steps, features)
         row_map = np.full(batch.block_tables.shape[0], -1, np.int32)
         args = (*fixed, batch.packed(), *self._no_carry, row_map)
-        return f"decode{num_steps}", batch.shape_key, loop, args
+        return f"decode{num_steps}{suffix}", batch.shape_key, loop, args
 
     def execute_multi_step(self, batch: BatchMetadata, num_steps: int) -> np.ndarray:
         """Run ``num_steps`` decode iterations; int32 [num_steps, S], -1 after a row stops."""

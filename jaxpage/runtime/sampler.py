@@ -10,6 +10,11 @@ grammar forbids get -inf), then ``min_tokens`` masking, then penalties (repetiti
 output tokens, presence and frequency over output tokens), then greedy or temperature and
 the top-k / top-p / min-p filters. Log-probabilities are those of the raw model
 distribution (before penalties and temperature), over the whole vocabulary.
+
+Optional work (the sort for top-k / top-p, penalties, log-probabilities, the noise of
+sampled rows) is skipped by a conditional on the device when no row needs it, or, given
+``features`` (``jaxpage.runtime.step_features``: the host decided), left out of the
+program or done for every row, with no conditional.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpage.core.penalty_slots import SEEN
+from jaxpage.runtime.step_features import StepFeatures
 from pallas_kernels.sampling import first_argmax, gumbel_noise, sample_rows
 from pallas_kernels.sampling.reference import kept_scaled
 
@@ -46,7 +52,7 @@ def apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def _sort_threshold(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                    top_p: jax.Array) -> jax.Array:
+                    top_p: jax.Array, features: StepFeatures | None = None) -> jax.Array:
     """float32 [S]: each sampled row's smallest logit (unscaled) that top-k and top-p keep,
     -inf where neither cuts anything. A token is kept when its logit is at least this.
 
@@ -55,7 +61,7 @@ def _sort_threshold(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     ulp differently from XLA would otherwise drop the very top token at top_k=1.
     Top-k and top-p need the row sorted, which XLA does slowly on the CPU (~0.45 s for 48
     rows of a 49k vocabulary, against ~10 ms for the rest of sampling), so the sort only
-    runs when some sampled row asks for either.
+    runs when some sampled row asks for either (``features.sort``, when given).
     """
     vocab = logits.shape[-1]
     sampled = temperature > 0                                               # [S]
@@ -75,24 +81,28 @@ def _sort_threshold(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     def no_threshold() -> jax.Array:
         return jnp.full((logits.shape[0],), -jnp.inf, logits.dtype)
 
+    if features is not None:
+        return sorted_threshold() if features.sort else no_threshold()
     return jax.lax.cond(needs_sort, sorted_threshold, no_threshold)
 
 
 def _filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                     top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+                     top_p: jax.Array, min_p: jax.Array,
+                     features: StepFeatures | None = None) -> jax.Array:
     """Temperature-scaled logits with everything outside top-k / top-p / min-p at -inf
     (``_sort_threshold``; min-p alone needs only each row's maximum)."""
-    threshold = _sort_threshold(logits, temperature, top_k, top_p)
+    threshold = _sort_threshold(logits, temperature, top_k, top_p, features)
     return kept_scaled(logits, temperature, threshold, min_p)
 
 
-def penalize(logits: jax.Array, penalty_table: jax.Array,
-             batch: dict[str, jax.Array]) -> jax.Array:
+def penalize(logits: jax.Array, penalty_table: jax.Array, batch: dict[str, jax.Array],
+             features: StepFeatures | None = None) -> jax.Array:
     """vLLM's repetition, frequency and presence penalties for rows with a penalty slot.
 
     logits float32 [S, V]; penalty_table int32 [R, V] (``jaxpage.core.penalty_slots``: a
     value is count_in_output | SEEN). Rows with ``penalty_slot == -1`` are unchanged, and
-    when no row has a slot the table is not read at all.
+    when no row has a slot (``features.penalties`` False, when given) the table is not
+    read at all.
     """
     slots = batch["penalty_slot"]                                            # [S]
 
@@ -111,6 +121,8 @@ def penalize(logits: jax.Array, penalty_table: jax.Array,
         logits = logits - batch["frequency_penalty"][:, None] * counts
         return logits - batch["presence_penalty"][:, None] * (counts > 0).astype(logits.dtype)
 
+    if features is not None:
+        return apply(logits) if features.penalties else logits
     return jax.lax.cond(jnp.any(slots >= 0), apply, lambda x: x, logits)
 
 
@@ -162,24 +174,27 @@ def fill_penalty_row(penalty_table: jax.Array, slot: jax.Array, token_ids: jax.A
 
 
 def adjusted_logits(logits: jax.Array, batch: dict[str, jax.Array],
-                    penalty_table: jax.Array | None = None) -> jax.Array:
+                    penalty_table: jax.Array | None = None,
+                    features: StepFeatures | None = None) -> jax.Array:
     """logits float32 [S, V] with the grammar mask (when ``batch`` has ``token_mask``),
     ``min_tokens``' suppressed stop ids and the penalties applied: what temperature and
     top-k/p / min-p filtering start from."""
     if "token_mask" in batch:
         logits = apply_token_mask(logits, batch["token_mask"])
-    too_early = (batch["sample_index"] < batch["min_tokens"])[:, None]
-    logits = suppress_tokens(logits, jnp.where(too_early, batch["stop_token_ids"], -1))
+    if features is None or features.min_tokens:
+        too_early = (batch["sample_index"] < batch["min_tokens"])[:, None]
+        logits = suppress_tokens(logits, jnp.where(too_early, batch["stop_token_ids"], -1))
     if penalty_table is not None:
-        logits = penalize(logits, penalty_table, batch)
+        logits = penalize(logits, penalty_table, batch, features)
     return logits
 
 
-def sampling_probs(adjusted: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:
+def sampling_probs(adjusted: jax.Array, batch: dict[str, jax.Array],
+                   features: StepFeatures | None = None) -> jax.Array:
     """float32 [S, V]: the distribution a sampled row (temperature > 0) draws from, after
     temperature and top-k / top-p / min-p (``adjusted`` from ``adjusted_logits``)."""
     filtered = _filtered_logits(adjusted, batch["temperature"], batch["top_k"],
-                                batch["top_p"], batch["min_p"])
+                                batch["top_p"], batch["min_p"], features)
     return jax.nn.softmax(filtered, axis=-1)
 
 
@@ -207,22 +222,25 @@ def rejection_sample(target_probs: jax.Array, draft_probs: jax.Array, proposal: 
 
 
 def sample(logits: jax.Array, batch: dict[str, jax.Array],
-           penalty_table: jax.Array | None = None) -> jax.Array:
+           penalty_table: jax.Array | None = None,
+           features: StepFeatures | None = None) -> jax.Array:
     """logits float32 [S, V] -> token ids int32 [S]. ``penalty_table``: see ``penalize``
     (None: no penalties). In a verify step (``jaxpage.runtime.step``) the rows are tokens,
     and ``batch`` also has ``proposal_ids`` and ``row_start`` (see ``proposals_before``).
 
     The last step (greedy, or Gumbel-max after temperature, top-k / top-p and min-p) is
     ``pallas_kernels.sampling.sample_rows``: on the CPU a C++ kernel, one pass per row."""
-    logits = adjusted_logits(logits, batch, penalty_table)
+    logits = adjusted_logits(logits, batch, penalty_table, features)
     temperature = batch["temperature"]
-    threshold = _sort_threshold(logits, temperature, batch["top_k"], batch["top_p"])
+    threshold = _sort_threshold(logits, temperature, batch["top_k"], batch["top_p"], features)
     return sample_rows(logits, temperature, threshold, batch["min_p"],
-                       batch["sample_seeds"], batch["sample_index"])
+                       batch["sample_seeds"], batch["sample_index"],
+                       stochastic=None if features is None else features.sampled)
 
 
-def sampled_logprobs(logits: jax.Array, tokens: jax.Array, want: jax.Array,
-                     k: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def sampled_logprobs(logits: jax.Array, tokens: jax.Array, want: jax.Array, k: int,
+                     features: StepFeatures | None = None
+                     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Log-probabilities of the raw distribution (logits float32 [S, V]) for rows that want
     them (int32 [S]; all zeros when none does):
 
@@ -242,4 +260,6 @@ def sampled_logprobs(logits: jax.Array, tokens: jax.Array, want: jax.Array,
         return (jnp.zeros(rows, jnp.float32), jnp.zeros(rows, jnp.int32),
                 jnp.zeros((rows, k), jnp.int32), jnp.zeros((rows, k), jnp.float32))
 
+    if features is not None:
+        return compute() if features.logprobs else skip()
     return jax.lax.cond(jnp.any(want > 0), compute, skip)

@@ -19,6 +19,7 @@ from jaxpage.core.batch_metadata import MAX_TOP_LOGPROBS, unpack_batch
 from jaxpage.runtime.sampler import (adjusted_logits, fill_penalty_row, record_token_runs,
                                      record_tokens, rejection_sample, sample, sampled_logprobs,
                                      sampling_probs)
+from jaxpage.runtime.step_features import StepFeatures
 
 KVCache = tuple[jax.Array, jax.Array]
 Caches = tuple[KVCache, jax.Array]  # (kv_cache, penalty_table int32 [R, V])
@@ -33,7 +34,8 @@ def unpack(packed: Packed) -> dict[str, jax.Array]:
     return batch
 
 
-def make_step(graphdef: Any, jit: Callable = jax.jit, verify: bool = False) -> Callable:
+def make_step(graphdef: Any, jit: Callable = jax.jit, verify: bool = False,
+              features: StepFeatures | None = None) -> Callable:
     """Jitted ``step(params, caches, packed, prev_tokens) -> (caches, (sampled, top_ids,
     top_logprobs, token_logprobs, token_ranks), last_tokens)``.
 
@@ -57,9 +59,13 @@ def make_step(graphdef: Any, jit: Callable = jax.jit, verify: bool = False) -> C
     A single step may take one more argument, ``token_mask`` int32 [S, ceil(V / 32)]:
     structured outputs' packed grammar masks (all ones for a row without a grammar),
     applied before everything else the sampler does (``sampler.apply_token_mask``).
+
+    ``features`` (``jaxpage.runtime.step_features``): the optional sampling work this
+    program does, decided by the host for every batch it runs (no conditional in the
+    program); None: decided on the device, one program for every batch.
     """
     if verify:
-        return jit(_verify_step(graphdef), donate_argnums=(1,))
+        return jit(_verify_step(graphdef, features), donate_argnums=(1,))
 
     def step(state: Any, caches: Caches, packed: Packed, prev_tokens: jax.Array,
              *token_mask: jax.Array):
@@ -78,10 +84,10 @@ def make_step(graphdef: Any, jit: Callable = jax.jit, verify: bool = False) -> C
         hidden, kv_cache = model(input_ids, batch["positions"], kv_cache, live)
         logits = model.compute_logits(hidden[batch["logits_indices"]],  # [S, V]
                                       batch["num_seqs"][0])
-        tokens = sample(logits, batch, penalty_table)
+        tokens = sample(logits, batch, penalty_table, features)
         penalty_table = record_tokens(penalty_table, batch["penalty_slot"], tokens)
         chosen, rank, top_ids, top_values = sampled_logprobs(
-            logits, tokens, batch["want_logprobs"], MAX_TOP_LOGPROBS)
+            logits, tokens, batch["want_logprobs"], MAX_TOP_LOGPROBS, features)
         kept = min(rows, tokens.shape[0])
         last_tokens = jax.numpy.zeros(rows, jax.numpy.int32).at[:kept].set(tokens[:kept])
         sampled = jax.numpy.stack([tokens, may_stop(tokens, batch)])         # [2, S]
@@ -158,7 +164,7 @@ def verify_tokens(tokens: jax.Array, input_ids: jax.Array, cu_q_lens: jax.Array,
     return (clean & (index < cu_q_lens[-1])).astype(jnp.int32)
 
 
-def _verify_step(graphdef: Any) -> Callable:
+def _verify_step(graphdef: Any, features: StepFeatures | None = None) -> Callable:
     """``make_step(..., verify=True)``'s function (see there)."""
     def step(state: Any, caches: Caches, packed: Packed, prev_tokens: jax.Array,
              draft_probs: jax.Array, q_src: jax.Array):
@@ -182,21 +188,25 @@ def _verify_step(graphdef: Any) -> Callable:
         start = cu_q_lens[token_row]
         per_token["row_start"] = start
         per_token["proposal_ids"] = jnp.where(real & (index > start), input_ids, -1)
-        tokens = sample(logits, per_token, penalty_table)                    # [T]
+        tokens = sample(logits, per_token, penalty_table, features)          # [T]
         if draft_probs.shape[0] > 1:  # a draft model's proposals: min(1, p/q) acceptance
             has_q = (q_src >= 0) & (per_token["temperature"] > 0) & real     # [T]
             proposal = jnp.concatenate([input_ids[1:], jnp.zeros(1, input_ids.dtype)])
 
             def rejection() -> jax.Array:
-                p = sampling_probs(adjusted_logits(logits, per_token, penalty_table), per_token)
+                p = sampling_probs(adjusted_logits(logits, per_token, penalty_table, features),
+                                   per_token, features)
                 drawn = rejection_sample(p, draft_probs[jnp.maximum(q_src, 0)], proposal,
                                          per_token["sample_seeds"], per_token["sample_index"])
                 return jnp.where(has_q, drawn, tokens)
 
-            tokens = jax.lax.cond(jnp.any(has_q), rejection, lambda: tokens)
+            if features is None:
+                tokens = jax.lax.cond(jnp.any(has_q), rejection, lambda: tokens)
+            elif features.sampled:  # no sampled row: no row has a draft distribution
+                tokens = rejection()
         last = tokens[batch["logits_indices"]]                               # [S]
         chosen, rank, top_ids, top_values = sampled_logprobs(
-            logits, tokens, per_token["want_logprobs"], MAX_TOP_LOGPROBS)
+            logits, tokens, per_token["want_logprobs"], MAX_TOP_LOGPROBS, features)
         emitted = verify_tokens(tokens, input_ids, cu_q_lens, token_row)
         # The device keeps the penalty rows current: every emitted token is counted.
         penalty_table = record_token_runs(

@@ -41,9 +41,10 @@ def resolve_backend(backend: str = "auto") -> str:
 
 def sample_rows(logits: jax.Array, temperature: jax.Array, threshold: jax.Array,
                 min_p: jax.Array, seeds: jax.Array, index: jax.Array, *,
-                backend: str = "auto") -> jax.Array:
+                backend: str = "auto", stochastic: bool | None = None) -> jax.Array:
     """int32 [S]: one token per row of ``logits`` float32 [S, V]; see
-    ``reference.sample_rows`` for the rule."""
+    ``reference.sample_rows`` for the rule and ``stochastic`` (the C++ kernel handles
+    greedy and sampled rows in its one pass and ignores it)."""
     if logits.ndim != 2:
         raise ValueError(f"logits must be [S, V], got shape {logits.shape}")
     rows = logits.shape[0]
@@ -55,4 +56,5 @@ def sample_rows(logits: jax.Array, temperature: jax.Array, threshold: jax.Array,
         from pallas_kernels.sampling.cpu import sample_rows_cpu
 
         return sample_rows_cpu(logits, temperature, threshold, min_p, seeds, index)
-    return reference.sample_rows(logits, temperature, threshold, min_p, seeds, index)
+    return reference.sample_rows(logits, temperature, threshold, min_p, seeds, index,
+                                 stochastic=stochastic)

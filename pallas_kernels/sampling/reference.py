@@ -58,7 +58,8 @@ def kept_scaled(logits: jax.Array, temperature: jax.Array, threshold: jax.Array,
 
 
 def sample_rows(logits: jax.Array, temperature: jax.Array, threshold: jax.Array,
-                min_p: jax.Array, seeds: jax.Array, index: jax.Array) -> jax.Array:
+                min_p: jax.Array, seeds: jax.Array, index: jax.Array,
+                stochastic: bool | None = None) -> jax.Array:
     """int32 [S]: one token per row of ``logits`` float32 [S, V].
 
     A row with ``temperature`` [S] 0 takes its first argmax (greedy). Any other row
@@ -67,13 +68,19 @@ def sample_rows(logits: jax.Array, temperature: jax.Array, threshold: jax.Array,
     (logit / temperature) is at least the row's largest plus log(min_p); it takes the first
     argmax of the kept scaled logits plus ``gumbel_noise(seeds, index)`` (Gumbel-max: a
     draw from their softmax).
+
+    ``stochastic``: None draws the noise only when some row samples (a conditional on the
+    device); True draws it for every row (greedy rows still take their argmax); False
+    leaves it out, for a caller that knows every temperature is 0.
     """
     sampled = temperature > 0                                               # [S]
     greedy = first_argmax(logits)
 
-    def stochastic() -> jax.Array:
+    def draw() -> jax.Array:
         filtered = kept_scaled(logits, temperature, threshold, min_p)
         drawn = first_argmax(filtered + gumbel_noise(seeds, index, logits.shape[-1]))
         return jnp.where(sampled, drawn, greedy)
 
-    return jax.lax.cond(jnp.any(sampled), stochastic, lambda: greedy)
+    if stochastic is not None:
+        return draw() if stochastic else greedy
+    return jax.lax.cond(jnp.any(sampled), draw, lambda: greedy)

@@ -1,0 +1,80 @@
+"""Which optional parts of sampling a batch needs, decided on the host, for a platform
+where a branch inside a program makes the host wait (``branches_wait_for_device``: a GPU).
+
+The step programs skip optional work (the top-k / top-p sort, penalties, log-probabilities,
+Gumbel noise when every row is greedy) with ``lax.cond`` on a predicate over the batch.
+XLA:GPU reads such a predicate back to the host and waits for the stream before it picks
+the branch, so the call that launches step n+1 blocks until step n has finished: measured
+on an H100 (``docs/benchmarks/accelerator/2026-11-26-NVIDIA-H100-80GB-HBM3``), a call's
+launch took 0.9-1.2 ms, about the whole device step, and the device then idled while the
+host did the rest of its work (12-43% of the time at K=1, 53-67% at K=8).
+
+There the host decides instead: ``StepFeatures.of(batch)`` reads the same predicates off
+the batch's numpy arrays, and each set of features is its own program (``suffix`` names
+it). A feature that no row needs is left out of the program; one that some row needs runs
+for every row, which is what the conditional's taken branch does: the tokens are the same
+either way. The noise of sampled rows is in every such program (``BASE_FEATURES``).
+The CPU and the TPU keep the conditionals (``features=None``: one program for every
+batch).
+
+Invariant: a feature is False only when the device's own predicate would be false for
+the batch (computed over the same padded arrays, padding rows included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxpage.core.batch_metadata import BatchMetadata
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    """Optional sampling work a program does for every row (False: left out)."""
+
+    sampled: bool     # some row samples (temperature > 0): filters and Gumbel noise
+    sort: bool        # some sampled row has top-k or top-p: the sorted threshold
+    penalties: bool   # some row has a penalty slot: the penalty table is read
+    logprobs: bool    # some row wants log-probabilities: log-softmax and top-k
+    min_tokens: bool  # some row is below its min_tokens: its stop ids are suppressed
+
+    @classmethod
+    def of(cls, batch: BatchMetadata) -> "StepFeatures":
+        """The features ``batch`` needs (its padded arrays, as the device would see them).
+        ``sort`` counts any positive top-k, even one at or above the vocabulary size (the
+        sort then keeps every token: the same tokens, some work for nothing)."""
+        sampled_rows = batch.temperature > 0                                  # [S]
+        return cls(
+            sampled=bool(sampled_rows.any()),
+            sort=bool((sampled_rows & ((batch.top_k > 0) | (batch.top_p < 1.0))).any()),
+            penalties=bool((batch.penalty_slot >= 0).any()),
+            logprobs=bool(batch.want_logprobs.any()),
+            min_tokens=bool((batch.sample_index < batch.min_tokens).any()))
+
+    def union(self, other: "StepFeatures") -> "StepFeatures":
+        """The features either needs."""
+        return StepFeatures(*(getattr(self, name) or getattr(other, name) for name in _NAMES))
+
+    @property
+    def suffix(self) -> str:
+        """The program-name suffix of these features: "" for none, else "+" and the
+        names of the features present (e.g. "+sampled+sort")."""
+        names = [name for name in _NAMES if getattr(self, name)]
+        return "".join("+" + name for name in names)
+
+
+_NAMES = ("sampled", "sort", "penalties", "logprobs", "min_tokens")
+NO_FEATURES = StepFeatures(False, False, False, False, False)
+ALL_FEATURES = StepFeatures(True, True, True, True, True)
+# What every host-decided program does at least: draw the noise of sampled rows (one
+# elementwise pass over the logits; greedy rows still take their argmax). Greedy batches
+# and the default sampling (temperature 1, no filters) then share one program, the one
+# that warm-up and compile-ahead build from empty batches.
+BASE_FEATURES = StepFeatures(True, False, False, False, False)
+
+
+def features_of(batch: BatchMetadata, static: bool) -> StepFeatures | None:
+    """The features of the program that runs ``batch`` when the host decides the branches
+    (``static``): the batch's own and ``BASE_FEATURES``. None otherwise (the program
+    decides on the device)."""
+    return StepFeatures.of(batch).union(BASE_FEATURES) if static else None

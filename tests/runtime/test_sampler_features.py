@@ -1,0 +1,94 @@
+"""Each part of the sampler gives the same result with host-decided ``features`` (what a
+GPU runs: the batch's own features) as with the conditionals on the device, including the
+reference last step (``reference.sample_rows``, the GPU's). A feature the batch does not
+need changes only what no row reads (the log-probabilities of rows that did not ask for
+them, the top-k / top-p threshold of greedy rows): more features than the batch needs
+are for compiling the largest program (``jaxpage.planning``), not for running batches."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpage.core.penalty_slots import SEEN
+from jaxpage.runtime import sampler
+from jaxpage.runtime.step_features import ALL_FEATURES, StepFeatures
+from pallas_kernels.sampling import reference
+
+S, V = 6, 64
+
+
+def _batch(rng, *, sampled: bool, sort: bool, penalties: bool, logprobs: bool,
+           min_tokens: bool) -> dict:
+    temperature = np.where(rng.random(S) < 0.5, 0.8, 0.0) if sampled else np.zeros(S)
+    if sampled:
+        temperature[0] = 1.1
+    return {
+        "temperature": jnp.asarray(temperature, jnp.float32),
+        "top_k": jnp.asarray([4 if sort else 0] + [0] * (S - 1), jnp.int32),
+        "top_p": jnp.asarray([1.0, 0.7 if sort else 1.0] + [1.0] * (S - 2), jnp.float32),
+        "min_p": jnp.asarray([0.0, 0.0, 0.05] + [0.0] * (S - 3), jnp.float32),
+        "sample_seeds": jnp.asarray(rng.integers(0, 2**32, S, dtype=np.uint32)),
+        "sample_index": jnp.asarray(rng.integers(0, 5, S), jnp.int32),
+        "min_tokens": jnp.asarray([9 if min_tokens else 0] + [0] * (S - 1), jnp.int32),
+        "stop_token_ids": jnp.asarray(rng.integers(-1, V, (S, 3)), jnp.int32),
+        "penalty_slot": jnp.asarray([1, -1, 0] + [-1] * (S - 3) if penalties else [-1] * S,
+                                    jnp.int32),
+        "repetition_penalty": jnp.full(S, 1.3, jnp.float32),
+        "frequency_penalty": jnp.full(S, 0.4, jnp.float32),
+        "presence_penalty": jnp.full(S, 0.2, jnp.float32),
+        "want_logprobs": jnp.asarray([0, 1] + [0] * (S - 2) if logprobs else [0] * S,
+                                     jnp.int32),
+    }
+
+
+def _run(logits, batch, table, features):
+    adjusted = sampler.adjusted_logits(logits, batch, table, features)
+    threshold = sampler._sort_threshold(adjusted, batch["temperature"], batch["top_k"],
+                                        batch["top_p"], features)
+    tokens = reference.sample_rows(adjusted, batch["temperature"], threshold, batch["min_p"],
+                                   batch["sample_seeds"], batch["sample_index"],
+                                   stochastic=None if features is None else features.sampled)
+    logprobs = sampler.sampled_logprobs(logits, tokens, batch["want_logprobs"], 3, features)
+    return adjusted, threshold, tokens, logprobs
+
+
+@pytest.mark.parametrize("flags", [(0, 0, 0, 0, 0), (1, 0, 0, 0, 0), (1, 1, 0, 1, 0),
+                                   (0, 0, 1, 0, 1), (1, 1, 1, 1, 1)])
+def test_host_decided_sampler_equals_device_decided(flags):
+    rng = np.random.default_rng(sum(f << i for i, f in enumerate(flags)))
+    names = ("sampled", "sort", "penalties", "logprobs", "min_tokens")
+    batch = _batch(rng, **dict(zip(names, map(bool, flags))))
+    logits = jnp.asarray(rng.standard_normal((S, V)) * 3, jnp.float32)
+    table = np.zeros((2, V), np.int32)
+    table[0, :5] = SEEN | 2
+    table[1, 7] = SEEN
+    table = jnp.asarray(table)
+    run = jax.jit(_run, static_argnums=3)
+    want = run(logits, batch, table, None)
+    features = StepFeatures(*map(bool, flags))
+    assert (features == ALL_FEATURES) == all(flags)
+    got = run(logits, batch, table, features)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=0)
+    assert want[2].dtype == jnp.int32
+
+
+def test_reference_last_step_stochastic_flag():
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.standard_normal((S, V)), jnp.float32)
+    greedy = jnp.zeros(S, jnp.float32)
+    args = (jnp.full(S, -jnp.inf), jnp.zeros(S), jnp.arange(S, dtype=jnp.uint32),
+            jnp.zeros(S, jnp.int32))
+    base = reference.sample_rows(logits, greedy, *args)
+    # every row greedy: leaving the noise out (False) or drawing it (True) changes nothing
+    for stochastic in (False, True):
+        np.testing.assert_array_equal(
+            reference.sample_rows(logits, greedy, *args, stochastic=stochastic), base)
+    hot = jnp.full(S, 2.0, jnp.float32)
+    drawn = reference.sample_rows(logits, hot, *args)
+    np.testing.assert_array_equal(reference.sample_rows(logits, hot, *args, stochastic=True),
+                                  drawn)
+    assert not np.array_equal(np.asarray(drawn), np.asarray(base))  # the noise mattered
