@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from jaxpage.core.request import MAX_STOP_TOKENS
+from jaxpage.core.step_features import StepFeatures
 from jaxpage.sampling_params import MAX_LOGPROBS
 
 # Top log-probabilities the step returns per sequence when any sequence asks for them: as
@@ -61,6 +62,8 @@ class BatchMetadata:
     # ``packed()``'s arrays, once made (or given: ``from_packed``). Never modified.
     _packed: tuple[np.ndarray, np.ndarray, np.ndarray] | None = field(
         default=None, repr=False, compare=False)
+    # ``step_features()``, once computed (kept by a continuing build, see ``replaced``).
+    _features: StepFeatures | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_packed(cls, tokens: np.ndarray, rows: np.ndarray,
@@ -72,11 +75,23 @@ class BatchMetadata:
 
     def replaced(self, **changes) -> "BatchMetadata":
         """A copy with ``changes`` (fields, ``_packed``) and every other field shared.
-        Skips ``__init__``: on the hot path ``dataclasses.replace`` costs ~20 us."""
+        Skips ``__init__``: on the hot path ``dataclasses.replace`` costs ~20 us.
+
+        Only for a batch that continues this one (the same rows, one token further): the
+        copy keeps this batch's ``step_features()``, which the rows' sampling parameters
+        decide. Their ``min_tokens`` feature may stay on after the rows passed it: the
+        suppression is per row, so that changes nothing."""
         copy = object.__new__(BatchMetadata)
         copy.__dict__.update(self.__dict__)
         copy.__dict__.update(changes)
         return copy
+
+    def step_features(self) -> StepFeatures:
+        """``StepFeatures.of(self)``, computed once (a few reductions over [S] arrays that
+        a steady decode would otherwise repeat every step; see ``replaced``)."""
+        if self._features is None:
+            object.__setattr__(self, "_features", StepFeatures.of(self))
+        return self._features
 
     @property
     def shape_key(self) -> tuple[int, int, int]:
@@ -84,7 +99,8 @@ class BatchMetadata:
         return (self.input_ids.shape[0], self.block_tables.shape[0], self.block_tables.shape[1])
 
     def as_dict(self) -> dict[str, np.ndarray]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_packed"}
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("_packed", "_features")}
 
     def packed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The batch as three arrays, what actually crosses to the device (one transfer

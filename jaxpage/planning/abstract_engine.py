@@ -28,6 +28,7 @@ from jaxpage.config import EngineConfig
 from jaxpage.core.batch import BatchBuilder
 from jaxpage.core.block_pool import BlockPool
 from jaxpage.core.kv_cache_manager import KVCacheManager
+from jaxpage.core.step_features import ALL_FEATURES
 from jaxpage.arch_config import ArchConfig
 from jaxpage.models.loader import DTYPES
 from jaxpage.models.presets import PREFIX as PRESET_PREFIX
@@ -41,7 +42,6 @@ from jaxpage.runtime.decode_loop import make_decode_loop
 from jaxpage.runtime.kv_cache import bytes_per_block
 from jaxpage.runtime.model_runner import PENALTY_FILL_WIDTH, _powers_of_two_upto
 from jaxpage.runtime.step import make_penalty_fill, make_step
-from jaxpage.runtime.step_features import ALL_FEATURES
 from pallas_kernels._backend import branches_wait_for_device
 
 

@@ -1,5 +1,5 @@
-"""Up to K decode iterations on the device in one call (``lax.while_loop``; with host-decided
-``features``, exactly K, see ``make_decode_loop``).
+"""Up to K decode iterations on the device in one call (``lax.while_loop``; on a GPU exactly
+K, see ``make_decode_loop``).
 
 Every iteration runs the model on one token per sequence, samples the next one, writes
 its K/V through the block table (the host reserved blocks for all K tokens), and checks
@@ -29,13 +29,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpage.core.batch_metadata import MAX_TOP_LOGPROBS
+from jaxpage.core.step_features import StepFeatures
 from jaxpage.runtime.sampler import record_tokens, sample, sampled_logprobs
 from jaxpage.runtime.step import Caches, Packed, unpack
-from jaxpage.runtime.step_features import StepFeatures
+from pallas_kernels._backend import branches_wait_for_device
 
 
 def make_decode_loop(graphdef: Any, num_steps: int, block_size: int,
-                     jit: Callable = jax.jit, features: StepFeatures | None = None) -> Callable:
+                     jit: Callable = jax.jit, features: StepFeatures | None = None,
+                     fixed_length: bool | None = None) -> Callable:
     """Jitted ``loop(state, caches, packed, prev_tokens, prev_done, row_map)``
     (``packed``: ``BatchMetadata.packed()``).
 
@@ -45,11 +47,15 @@ def make_decode_loop(graphdef: Any, num_steps: int, block_size: int,
     (top_ids, top_logprobs, token_logprobs, token_ranks))``: top_* [num_steps, S,
     MAX_TOP_LOGPROBS], token_* [num_steps, S], all zeros unless some row wants logprobs.
 
-    ``features`` (``jaxpage.runtime.step_features``, for a GPU): the sampler's optional
-    work decided by the host, and the loop runs all ``num_steps`` iterations (a loop of
-    known length: XLA:GPU checks no predicate on the host). The iterations after every
-    row finished write nothing and return -1, as when the loop stops early.
+    ``features`` (``jaxpage.core.step_features``): the sampler's optional work, decided
+    by the host (None: by conditionals on the device). ``fixed_length``: run all
+    ``num_steps`` iterations, a loop of known length, instead of stopping once every row
+    finished (XLA:GPU checks a while loop's predicate on the host every iteration); the
+    iterations after that write nothing and return -1, as if the loop had stopped. None:
+    on the platform being built for when branches wait for the device (a GPU).
     """
+    if fixed_length is None:
+        fixed_length = branches_wait_for_device()
 
     def loop(state: Any, caches: Caches, packed: Packed,
              prev_tokens: jax.Array, prev_done: jax.Array, row_map: jax.Array):
@@ -106,10 +112,10 @@ def make_decode_loop(graphdef: Any, num_steps: int, block_size: int,
                jnp.zeros((K, S, N), jnp.float32))
         carry = (0, kv_cache, ids, batch["positions"], batch["kv_lens"], done, penalty_table,
                  out)
-        if features is None:
-            carry = jax.lax.while_loop(cond, body, carry)
-        else:
+        if fixed_length:
             carry = jax.lax.fori_loop(0, num_steps, lambda _, c: body(c), carry)
+        else:
+            carry = jax.lax.while_loop(cond, body, carry)
         _, kv_cache, ids, _, _, done, penalty_table, out = carry
         tokens, chosen, rank, top_ids, top_values = out
         rows = min(num_rows, carry_rows)

@@ -20,8 +20,8 @@ from jaxpage.runtime.executable_cache import ExecutableCache, fingerprint
 from jaxpage.runtime.kv_cache import allocate_kv_cache
 from jaxpage.runtime.pending_calls import PendingMultiStep, PendingStep, StepResult
 from jaxpage.core.penalty_slots import PenaltyFill
+from jaxpage.core.step_features import StepFeatures, features_of
 from jaxpage.runtime.step import make_forward_logits, make_penalty_fill, make_step
-from jaxpage.runtime.step_features import StepFeatures, features_of
 from pallas_kernels._backend import branches_wait_for_device
 from pallas_kernels.dense_matmul import resolve_backend as resolve_dense_backend
 from pallas_kernels.quantized_matmul import resolve_backend as resolve_quantized_backend
@@ -72,17 +72,22 @@ class ModelRunner:
                                                 self.placement.replicated)
             if self.placement.mesh is not None else None)
         self._jit_with_caches = caches_jit
-        # On a GPU a conditional inside a program makes the launching thread wait for the
-        # device: there the host picks each batch's sampling features and every feature
-        # set is its own program (``step_features``); elsewhere one program decides.
-        self.host_decides_branches = branches_wait_for_device(self.placement_platform())
+        # The host picks each batch's sampling program (``core.step_features``) on a GPU,
+        # where a conditional makes the launch wait for the device, and on the CPU, where
+        # the conditionals' results are fresh copies of the [S, V] logits (the tiny
+        # preset's 1,024-row decode step: 18 -> 8.4 ms). The TPU keeps one program that
+        # decides with conditionals on the device. A GPU also runs a decode call's K
+        # iterations as a loop of known length (no early exit).
+        platform = self.placement_platform()
+        self.host_decides_branches = platform == "cpu" or branches_wait_for_device(platform)
+        self.fixed_decode_length = branches_wait_for_device(platform)
         self._steps: dict[tuple[bool, StepFeatures | None], Any] = {}
         self._fill_penalties = make_penalty_fill(jit=functools.partial(
             self.placement.jit, carry_sharding=self.placement.replicated
             if self.placement.mesh is not None else None))
         self._graphdef = graphdef
         self._block_size = block_size
-        self._decode_loops: dict[tuple[int, StepFeatures | None], object] = {}
+        self._decode_loops: dict[tuple[int, StepFeatures | None, bool], object] = {}
         self._forward_logits = make_forward_logits(graphdef, jit=self.placement.jit)
         self.compiled_shapes: set[tuple[int, int, int]] = set()
         # The carry of a multi-step call that continues nothing: one row per possible sequence.
@@ -294,11 +299,12 @@ class ModelRunner:
     def _decode_loop(self, num_steps: int, features: StepFeatures | None = None) -> Any:
         """The jitted multi-step decode loop of ``num_steps`` iterations for ``features``
         (see ``_step_program``), made once."""
-        loop = self._decode_loops.get((num_steps, features))
+        key = (num_steps, features, self.fixed_decode_length)
+        loop = self._decode_loops.get(key)
         if loop is None:
-            loop = self._decode_loops[num_steps, features] = make_decode_loop(
+            loop = self._decode_loops[key] = make_decode_loop(
                 self._graphdef, num_steps, self._block_size, jit=self._jit_with_caches,
-                features=features)
+                features=features, fixed_length=self.fixed_decode_length)
         return loop
 
     def dispatch_multi_step(self, batch: BatchMetadata, num_steps: int,

@@ -13,7 +13,7 @@ distribution (before penalties and temperature), over the whole vocabulary.
 
 Optional work (the sort for top-k / top-p, penalties, log-probabilities, the noise of
 sampled rows) is skipped by a conditional on the device when no row needs it, or, given
-``features`` (``jaxpage.runtime.step_features``: the host decided), left out of the
+``features`` (``jaxpage.core.step_features``: the host decided), left out of the
 program or done for every row, with no conditional.
 """
 
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpage.core.penalty_slots import SEEN
-from jaxpage.runtime.step_features import StepFeatures
+from jaxpage.core.step_features import StepFeatures
 from pallas_kernels.sampling import first_argmax, gumbel_noise, sample_rows
 from pallas_kernels.sampling.reference import kept_scaled
 

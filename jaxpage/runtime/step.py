@@ -16,10 +16,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpage.core.batch_metadata import MAX_TOP_LOGPROBS, unpack_batch
+from jaxpage.core.step_features import StepFeatures
 from jaxpage.runtime.sampler import (adjusted_logits, fill_penalty_row, record_token_runs,
                                      record_tokens, rejection_sample, sample, sampled_logprobs,
                                      sampling_probs)
-from jaxpage.runtime.step_features import StepFeatures
 
 KVCache = tuple[jax.Array, jax.Array]
 Caches = tuple[KVCache, jax.Array]  # (kv_cache, penalty_table int32 [R, V])
@@ -60,7 +60,7 @@ def make_step(graphdef: Any, jit: Callable = jax.jit, verify: bool = False,
     structured outputs' packed grammar masks (all ones for a row without a grammar),
     applied before everything else the sampler does (``sampler.apply_token_mask``).
 
-    ``features`` (``jaxpage.runtime.step_features``): the optional sampling work this
+    ``features`` (``jaxpage.core.step_features``): the optional sampling work this
     program does, decided by the host for every batch it runs (no conditional in the
     program); None: decided on the device, one program for every batch.
     """

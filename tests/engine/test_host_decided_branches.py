@@ -1,9 +1,11 @@
-"""The sampling features decided on the host (what a GPU runs, ``step_features``) give the
-same tokens and log-probabilities as the programs that decide on the device.
+"""The sampling features decided on the host (what the CPU and a GPU run,
+``core.step_features``) give the same tokens and log-probabilities as the programs that
+decide on the device (what a TPU runs).
 
-The CPU runs here with ``runner.host_decides_branches`` forced on: every batch then runs
-the program of its feature set (no conditional inside; ``BASE_FEATURES`` and the batch's
-own), K=1 and K=4 (a decode loop of known length). The requests mix greedy and seeded
+Two engines on the CPU: one with ``runner.host_decides_branches`` forced off, one with it
+on and ``fixed_decode_length`` on as on a GPU: every batch of the second runs the program
+of its feature set (no conditional inside; ``BASE_FEATURES`` and the batch's own), K=1
+and K=4 (a decode loop of known length). The requests mix greedy and seeded
 sampling, top-k / top-p / min-p, penalties, log-probabilities, ``min_tokens`` and stops,
 so that the batches' feature sets change as requests finish.
 """
@@ -17,7 +19,7 @@ from jaxpage import LLM, SamplingParams
 from jaxpage.core.batch import BatchBuilder
 from jaxpage.core.block_pool import BlockPool
 from jaxpage.core.kv_cache_manager import KVCacheManager
-from jaxpage.runtime.step_features import (BASE_FEATURES, NO_FEATURES, StepFeatures,
+from jaxpage.core.step_features import (BASE_FEATURES, NO_FEATURES, StepFeatures,
                                            features_of)
 from tests.engine.prompts import BASE
 from tests.options import TINY
@@ -44,9 +46,11 @@ def _outputs(llm: LLM) -> list[tuple[list[int], list | None]]:
 def test_host_decided_features_give_the_same_outputs(tiny_checkpoints, steps):
     path = tiny_checkpoints["llama"]
     device_decided = LLM(path, num_scheduler_steps=steps, **TINY)
+    device_decided.llm_engine.runner.host_decides_branches = False
     host_decided = LLM(path, num_scheduler_steps=steps, **TINY)
     runner = host_decided.llm_engine.runner
-    runner.host_decides_branches = True
+    assert runner.host_decides_branches  # the CPU's default
+    runner.fixed_decode_length = True
     expected, got = _outputs(device_decided), _outputs(host_decided)
     for (ids, logprobs), (want_ids, want_logprobs) in zip(got, expected):
         assert ids == want_ids
@@ -62,6 +66,9 @@ def test_host_decided_features_give_the_same_outputs(tiny_checkpoints, steps):
     used = runner._steps if steps == 1 else runner._decode_loops
     features = {key[1] for key in used}
     assert None not in features and len(features) >= 3
+    if steps > 1:
+        assert all(key[2] for key in used)  # every decode loop of known length
+    assert {key[1] for key in device_decided.llm_engine.runner._steps} == {None}
     assert device_decided.llm_engine.num_used_blocks() == 0
     assert host_decided.llm_engine.num_used_blocks() == 0
 

@@ -14,7 +14,7 @@ import pytest
 
 from jaxpage.core.penalty_slots import SEEN
 from jaxpage.runtime import sampler
-from jaxpage.runtime.step_features import ALL_FEATURES, StepFeatures
+from jaxpage.core.step_features import ALL_FEATURES, StepFeatures
 from pallas_kernels.sampling import reference
 
 S, V = 6, 64

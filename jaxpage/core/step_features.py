@@ -24,8 +24,7 @@ the batch (computed over the same padded arrays, padding rows included).
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from jaxpage.core.batch_metadata import BatchMetadata
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -39,8 +38,9 @@ class StepFeatures:
     min_tokens: bool  # some row is below its min_tokens: its stop ids are suppressed
 
     @classmethod
-    def of(cls, batch: BatchMetadata) -> "StepFeatures":
-        """The features ``batch`` needs (its padded arrays, as the device would see them).
+    def of(cls, batch: Any) -> "StepFeatures":
+        """The features ``batch`` (a ``BatchMetadata``, which imports this module) needs (its
+        padded arrays, as the device would see them).
         ``sort`` counts any positive top-k, even one at or above the vocabulary size (the
         sort then keeps every token: the same tokens, some work for nothing)."""
         sampled_rows = batch.temperature > 0                                  # [S]
@@ -73,8 +73,8 @@ ALL_FEATURES = StepFeatures(True, True, True, True, True)
 BASE_FEATURES = StepFeatures(True, False, False, False, False)
 
 
-def features_of(batch: BatchMetadata, static: bool) -> StepFeatures | None:
+def features_of(batch: Any, static: bool) -> StepFeatures | None:
     """The features of the program that runs ``batch`` when the host decides the branches
-    (``static``): the batch's own and ``BASE_FEATURES``. None otherwise (the program
-    decides on the device)."""
-    return StepFeatures.of(batch).union(BASE_FEATURES) if static else None
+    (``static``): the batch's own (``BatchMetadata.step_features``) and ``BASE_FEATURES``.
+    None otherwise (the program decides on the device)."""
+    return batch.step_features().union(BASE_FEATURES) if static else None
