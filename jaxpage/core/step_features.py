@@ -10,12 +10,13 @@ launch took 0.9-1.2 ms, about the whole device step, and the device then idled w
 host did the rest of its work (12-43% of the time at K=1, 53-67% at K=8).
 
 There the host decides instead: ``StepFeatures.of(batch)`` reads the same predicates off
-the batch's numpy arrays, and each set of features is its own program (``suffix`` names
+the batch's numpy arrays, and a set of features is its own program (``suffix`` names
 it). A feature that no row needs is left out of the program; one that some row needs runs
 for every row, which is what the conditional's taken branch does: the tokens are the same
-either way. The noise of sampled rows is in every such program (``BASE_FEATURES``).
-The CPU and the TPU keep the conditionals (``features=None``: one program for every
-batch).
+either way. The runner runs one such program, ``BASE_FEATURES`` (greedy and plain
+sampling, what most batches need), and the program with conditionals for any other batch
+(``features_of``); the planner compiles ``ALL_FEATURES``, the largest. A TPU keeps the
+conditionals for every batch.
 
 Invariant: a feature is False only when the device's own predicate would be false for
 the batch (computed over the same padded arrays, padding rows included).
@@ -66,15 +67,20 @@ class StepFeatures:
 _NAMES = ("sampled", "sort", "penalties", "logprobs", "min_tokens")
 NO_FEATURES = StepFeatures(False, False, False, False, False)
 ALL_FEATURES = StepFeatures(True, True, True, True, True)
-# What every host-decided program does at least: draw the noise of sampled rows (one
-# elementwise pass over the logits; greedy rows still take their argmax). Greedy batches
-# and the default sampling (temperature 1, no filters) then share one program, the one
-# that warm-up and compile-ahead build from empty batches.
+# The one host-decided program a runner runs: the noise of sampled rows (one elementwise
+# pass over the logits; greedy rows still take their argmax) and nothing else. Greedy
+# batches and the default sampling (temperature 1, no filters) share it, and warm-up and
+# compile-ahead build it from empty batches.
 BASE_FEATURES = StepFeatures(True, False, False, False, False)
 
 
 def features_of(batch: Any, static: bool) -> StepFeatures | None:
-    """The features of the program that runs ``batch`` when the host decides the branches
-    (``static``): the batch's own (``BatchMetadata.step_features``) and ``BASE_FEATURES``.
-    None otherwise (the program decides on the device)."""
-    return batch.step_features().union(BASE_FEATURES) if static else None
+    """The features of the program that runs ``batch``: ``BASE_FEATURES`` when the host
+    decides the branches (``static``) and the batch needs nothing more
+    (``BatchMetadata.step_features``), else None: the program that decides on the device,
+    which any batch can run. So each bucket has at most two programs (a warm-up of every
+    program builds both), not one per feature set."""
+    if not static:
+        return None
+    needs = batch.step_features()
+    return BASE_FEATURES if needs.union(BASE_FEATURES) == BASE_FEATURES else None

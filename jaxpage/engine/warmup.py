@@ -103,7 +103,9 @@ def compile_every_program(engine: Any) -> int:
     compiles later; the number of programs.
 
     Steps for every (tokens, sequences, blocks) bucket, the multi-step decode loop for
-    every all-decode bucket, verify steps when speculation is on
+    every all-decode bucket (each in both its programs where the host decides the
+    sampling features: ``core.step_features.features_of``), verify steps when speculation
+    is on
     (``BatchBuilder.verify_shapes``), a draft model's and LoRA's programs, the
     penalty-table fill, and block copies / swaps for every padded size. With the
     persistent compilation cache warm, a second start loads them instead of compiling.
@@ -120,12 +122,14 @@ def compile_every_program(engine: Any) -> int:
     if speculation is not None:  # verify steps: 0 below means "verify"
         jobs += [(shape, 0) for shape in builder.verify_shapes(
             speculation.disable_by_batch_size, speculation.num_speculative_tokens)]
-    for shape, steps in tqdm(jobs, desc="Compiling buckets", dynamic_ncols=True):
+    variants = [False, True] if engine.runner.host_decides_branches else [False]
+    jobs = [(shape, steps, device) for device in variants for shape, steps in jobs]
+    for shape, steps, device in tqdm(jobs, desc="Compiling buckets", dynamic_ncols=True):
         batch = builder.empty(*shape)
         if steps > 1:
-            engine.runner.execute_multi_step(batch, steps)
+            engine.runner.execute_multi_step(batch, steps, device_decided=device)
         else:
-            engine.runner.dispatch(batch, verify=steps == 0).fetch()
+            engine.runner.dispatch(batch, verify=steps == 0, device_decided=device).fetch()
     proposer = engine.scheduler.proposer
     if hasattr(proposer, "warmup"):  # a draft model's fill and propose programs
         jobs += [None] * proposer.warmup()

@@ -225,7 +225,8 @@ class ModelRunner:
 
     def dispatch(self, batch: BatchMetadata, chain: bool = False, verify: bool = False,
                  draft: "tuple[jax.Array, np.ndarray] | None" = None,
-                 token_mask: np.ndarray | None = None) -> "PendingStep":
+                 token_mask: np.ndarray | None = None,
+                 device_decided: bool = False) -> "PendingStep":
         """Launch one step without waiting; its outputs start moving to the host at once.
 
         ``chain``: the batch continues the call dispatched just before (not yet fetched):
@@ -239,12 +240,14 @@ class ModelRunner:
         for proposals a draft model sampled (``make_step``'s verify arguments).
         ``token_mask``: int32 [S, ceil(V / 32)], structured outputs' packed grammar masks
         (a separate program, ``step-masked``; see ``mask_words``).
+        ``device_decided``: run the program that decides the sampling features on the
+        device even where the batch's own would do (warm-up builds both).
         """
         if verify and chain:
             raise ValueError("a verify step cannot continue a call on the device")
         if token_mask is not None and verify:
             raise ValueError("a verify step takes no grammar mask")
-        features = features_of(batch, self.host_decides_branches)
+        features = features_of(batch, self.host_decides_branches and not device_decided)
         name, step = "verify" if verify else "step", self._step_program(verify, features)
         if token_mask is not None:
             expected = (batch.block_tables.shape[0], self.mask_words)
@@ -296,6 +299,12 @@ class ModelRunner:
                 self._graphdef, jit=self._jit_with_caches, verify=verify, features=features)
         return step
 
+    def _decode_name(self, num_steps: int, features: StepFeatures | None) -> str:
+        """The name the decode loop's program is saved and shared under: its iterations,
+        its features and whether its length is fixed (each a different program)."""
+        return (f"decode{num_steps}" + (features.suffix if features is not None else "")
+                + ("+fixed" if self.fixed_decode_length else ""))
+
     def _decode_loop(self, num_steps: int, features: StepFeatures | None = None) -> Any:
         """The jitted multi-step decode loop of ``num_steps`` iterations for ``features``
         (see ``_step_program``), made once."""
@@ -308,15 +317,16 @@ class ModelRunner:
         return loop
 
     def dispatch_multi_step(self, batch: BatchMetadata, num_steps: int,
-                            row_map: np.ndarray | None = None) -> "PendingMultiStep":
+                            row_map: np.ndarray | None = None,
+                            device_decided: bool = False) -> "PendingMultiStep":
         """Launch up to ``num_steps`` decode iterations without waiting.
 
         With ``row_map`` the batch continues the call dispatched just before (not yet
         fetched): row ``i`` continues its row ``row_map[i]`` (-1: none), taking its first
         input token and done flag from the device; the host built ``batch`` as far ahead
-        as that call goes.
+        as that call goes. ``device_decided``: as in ``dispatch``.
         """
-        features = features_of(batch, self.host_decides_branches)
+        features = features_of(batch, self.host_decides_branches and not device_decided)
         loop = self._decode_loop(num_steps, features)
         num_rows = batch.block_tables.shape[0]
         if row_map is None:
@@ -329,8 +339,8 @@ class ModelRunner:
         self.compiled_shapes.add(batch.shape_key + (num_steps,))
         args = (self.params, (self.kv_cache, self.penalty_table), batch.packed(),
                 prev_tokens, prev_done, row_map)
-        name = f"decode{num_steps}" + (features.suffix if features is not None else "")
-        program = self.executables.get(name, batch.shape_key, loop, args)
+        program = self.executables.get(self._decode_name(num_steps, features), batch.shape_key,
+                                       loop, args)
         (self.kv_cache, self.penalty_table), tokens, carry, logprobs = program(*args)
         if self._copy_outputs_early:
             tokens.copy_to_host_async()
@@ -368,18 +378,20 @@ class ModelRunner:
         fixed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                              (self.params, (self.kv_cache, self.penalty_table)))
         features = features_of(batch, self.host_decides_branches)
-        suffix = features.suffix if features is not None else ""
         if num_steps == 1:
+            suffix = features.suffix if features is not None else ""
             return ("step" + suffix, batch.shape_key, self._step_program(False, features),
                     (*fixed, batch.packed(), self._no_carry[0]))
         loop = self._decode_loop(num_steps, features)
         row_map = np.full(batch.block_tables.shape[0], -1, np.int32)
         args = (*fixed, batch.packed(), *self._no_carry, row_map)
-        return f"decode{num_steps}{suffix}", batch.shape_key, loop, args
+        return self._decode_name(num_steps, features), batch.shape_key, loop, args
 
-    def execute_multi_step(self, batch: BatchMetadata, num_steps: int) -> np.ndarray:
+    def execute_multi_step(self, batch: BatchMetadata, num_steps: int,
+                           device_decided: bool = False) -> np.ndarray:
         """Run ``num_steps`` decode iterations; int32 [num_steps, S], -1 after a row stops."""
-        return self.dispatch_multi_step(batch, num_steps).fetch()
+        return self.dispatch_multi_step(batch, num_steps,
+                                        device_decided=device_decided).fetch()
 
     def logits(self, batch: BatchMetadata) -> np.ndarray:
         """Run one step and return float32 logits [T, V] for every token (the cache is updated)."""

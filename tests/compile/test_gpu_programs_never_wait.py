@@ -61,7 +61,8 @@ def _compiled_text(kind: str, features) -> str:
                 params, caches, batch, carry, spec((2, arch.vocab_size), jnp.float32),
                 spec((shape[0],), jnp.int32))
         else:
-            program = make_decode_loop(graphdef, STEPS, BLOCK_SIZE, features=features).lower(
+            program = make_decode_loop(graphdef, STEPS, BLOCK_SIZE, features=features,
+                                       fixed_length=features is not None).lower(
                 params, caches, batch, carry, spec((SEQS,), jnp.bool_),
                 spec((shape[1],), jnp.int32))
         return program.compile().as_text()
@@ -88,8 +89,8 @@ def test_host_decided_programs_have_no_branch_the_host_waits_for(kind, features)
 
 
 def test_device_decided_programs_have_them_on_a_gpu():
-    """What the CPU and the TPU run: the same check finds the step's conditionals (the
-    sort, the penalties, the log-probabilities, the noise: XLA merges some) and the
-    decode loop's early exit."""
+    """What a TPU runs, and a GPU for a batch that needs more than greedy or plain
+    sampling: the same check finds the step's conditionals (the sort, the penalties, the
+    log-probabilities, the noise: XLA merges some) and the decode loop's early exit."""
     assert len(_host_waits(_compiled_text("step", None))) >= 3
     assert any(wait.startswith("while") for wait in _host_waits(_compiled_text("decode", None)))

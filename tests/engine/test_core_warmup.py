@@ -40,11 +40,13 @@ def test_core_warmup_compiles_exactly_the_core_programs(tiny_checkpoints):
     (width,) = engine.batch_builder.block_ladder.rungs  # the CPU kernel's single width
     # Token rungs 16..64: the full step seats 64 / 8 = 8; a full batch (16 seats) at the
     # rungs of at least 16 tokens. Decode seats: 1 alone, 8 for 2-8 sequences, 16 for
-    # 9-16; each a 4-iteration decode loop.
+    # 9-16; each a 4-iteration decode loop. All are the programs of greedy and plain
+    # sampling that the host picks on the CPU (``core.step_features``: "+sampled").
+    step, decode = "step+sampled", "decode4+sampled"
     assert set(executables.programs()) == {
-        ("step", (64, 8, width)), ("step", (64, 16, width)), ("step", (32, 16, width)),
-        ("step", (16, 16, width)), ("decode4", (16, 16, width)), ("decode4", (8, 8, width)),
-        ("decode4", (1, 1, width))}
+        (step, (64, 8, width)), (step, (64, 16, width)), (step, (32, 16, width)),
+        (step, (16, 16, width)), (decode, (16, 16, width)), (decode, (8, 8, width)),
+        (decode, (1, 1, width))}
     assert executables.num_compiled == 7
     # Each ran once (``first_run``), on a batch holding no request: no block is held.
     assert engine.runner.compiled_shapes == {
@@ -63,7 +65,7 @@ def test_core_warmup_compiles_exactly_the_core_programs(tiny_checkpoints):
     params = [SamplingParams(temperature=0, max_tokens=6 + 2 * i, ignore_eos=True) for i in range(12)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     held = executables.programs()
-    assert {("decode4", (8, 8, width)), ("decode4", (1, 1, width))} <= set(held)
+    assert {(decode, (8, 8, width)), (decode, (1, 1, width))} <= set(held)
     assert executables.num_compiled == len(held)
     cold = LLM(tiny_checkpoints["llama"], warmup=False, **dict(ENGINE, num_kv_blocks=54))
     assert cold.llm_engine.runner.executables.programs() == {}

@@ -110,7 +110,8 @@ def test_compile_ahead_builds_the_drain_programs_and_changes_no_token(tiny_check
     ahead = LLM(tiny_checkpoints["llama"], compile_ahead=True, **options)
     got = [o.outputs[0].token_ids for o in ahead.generate(prompts, params, use_tqdm=False)]
     programs = ahead.llm_engine.runner.executables
-    decodes = {bucket for name, bucket in programs.programs() if name == "decode4"}
+    # greedy decodes: the host-picked program of greedy and plain sampling
+    decodes = {bucket for name, bucket in programs.programs() if name == "decode4+sampled"}
     assert programs.num_prefetched >= 2 and len(decodes) >= 2
     plain = LLM(tiny_checkpoints["llama"], compile_ahead=False, **options)
     assert plain.llm_engine.device_calls.drain_programs is None

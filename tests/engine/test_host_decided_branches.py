@@ -3,11 +3,13 @@
 decide on the device (what a TPU runs).
 
 Two engines on the CPU: one with ``runner.host_decides_branches`` forced off, one with it
-on and ``fixed_decode_length`` on as on a GPU: every batch of the second runs the program
-of its feature set (no conditional inside; ``BASE_FEATURES`` and the batch's own), K=1
-and K=4 (a decode loop of known length). The requests mix greedy and seeded
-sampling, top-k / top-p / min-p, penalties, log-probabilities, ``min_tokens`` and stops,
-so that the batches' feature sets change as requests finish.
+on (the CPU's default) and ``fixed_decode_length`` on as on a GPU: a batch of greedy and
+plain sampling runs the host-picked program (``BASE_FEATURES``: no conditional inside, a
+decode loop of known length at K=4), any other batch the program that decides on the
+device. The requests mix greedy and seeded sampling, top-k / top-p / min-p, penalties,
+log-probabilities, ``min_tokens`` and stops, and the longest samples plainly, so that
+the batches change program as requests finish. The sampler's other host-decided features
+are checked in ``tests/runtime/test_sampler_features.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from jaxpage.core.batch import BatchBuilder
 from jaxpage.core.block_pool import BlockPool
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.step_features import (BASE_FEATURES, NO_FEATURES, StepFeatures,
-                                           features_of)
+                                        features_of)
 from tests.engine.prompts import BASE
 from tests.options import TINY
 
@@ -33,6 +35,7 @@ PARAMS = [
     SamplingParams(temperature=0.7, min_p=0.1, seed=3, logprobs=2, max_tokens=14,
                    ignore_eos=True),
     SamplingParams(temperature=0, min_tokens=6, max_tokens=18, stop_token_ids=[5, 17, 33]),
+    SamplingParams(temperature=0.9, seed=4, max_tokens=28, ignore_eos=True),
 ]
 
 
@@ -63,11 +66,14 @@ def test_host_decided_features_give_the_same_outputs(tiny_checkpoints, steps):
                 assert step[token].rank == want[token].rank
                 assert abs(step[token].logprob - want[token].logprob) < 1e-5
     # the batches ran programs of several feature sets, none of them the device-decided one
+    # batches of greedy or plain sampling ran the host-picked program, the others the one
+    # that decides on the device
     used = runner._steps if steps == 1 else runner._decode_loops
-    features = {key[1] for key in used}
-    assert None not in features and len(features) >= 3
-    if steps > 1:
-        assert all(key[2] for key in used)  # every decode loop of known length
+    assert {key[1] for key in used} == {BASE_FEATURES, None}
+    if steps > 1:  # every decode loop of known length, saved and shared under its own name
+        assert all(key[2] for key in used)
+        assert any(name.startswith("decode4+") and name.endswith("+fixed")
+                   for name, _ in runner.executables._programs)
     assert {key[1] for key in device_decided.llm_engine.runner._steps} == {None}
     assert device_decided.llm_engine.num_used_blocks() == 0
     assert host_decided.llm_engine.num_used_blocks() == 0
@@ -96,8 +102,10 @@ def test_features_read_off_the_batch():
     assert StepFeatures.of(rest) == StepFeatures(False, False, True, True, True)
     assert StepFeatures.of(_batch(sample_index=[4, 0, 0, 0], min_tokens=[4, 0, 0, 0])) \
         == NO_FEATURES  # min_tokens reached
-    # the program that runs a batch also draws noise (greedy and default sampling share
-    # it); the CPU decides on the device
+    # the one host-picked program: greedy and plain sampling; any other batch runs the
+    # program that decides on the device (None), as every batch does on a TPU
     assert features_of(_batch(), static=True) == BASE_FEATURES
-    assert features_of(rest, static=True) == StepFeatures(True, False, True, True, True)
-    assert features_of(rest, static=False) is None
+    assert features_of(_batch(temperature=[0, 0, 0, 1.0]), static=True) == BASE_FEATURES
+    assert features_of(sampled, static=True) is None
+    assert features_of(rest, static=True) is None
+    assert features_of(_batch(), static=False) is None
