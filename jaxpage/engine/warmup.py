@@ -122,7 +122,7 @@ def compile_every_program(engine: Any) -> int:
     if speculation is not None:  # verify steps: 0 below means "verify"
         jobs += [(shape, 0) for shape in builder.verify_shapes(
             speculation.disable_by_batch_size, speculation.num_speculative_tokens)]
-    variants = [False, True] if engine.runner.host_decides_branches else [False]
+    variants = [False, True] if engine.runner.programs.host_decides_branches else [False]
     jobs = [(shape, steps, device) for device in variants for shape, steps in jobs]
     for shape, steps, device in tqdm(jobs, desc="Compiling buckets", dynamic_ncols=True):
         batch = builder.empty(*shape)

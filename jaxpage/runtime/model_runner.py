@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any
 
 import jax
 import numpy as np
@@ -14,15 +13,13 @@ from flax import nnx
 from jaxpage.runtime import block_ops
 from jaxpage.core.batch_metadata import BatchMetadata
 from jaxpage.models.loader import LoadedModel
-from jaxpage.runtime.decode_loop import make_decode_loop
 from jaxpage.parallel.placement import JitDispatch, Placement
 from jaxpage.runtime.executable_cache import ExecutableCache, fingerprint
 from jaxpage.runtime.kv_cache import allocate_kv_cache
 from jaxpage.runtime.pending_calls import PendingMultiStep, PendingStep, StepResult
 from jaxpage.core.penalty_slots import PenaltyFill
-from jaxpage.core.step_features import StepFeatures, features_of
-from jaxpage.runtime.step import make_forward_logits, make_penalty_fill, make_step
-from pallas_kernels._backend import branches_wait_for_device
+from jaxpage.runtime.step import make_forward_logits, make_penalty_fill
+from jaxpage.runtime.step_programs import StepPrograms
 from pallas_kernels.dense_matmul import resolve_backend as resolve_dense_backend
 from pallas_kernels.quantized_matmul import resolve_backend as resolve_quantized_backend
 from pallas_kernels.sampling import resolve_backend as resolve_sampling_backend
@@ -71,23 +68,12 @@ class ModelRunner:
             self.placement.jit, carry_sharding=(self.placement.kv_sharding,
                                                 self.placement.replicated)
             if self.placement.mesh is not None else None)
-        self._jit_with_caches = caches_jit
-        # The host picks each batch's sampling program (``core.step_features``) on a GPU,
-        # where a conditional makes the launch wait for the device, and on the CPU, where
-        # the conditionals' results are fresh copies of the [S, V] logits (the tiny
-        # preset's 1,024-row decode step: 18 -> 8.4 ms). The TPU keeps one program that
-        # decides with conditionals on the device. A GPU also runs a decode call's K
-        # iterations as a loop of known length (no early exit).
-        platform = self.placement_platform()
-        self.host_decides_branches = platform == "cpu" or branches_wait_for_device(platform)
-        self.fixed_decode_length = branches_wait_for_device(platform)
-        self._steps: dict[tuple[bool, StepFeatures | None], Any] = {}
+        # The step, verify and decode functions, one per sampling-feature choice
+        self.programs = StepPrograms(graphdef, block_size, caches_jit,
+                                     self.placement_platform())
         self._fill_penalties = make_penalty_fill(jit=functools.partial(
             self.placement.jit, carry_sharding=self.placement.replicated
             if self.placement.mesh is not None else None))
-        self._graphdef = graphdef
-        self._block_size = block_size
-        self._decode_loops: dict[tuple[int, StepFeatures | None, bool], object] = {}
         self._forward_logits = make_forward_logits(graphdef, jit=self.placement.jit)
         self.compiled_shapes: set[tuple[int, int, int]] = set()
         # The carry of a multi-step call that continues nothing: one row per possible sequence.
@@ -247,8 +233,8 @@ class ModelRunner:
             raise ValueError("a verify step cannot continue a call on the device")
         if token_mask is not None and verify:
             raise ValueError("a verify step takes no grammar mask")
-        features = features_of(batch, self.host_decides_branches and not device_decided)
-        name, step = "verify" if verify else "step", self._step_program(verify, features)
+        features = self.programs.features(batch, device_decided)
+        name, step = "verify" if verify else "step", self.programs.step(verify, features)
         if token_mask is not None:
             expected = (batch.block_tables.shape[0], self.mask_words)
             if token_mask.shape != expected or token_mask.dtype != np.int32:
@@ -267,9 +253,8 @@ class ModelRunner:
             name = f"verify-q{draft_probs.shape[0]}"  # the program depends on Q
         elif token_mask is not None:
             args += (token_mask,)
-        if features is not None:
-            name += features.suffix
-        program = self.executables.get(name, batch.shape_key, step, args)
+        program = self.executables.get(self.programs.name(name, features), batch.shape_key,
+                                       step, args)
         (self.kv_cache, self.penalty_table), (sampled, *logprobs), last_tokens = program(*args)
         outputs = (sampled, *logprobs) if batch.want_logprobs.any() else (sampled,)
         if self._copy_outputs_early:
@@ -290,32 +275,6 @@ class ModelRunner:
         """Run one step and wait for it. Rows past ``num_seqs`` are junk."""
         return self.dispatch(batch, token_mask=token_mask).fetch()
 
-    def _step_program(self, verify: bool, features: StepFeatures | None) -> Any:
-        """The jitted single step (``verify``: the speculative verify step) for
-        ``features`` (None: the one program that decides on the device), made once."""
-        step = self._steps.get((verify, features))
-        if step is None:
-            step = self._steps[verify, features] = make_step(
-                self._graphdef, jit=self._jit_with_caches, verify=verify, features=features)
-        return step
-
-    def _decode_name(self, num_steps: int, features: StepFeatures | None) -> str:
-        """The name the decode loop's program is saved and shared under: its iterations,
-        its features and whether its length is fixed (each a different program)."""
-        return (f"decode{num_steps}" + (features.suffix if features is not None else "")
-                + ("+fixed" if self.fixed_decode_length else ""))
-
-    def _decode_loop(self, num_steps: int, features: StepFeatures | None = None) -> Any:
-        """The jitted multi-step decode loop of ``num_steps`` iterations for ``features``
-        (see ``_step_program``), made once."""
-        key = (num_steps, features, self.fixed_decode_length)
-        loop = self._decode_loops.get(key)
-        if loop is None:
-            loop = self._decode_loops[key] = make_decode_loop(
-                self._graphdef, num_steps, self._block_size, jit=self._jit_with_caches,
-                features=features, fixed_length=self.fixed_decode_length)
-        return loop
-
     def dispatch_multi_step(self, batch: BatchMetadata, num_steps: int,
                             row_map: np.ndarray | None = None,
                             device_decided: bool = False) -> "PendingMultiStep":
@@ -326,8 +285,8 @@ class ModelRunner:
         input token and done flag from the device; the host built ``batch`` as far ahead
         as that call goes. ``device_decided``: as in ``dispatch``.
         """
-        features = features_of(batch, self.host_decides_branches and not device_decided)
-        loop = self._decode_loop(num_steps, features)
+        name, loop = self.programs.decode(num_steps,
+                                          self.programs.features(batch, device_decided))
         num_rows = batch.block_tables.shape[0]
         if row_map is None:
             prev_tokens, prev_done = self._no_carry
@@ -339,8 +298,7 @@ class ModelRunner:
         self.compiled_shapes.add(batch.shape_key + (num_steps,))
         args = (self.params, (self.kv_cache, self.penalty_table), batch.packed(),
                 prev_tokens, prev_done, row_map)
-        program = self.executables.get(self._decode_name(num_steps, features), batch.shape_key,
-                                       loop, args)
+        program = self.executables.get(name, batch.shape_key, loop, args)
         (self.kv_cache, self.penalty_table), tokens, carry, logprobs = program(*args)
         if self._copy_outputs_early:
             tokens.copy_to_host_async()
@@ -377,15 +335,15 @@ class ModelRunner:
         the params and caches as shapes only (the live caches are donated by every call)."""
         fixed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                              (self.params, (self.kv_cache, self.penalty_table)))
-        features = features_of(batch, self.host_decides_branches)
+        features = self.programs.features(batch)
         if num_steps == 1:
-            suffix = features.suffix if features is not None else ""
-            return ("step" + suffix, batch.shape_key, self._step_program(False, features),
+            return (self.programs.name("step", features), batch.shape_key,
+                    self.programs.step(False, features),
                     (*fixed, batch.packed(), self._no_carry[0]))
-        loop = self._decode_loop(num_steps, features)
+        name, loop = self.programs.decode(num_steps, features)
         row_map = np.full(batch.block_tables.shape[0], -1, np.int32)
         args = (*fixed, batch.packed(), *self._no_carry, row_map)
-        return self._decode_name(num_steps, features), batch.shape_key, loop, args
+        return name, batch.shape_key, loop, args
 
     def execute_multi_step(self, batch: BatchMetadata, num_steps: int,
                            device_decided: bool = False) -> np.ndarray:

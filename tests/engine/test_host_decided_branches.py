@@ -2,7 +2,7 @@
 ``core.step_features``) give the same tokens and log-probabilities as the programs that
 decide on the device (what a TPU runs).
 
-Two engines on the CPU: one with ``runner.host_decides_branches`` forced off, one with it
+Two engines on the CPU: one with ``runner.programs.host_decides_branches`` forced off, one with it
 on (the CPU's default) and ``fixed_decode_length`` on as on a GPU: a batch of greedy and
 plain sampling runs the host-picked program (``BASE_FEATURES``: no conditional inside, a
 decode loop of known length at K=4), any other batch the program that decides on the
@@ -49,11 +49,12 @@ def _outputs(llm: LLM) -> list[tuple[list[int], list | None]]:
 def test_host_decided_features_give_the_same_outputs(tiny_checkpoints, steps):
     path = tiny_checkpoints["llama"]
     device_decided = LLM(path, num_scheduler_steps=steps, **TINY)
-    device_decided.llm_engine.runner.host_decides_branches = False
+    device_decided.llm_engine.runner.programs.host_decides_branches = False
     host_decided = LLM(path, num_scheduler_steps=steps, **TINY)
     runner = host_decided.llm_engine.runner
-    assert runner.host_decides_branches  # the CPU's default
-    runner.fixed_decode_length = True
+    programs = runner.programs
+    assert programs.host_decides_branches  # the CPU's default
+    programs.fixed_decode_length = True
     expected, got = _outputs(device_decided), _outputs(host_decided)
     for (ids, logprobs), (want_ids, want_logprobs) in zip(got, expected):
         assert ids == want_ids
@@ -68,13 +69,13 @@ def test_host_decided_features_give_the_same_outputs(tiny_checkpoints, steps):
     # the batches ran programs of several feature sets, none of them the device-decided one
     # batches of greedy or plain sampling ran the host-picked program, the others the one
     # that decides on the device
-    used = runner._steps if steps == 1 else runner._decode_loops
+    used = programs.steps if steps == 1 else programs.decode_loops
     assert {key[1] for key in used} == {BASE_FEATURES, None}
     if steps > 1:  # every decode loop of known length, saved and shared under its own name
         assert all(key[2] for key in used)
         assert any(name.startswith("decode4+") and name.endswith("+fixed")
                    for name, _ in runner.executables._programs)
-    assert {key[1] for key in device_decided.llm_engine.runner._steps} == {None}
+    assert {key[1] for key in device_decided.llm_engine.runner.programs.steps} == {None}
     assert device_decided.llm_engine.num_used_blocks() == 0
     assert host_decided.llm_engine.num_used_blocks() == 0
 

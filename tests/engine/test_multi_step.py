@@ -38,7 +38,7 @@ def test_stops_in_the_middle_of_a_window_match_single_steps(engines):
     assert want[1][3] == stop_id and len(want[1][0]) <= 6           # stop token mid-window
     assert want[2][3] == stop_str                                    # stop string
     assert [len(w[0]) for w in want[3:]] == [13, 5, 21]              # max_tokens mid-window
-    assert multi.llm_engine.runner._decode_loops  # the multi-step path really ran
+    assert multi.llm_engine.runner.programs.decode_loops  # the multi-step path really ran
     assert multi.llm_engine.step_profile["chained"] > 0  # and calls were queued ahead
 
 

@@ -75,7 +75,7 @@ def test_penalties_match_reference_and_multi_step(engines):
         check_logprobs(o.outputs[0], raws, 3)
     chained_before = multi.llm_engine.step_profile["chained"]
     again = multi.generate(prompts, params, use_tqdm=False)
-    assert multi.llm_engine.runner._decode_loops
+    assert multi.llm_engine.runner.programs.decode_loops
     # Penalized decodes chain (the device counts tokens the host has not seen yet).
     assert multi.llm_engine.step_profile["chained"] > chained_before
     for a, b in zip(got, again):
