@@ -113,6 +113,11 @@ class KVCacheManager:
         self.num_prefix_queried_tokens += num_queried_tokens
         self.num_prefix_hit_tokens += num_hit_tokens
 
+    def needs_full_blocks(self) -> bool:
+        """Whether ``cache_full_blocks`` does anything (the prefix cache or a sliding
+        window): when not, a request completing a block need not be told."""
+        return self.block_pool.enable_caching or self.sliding_window is not None
+
     def cache_full_blocks(self, request: Request) -> None:
         """Put every block fully covered by computed tokens into the prefix cache."""
         if self.sliding_window is not None:

@@ -216,6 +216,7 @@ class AheadOfHost:
             if self.check_fast_paths:
                 self._check_continued(previous, steady)
             return steady or None
+        self.close_token_log()  # the row by row path reads every request's progress
         return self._schedule_ahead_rows(previous)
 
     def _schedule_ahead_rows(self, previous: SchedulerOutput) -> SchedulerOutput | None:

@@ -134,6 +134,7 @@ class Scheduler(AheadOfHost, SpeculativeScheduling, LoRASeating, TokenAcceptance
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        request.leave_token_log()  # its tokens so far, none logged after
         if self._constrained:
             self._constrained.discard(request_id)
             self._constrained.difference_update(c.request_id for c in request.fork_children)
@@ -201,6 +202,7 @@ class Scheduler(AheadOfHost, SpeculativeScheduling, LoRASeating, TokenAcceptance
     # -- one iteration ----------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        self.close_token_log()  # the loop below reads every request's progress
         self.step_count += 1
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -339,6 +341,7 @@ class Scheduler(AheadOfHost, SpeculativeScheduling, LoRASeating, TokenAcceptance
         return True
 
     def _preempt(self, request: Request) -> None:
+        request.leave_token_log()
         self.num_preemptions += 1
         request.num_preemptions += 1
         num_blocks = self.kv.num_live_blocks(request.request_id)

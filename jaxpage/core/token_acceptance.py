@@ -15,12 +15,67 @@ import numpy as np
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.request import FINISHED_IDS, Request
 from jaxpage.core.schedule_ahead import SchedulerOutput
+from jaxpage.core.token_log import TokenLog
 
 
 class TokenAcceptance:
-    """Mixed into ``Scheduler``; uses its ``kv`` and ``finish_request``."""
+    """Mixed into ``Scheduler``; uses its ``kv`` and ``finish_request``.
+
+    ``accept_logged_decodes`` is the steady state's path (tokens into a ``TokenLog``);
+    every other way of applying tokens closes the log first, so while a log is open it is
+    the only thing that adds tokens to its requests.
+    """
 
     kv: KVCacheManager
+    _token_log: TokenLog | None = None
+    num_logged_steps = 0  # steps applied through the token log (a statistic)
+
+    def close_token_log(self) -> None:
+        """Every request of the open token log (if any) takes its tokens in one pass."""
+        log, self._token_log = self._token_log, None
+        if log is not None:
+            log.close()
+
+    def accept_logged_decodes(self, out: SchedulerOutput, sampled_token_ids: np.ndarray,
+                              may_stop: np.ndarray) -> list[Request] | None:
+        """``accept_decodes`` for the steady state, without a pass over the requests;
+        returns the requests the engine must report on (those that stream deltas or
+        finished), or None when this step does not qualify (the caller then takes
+        ``accept_decodes``).
+
+        Qualifies: a step of plain decodes continuing the one before with the same
+        requests (``out.continues``) or the open log's own requests, every one
+        ``TokenLog.eligible``. Its tokens go into the log in one array write; only rows
+        ``may_stop`` flags (int [S]: a superset of the rows that stop, ``step.may_stop``)
+        and, when the prefix cache or a sliding window needs it, rows that complete a
+        block read their request.
+        """
+        requests = out.requests
+        log = self._token_log
+        if log is None or log.requests is not requests:
+            self.close_token_log()
+            if out.continues is None or not all(map(TokenLog.eligible, requests)):
+                return None
+            log = self._token_log = TokenLog(requests)
+        log.append(sampled_token_ids)
+        self.num_logged_steps += 1
+        n = len(requests)
+        if self.kv.needs_full_blocks():
+            computed = log.track_computed()
+            for row in np.flatnonzero(computed % self.kv.block_size == 0).tolist():
+                if log.is_attached(row):
+                    self.kv.cache_full_blocks(requests[row])
+        report = [requests[row] for row in log.streaming_rows() if log.is_attached(row)]
+        for row in np.flatnonzero(may_stop[:n]).tolist():
+            request = requests[row]
+            if not log.is_attached(row):
+                continue  # finished (or aborted) while its step ran: its token is dropped
+            status = request.check_token_stop()
+            if status is not None:
+                self.finish_request(request.request_id, status)
+                if not request.streams_deltas:
+                    report.append(request)
+        return report
 
     def update_from_output(self, out: SchedulerOutput, sampled_token_ids: np.ndarray,
                            may_stop: np.ndarray | None = None) -> list[tuple[Request, int]]:
@@ -32,6 +87,7 @@ class TokenAcceptance:
         marks the rows whose token could end their request; the others skip the stop
         check (the caller guarantees it would find nothing).
         """
+        self.close_token_log()
         produced = []
         tokens = sampled_token_ids.tolist()
         stops = None if may_stop is None else may_stop.tolist()
@@ -71,6 +127,7 @@ class TokenAcceptance:
         ``follow_up``, when given, receives (in the same pass) those of them still without
         a ``first_token_time`` or with stop strings: the engine's per-token work.
         """
+        self.close_token_log()
         skipped: set[int] | None = None  # ids of requests that took no token (rare)
         block_size = self.kv.block_size
         cache_full_blocks = self.kv.cache_full_blocks
@@ -105,6 +162,8 @@ class TokenAcceptance:
         request (freeing its blocks) on a token-level stop. ``may_stop=False`` skips the
         stop check (the caller knows the token cannot stop the request).
         """
+        if self._token_log is not None:
+            self.close_token_log()
         request.num_computed_tokens += 1
         if request.num_computed_tokens % self.kv.block_size == 0:
             self.kv.cache_full_blocks(request)

@@ -294,7 +294,9 @@ class DeviceCalls:
     # -- results ----------------------------------------------------------------------
 
     def _process(self, call: DeviceCall) -> list[Request]:
-        """Wait for ``call``'s tokens and apply them to the requests; returns those touched."""
+        """Wait for ``call``'s tokens and apply them to the requests; returns those touched
+        (in the steady state of decoding only those ``collect`` reports on: see
+        ``Scheduler.accept_logged_decodes``)."""
         touched = self._apply_results(call)
         if self.scheduler.has_constrained:
             began = time.perf_counter()
@@ -317,6 +319,14 @@ class DeviceCalls:
         if not call.out.all_decodes:
             self._observe_step(call.out, self._results_at - call.dispatched_at)
         with_logprobs = result.top_ids is not None
+        if (call.out.all_decodes and not with_logprobs and result.may_stop is not None
+                and self.kv_transfer is None and not self.scheduler.has_constrained):
+            # The steady state: tokens into the scheduler's token log, no pass over the
+            # requests; what comes back is only what ``collect`` reports on.
+            report = self.scheduler.accept_logged_decodes(call.out, result.tokens,
+                                                          result.may_stop)
+            if report is not None:
+                return report
         if call.out.all_decodes and not with_logprobs:
             # The hot path of decoding: one pass applies the tokens and picks out the
             # requests that still want a first-token time or stop strings.
