@@ -55,8 +55,9 @@ class Request:
     where only ``all_token_ids`` is stored: ``output_token_ids`` is a copy of its tail
     (``num_output_tokens`` and ``last_token_id`` read it without one), so a decode step
     appends each token to one list. In steady decoding the tokens wait in a
-    ``TokenLog`` instead, and ``all_token_ids`` / ``num_computed_tokens`` take them when
-    read: their values are always what the per-token appends would have made.
+    ``TokenLog`` instead (the request is then a ``LoggedRequest``): reading
+    ``all_token_ids`` or ``num_computed_tokens`` takes them first, so their values are
+    always what the per-token appends would have made.
     ``max_tokens`` is already clipped so that ``num_prompt_tokens + max_tokens <=
     max_model_len``.
     """
@@ -66,14 +67,14 @@ class Request:
     # a step over 1,024 requests touches about half the memory it did with a dict (the
     # tiny preset's host work at K=1: ~1.7 -> ~1.2-1.4 ms a step at 1,024 running).
     __slots__ = (
-        "status", "_num_computed_tokens", "_all_token_ids", "_token_log", "num_prompt_tokens",
+        "status", "num_computed_tokens", "all_token_ids", "num_prompt_tokens",
         "first_token_time", "has_stop_strings", "has_many_stop_ids", "streams_deltas",
         "request_id", "prompt", "prompt_token_ids", "sampling_params", "eos_token_ids",
         "sample_seed", "arrival_time", "max_tokens", "stop_reason", "num_preemptions",
         "priority", "extra_keys", "block_hashes", "num_cached_tokens", "arrival_seq",
         "added_step", "fork_children", "fork_leader", "external_sampling", "grammar",
         "kv_export", "exported_blocks", "kv_transfer_params", "extra_seats", "lora",
-        "lora_slot", "_log_row", "_log_from",
+        "lora_slot", "_token_log", "_log_row", "_log_from",
         "__weakref__")  # (the draft model keeps per-request state in a WeakKeyDictionary)
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
@@ -83,13 +84,9 @@ class Request:
                  priority: int = 0, extra_keys: tuple = ()) -> None:
         # The decode hot loop's attributes first (``__slots__`` keeps the same order).
         self.status = RequestStatus.WAITING
-        self._num_computed_tokens = 0
-        self._all_token_ids: list[int] = list(prompt_token_ids)  # the prompt, then the outputs
-        # Steady decoding logs this request's tokens in a ``core.token_log.TokenLog`` (row
-        # ``_log_row``, taken up to step ``_log_from``) until they are read: see the two
-        # properties. (Not imported here: the log's module imports this one.)
-        self._token_log: Any = None
-        self.num_prompt_tokens = len(self._all_token_ids)
+        self.num_computed_tokens = 0
+        self.all_token_ids: list[int] = list(prompt_token_ids)  # the prompt, then the outputs
+        self.num_prompt_tokens = len(self.all_token_ids)
         self.first_token_time: float | None = None  # monotonic time of its first output token
         self.has_stop_strings = bool(sampling_params.stop)
         self.has_many_stop_ids = False  # set below, once the stop ids are known
@@ -134,6 +131,11 @@ class Request:
         # ``core.lora_slots``; 0 = none).
         self.lora = None
         self.lora_slot = 0
+        # Steady decoding logs this request's tokens in a ``core.token_log.TokenLog`` (row
+        # ``_log_row``, taken up to step ``_log_from``); while it does, the request is a
+        # ``LoggedRequest``, whose ``all_token_ids`` and ``num_computed_tokens`` take the
+        # logged tokens when read. (Typed ``Any``: the log's module imports this one.)
+        self._token_log: Any = None
         self._log_row = 0
         self._log_from = 0
         # More stop token ids than the device's list holds: vector pre-checks cannot rule
@@ -153,11 +155,9 @@ class Request:
     def fork(self, request_id: str, sample_seed: int) -> "Request":
         """A copy with the same tokens and progress; blocks are shared by the KV manager."""
         child = Request.__new__(Request)
-        if self._token_log is not None:
-            self._token_log.sync(self)
         for name in Request.__slots__[:-1]:  # (not __weakref__)
             setattr(child, name, getattr(self, name))
-        child._token_log = None
+        child._token_log = None  # (a logged leader's tokens were taken by the reads above)
         child.request_id = request_id
         child.sample_seed = sample_seed
         child.all_token_ids = list(self.all_token_ids)
@@ -167,38 +167,6 @@ class Request:
         child.num_preemptions = 0
         child.extra_seats = 0
         return child
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        """The prompt, then the outputs (the list itself: appending to it appends a token)."""
-        if self._token_log is not None:
-            self._token_log.sync(self)
-        return self._all_token_ids
-
-    @all_token_ids.setter
-    def all_token_ids(self, value: list[int]) -> None:
-        if self._token_log is not None:
-            self._token_log.sync(self)
-        self._all_token_ids = value
-
-    @property
-    def num_computed_tokens(self) -> int:
-        """Tokens whose K/V are in the cache (this request's blocks)."""
-        if self._token_log is not None:
-            self._token_log.sync(self)
-        return self._num_computed_tokens
-
-    @num_computed_tokens.setter
-    def num_computed_tokens(self, value: int) -> None:
-        if self._token_log is not None:
-            self._token_log.sync(self)
-        self._num_computed_tokens = value
-
-    def leave_token_log(self) -> None:
-        """Take any logged tokens and leave the log (the request stops decoding there:
-        finished, preempted or swapped out); its later logged rows are dropped."""
-        if self._token_log is not None:
-            self._token_log.detach(self)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -228,6 +196,12 @@ class Request:
         if not self.sampling_params.ignore_eos:
             ids |= self.eos_token_ids
         return tuple(sorted(ids))
+
+    def leave_token_log(self) -> None:
+        """Take any logged tokens and leave the log (the request stops decoding there:
+        finished, preempted or swapped out); its later logged rows are dropped."""
+        if self._token_log is not None:
+            self._token_log.detach(self)
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

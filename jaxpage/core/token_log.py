@@ -4,16 +4,18 @@ In the steady state of decoding the same requests take one token each, step afte
 Appending each token to its request's list touches, per row, the request, its list and
 the list's tail: after a long device step those are cache misses, and at 1,024 rows
 they were most of the host's work per step. A ``TokenLog`` writes the step's tokens as
-one row of an array instead; a request takes its logged tokens (and counts them as
-computed) the moment its ``all_token_ids`` or ``num_computed_tokens`` is read
-(``Request``'s properties call ``sync``), when it leaves the log (finished, preempted),
-or all at once when the log closes or fills.
+one row of an array instead. While a request is in a log it is a ``LoggedRequest`` (its
+class is switched: same slots), whose ``all_token_ids`` and ``num_computed_tokens`` take
+the logged tokens before they are read or written; a plain ``Request`` reads its slots
+directly, so requests outside a log pay nothing. A request also takes its tokens when it
+leaves the log (finished, preempted), and all of them at once when the log closes or
+fills.
 
 Invariants: the log's rows are ``requests`` in batch order, the same every logged step;
-an attached request (``request._token_log is self``) has taken ``tokens[:its
-_log_from, its row]`` and not the rest; a detached one takes nothing more, so a token
-logged for a request that finished while its step ran is dropped, as the per-row path
-drops it.
+an attached request (``request._token_log is self``, a ``LoggedRequest``) has taken
+``tokens[:its _log_from, its row]`` and not the rest; a detached one takes nothing more,
+so a token logged for a request that finished while its step ran is dropped, as the
+per-row path drops it.
 """
 
 from __future__ import annotations
@@ -22,15 +24,53 @@ import numpy as np
 
 from jaxpage.core.request import Request, RequestStatus
 
-DEFAULT_CAPACITY = 64  # steps held before every request takes its tokens (one pass)
+# Steps held before every request takes its tokens (a pass over the requests, as costly
+# as one step of per-row appends): as many as fit in LOG_BYTES, within these bounds.
+LOG_BYTES = 1 << 20
+MIN_STEPS, MAX_STEPS = 64, 1024
+
+# The slots themselves (``Request``'s member descriptors), under ``LoggedRequest``'s
+# properties of the same names.
+_ALL_TOKEN_IDS = Request.all_token_ids
+_NUM_COMPUTED = Request.num_computed_tokens
+
+
+class LoggedRequest(Request):
+    """A ``Request`` whose newest tokens wait in a ``TokenLog`` (``_token_log``): the two
+    attributes they change take them first. Only ``TokenLog`` makes one (by switching the
+    class of a ``Request``, and back when it leaves)."""
+
+    __slots__ = ()
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        self._token_log.sync(self)
+        return _ALL_TOKEN_IDS.__get__(self)
+
+    @all_token_ids.setter
+    def all_token_ids(self, value: list[int]) -> None:
+        self._token_log.sync(self)
+        _ALL_TOKEN_IDS.__set__(self, value)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        self._token_log.sync(self)
+        return _NUM_COMPUTED.__get__(self)
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        self._token_log.sync(self)
+        _NUM_COMPUTED.__set__(self, value)
 
 
 class TokenLog:
-    def __init__(self, requests: list[Request], capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(self, requests: list[Request], capacity: int | None = None) -> None:
         """Attach ``requests`` (rows in this order; each attached to no log), those still
         running: a row whose request finished while its step ran is dropped."""
         n = len(requests)
         self.requests = requests
+        if capacity is None:
+            capacity = min(max(LOG_BYTES // (4 * max(n, 1)), MIN_STEPS), MAX_STEPS)
         self.capacity = capacity
         self.tokens = np.empty((capacity, n), np.int32)                         # [steps, n]
         self.steps = 0
@@ -48,6 +88,7 @@ class TokenLog:
             request._token_log = self
             request._log_row = row
             request._log_from = 0
+            request.__class__ = LoggedRequest
 
     @staticmethod
     def eligible(request: Request) -> bool:
@@ -73,7 +114,7 @@ class TokenLog:
         for attached rows); kept up to date by ``append`` from now on."""
         if self.computed is None:
             self.computed = np.fromiter(
-                (r._num_computed_tokens + self.steps - r._log_from for r in self.requests),
+                (_NUM_COMPUTED.__get__(r) + self.steps - r._log_from for r in self.requests),
                 np.int64, len(self.requests))
         return self.computed
 
@@ -89,13 +130,14 @@ class TokenLog:
         first = request._log_from
         if first < self.steps:
             new = self.tokens[first:self.steps, request._log_row].tolist()
-            request._all_token_ids += new
-            request._num_computed_tokens += len(new)
+            _ALL_TOKEN_IDS.__get__(request).extend(new)
+            _NUM_COMPUTED.__set__(request, _NUM_COMPUTED.__get__(request) + len(new))
             request._log_from = self.steps
 
     def detach(self, request: Request) -> None:
         """``sync`` ``request`` and take it off the log: later rows of it are dropped."""
         self.sync(request)
+        request.__class__ = Request
         request._token_log = None
         self.num_detached += 1
 
@@ -114,9 +156,10 @@ class TokenLog:
             if steps:
                 first = request._log_from
                 new = columns[row][first:] if first else columns[row]
-                request._all_token_ids += new
-                request._num_computed_tokens += len(new)
+                _ALL_TOKEN_IDS.__get__(request).extend(new)
+                _NUM_COMPUTED.__set__(request, _NUM_COMPUTED.__get__(request) + len(new))
             request._log_from = 0
             if detach:
+                request.__class__ = Request
                 request._token_log = None
         self.steps = 0

@@ -18,8 +18,8 @@ def test_no_per_object_dict_and_no_stray_attributes():
     assert not hasattr(request, "__dict__")
     with pytest.raises(AttributeError):
         request.not_an_attribute = 1  # a typo fails loudly instead of adding an attribute
-    assert Request.__slots__[:4] == ("status", "_num_computed_tokens", "_all_token_ids",
-                                     "_token_log")  # the decode hot loop's, first
+    assert Request.__slots__[:4] == ("status", "num_computed_tokens", "all_token_ids",
+                                     "num_prompt_tokens")  # the decode hot loop's, first
     for name in Request.__slots__[:-1]:
         getattr(request, name)  # every slot is set by __init__
     assert weakref.ref(request)() is request  # (the draft model's WeakKeyDictionary)

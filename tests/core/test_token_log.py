@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxpage.core.request import Request, RequestStatus
-from jaxpage.core.token_log import TokenLog
+from jaxpage.core.token_log import LoggedRequest, TokenLog
 from jaxpage.sampling_params import SamplingParams
 
 
@@ -28,7 +28,8 @@ def test_tokens_and_progress_appear_when_read():
     log = TokenLog([a, b])
     log.append(rows(10, 20, -7))  # a padding row past n is ignored
     log.append(rows(11, 21))
-    assert b._all_token_ids == [4, 5, 200]  # nothing moved yet
+    assert type(b) is LoggedRequest
+    assert Request.all_token_ids.__get__(b) == [4, 5, 200]  # the slot: nothing moved yet
     assert b.all_token_ids == [4, 5, 200, 20, 21] and b.num_computed_tokens == 1 + 2
     log.append(rows(12, 22))
     assert a.num_computed_tokens == 2 + 3 and a.all_token_ids == [1, 2, 3, 300, 10, 11, 12]
@@ -52,11 +53,12 @@ def test_a_request_that_leaves_takes_nothing_logged_after():
     log.append(rows(10, 20))
     a.leave_token_log()
     assert a._token_log is None and not log.is_attached(0) and log.is_attached(1)
+    assert type(a) is Request  # plain slots again
     log.append(rows(11, 21))  # a finished while this step ran: its row is dropped
     log.close()
     assert a.all_token_ids == [1, 2, 3, 300, 10] and a.num_computed_tokens == 3
     assert b.all_token_ids == [4, 5, 200, 20, 21] and b.num_computed_tokens == 3
-    assert b._token_log is None
+    assert b._token_log is None and type(b) is Request
     a.leave_token_log()  # leaving twice is harmless
 
 
@@ -69,7 +71,7 @@ def test_a_full_log_hands_its_tokens_over_and_goes_on():
         if step == 2:
             assert b.num_computed_tokens == 2  # b alone took two, mid-way
         log.append(rows(step, 50 + step))
-    assert log.steps == 7 - 6 and a._num_computed_tokens == 6  # two hand-overs of 3
+    assert log.steps == 7 - 6 and Request.num_computed_tokens.__get__(a) == 6  # 2 x 3
     assert log.track_computed().tolist() == [7, 7]
     assert a.all_token_ids == [1, 100, *range(7)]
     assert b.all_token_ids == [2, 100, *range(50, 57)] and b.num_computed_tokens == 7
