@@ -15,8 +15,8 @@ queued) and every ``num_scheduler_steps`` (``--steps``), it reports per engine c
 Each configuration (K, running) runs in a fresh process (``--in-process``: all in this one).
 Its engine runs the whole measurement once untimed first (every program it needs is
 compiled then), then ``--repeats`` times per waiting count, timed, the waiting counts
-taking turns; the row is the mean of the runs without the fastest and the slowest (the
-range over all the runs beside it). A timed run is ``--calls`` engine calls (64: every row
+taking turns; the row is the interquartile mean of the runs (the middle half: the middle
+five of nine; the range over all the runs beside it, and every run in the JSON). A timed run is ``--calls`` engine calls (64: every row
 starts exactly 4 blocks of 16 in it), up to 4x as many below 256 running so that it lasts
 tens of milliseconds. The targets (under 1 ms at 256 running, linear, flat within 10%,
 idle under 5%) are read off the rows and printed after the table. ``--profile FILE`` then
@@ -134,12 +134,16 @@ def measure(engine, running: int, waiting: int, calls: int, max_tokens: int,
     return row
 
 
-def trimmed_mean(runs: list[dict]) -> dict:
-    """The mean of each number over ``runs`` (sorted by host time), the fastest and the
-    slowest left out when there are 5 or more. This machine's runs are bimodal (a run's
-    host time jumps by ~40% with whether the host's data survive the device step in the
-    shared L3), and a median then jumps between the modes where a mean moves smoothly."""
-    kept = runs[1:-1] if len(runs) >= 5 else runs
+def interquartile_mean(runs: list[dict]) -> dict:
+    """The mean of each number over the middle half of ``runs`` (sorted by host time: a
+    quarter of them left out at each end, once there are 5 or more). This machine's runs
+    are bimodal (a run's host time jumps by ~40% with whether the host's data survive the
+    device step in the shared L3) and spiky (+30-60% single runs): a median then jumps
+    between the modes, and a mean without only the fastest and the slowest run still
+    moves with one spike (sessions 25-26 used that one; with host times near 0.2 ms its
+    spikes alone broke the 10% flatness in some runs)."""
+    cut = len(runs) // 4 if len(runs) >= 5 else 0
+    kept = runs[cut:len(runs) - cut]
     row = dict(kept[0])
     for key, value in kept[0].items():
         if isinstance(value, float):
@@ -149,8 +153,8 @@ def trimmed_mean(runs: list[dict]) -> dict:
 
 def run_configuration(steps: int, running: int, waitings: list[int], calls: int, repeats: int,
                       block_size: int, profile: str | None = None) -> list[dict]:
-    """The rows of one engine (``steps``, ``running``): one per waiting count, the trimmed
-    mean of ``repeats`` timed runs, the waiting counts taking turns."""
+    """The rows of one engine (``steps``, ``running``): one per waiting count, the
+    interquartile mean of ``repeats`` timed runs, the waiting counts taking turns."""
     if running < 256:  # the same ~16k tokens a timed run, up to 4x the calls (~20-50 ms)
         calls = min(4 * calls, max(calls, calls * 256 // running))
     calls = calls if steps == 1 else max(6, 2 * calls // steps)
@@ -171,8 +175,9 @@ def run_configuration(steps: int, running: int, waitings: list[int], calls: int,
     rows = []
     for waiting in waitings:
         runs = sorted(by_waiting[waiting], key=lambda r: r["host_us_per_call"])
-        row = trimmed_mean(runs)
+        row = interquartile_mean(runs)
         row["host_us_range"] = [runs[0]["host_us_per_call"], runs[-1]["host_us_per_call"]]
+        row["host_us_runs"] = [run["host_us_per_call"] for run in runs]  # sorted
         row["K"] = steps
         rows.append(row)
         print(f"K={steps} running={running:5d} waiting={waiting:6d}: host "
@@ -253,8 +258,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "calls / K * 2, at least 6); a multiple of the block size "
                         "makes every row start the same number of blocks in every timed run")
     parser.add_argument("--repeats", type=int, default=9, help="timed runs per configuration; "
-                        "the mean without the fastest and the slowest is reported (this 2-core "
-                        "machine's timings drift by 20-30%% between runs, with spikes of +30%%)")
+                        "the mean of the middle half is reported (this 2-core machine's "
+                        "timings drift by 20-30%% between runs, with spikes of +30-60%%)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--out", default="docs/benchmarks/results")
     parser.add_argument("--stem", default="host_overhead")
