@@ -16,7 +16,7 @@ Each configuration (K, running) runs in a fresh process (``--in-process``: all i
 Its engine runs the whole measurement once untimed first (every program it needs is
 compiled then), then ``--repeats`` times per waiting count, timed, the waiting counts
 taking turns; the row is the interquartile mean of the runs (the middle half: the middle
-five of nine; the range over all the runs beside it, and every run in the JSON). A timed run is ``--calls`` engine calls (64: every row
+eleven of 21; the range over all the runs beside it, and every run in the JSON). A timed run is ``--calls`` engine calls (64: every row
 starts exactly 4 blocks of 16 in it), up to 4x as many below 256 running so that it lasts
 tens of milliseconds. The targets (under 1 ms at 256 running, linear, flat within 10%,
 idle under 5%) are read off the rows and printed after the table. ``--profile FILE`` then
@@ -257,9 +257,11 @@ def main(argv: list[str] | None = None) -> dict:
                         "and 256 or more running (fewer running: up to 4x as many; at K > 1: "
                         "calls / K * 2, at least 6); a multiple of the block size "
                         "makes every row start the same number of blocks in every timed run")
-    parser.add_argument("--repeats", type=int, default=9, help="timed runs per configuration; "
-                        "the mean of the middle half is reported (this 2-core machine's "
-                        "timings drift by 20-30%% between runs, with spikes of +30-60%%)")
+    parser.add_argument("--repeats", type=int, default=21, help="timed runs per configuration "
+                        "and waiting count; the mean of the middle half is reported (this "
+                        "2-core machine's runs spread by 20-30%%, with spikes of +30-60%%: with "
+                        "9 runs the three waiting counts' rows drifted apart by more than "
+                        "10%% in 2 of 3 full runs)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--out", default="docs/benchmarks/results")
     parser.add_argument("--stem", default="host_overhead")
