@@ -77,13 +77,11 @@ class TokenLog:
         # Tokens each row will have computed after the next logged step's (its block
         # boundaries); filled by ``track_computed``.
         self.computed: np.ndarray | None = None                                 # [n]
-        self.num_detached = 0
         self._streaming = [row for row, r in enumerate(requests) if r.streams_deltas]
         for row, request in enumerate(requests):
             if request._token_log is not None:
                 raise ValueError(f"request {request.request_id!r} is already in a token log")
             if request.status is not RequestStatus.RUNNING:
-                self.num_detached += 1
                 continue  # finished while its step ran (scheduled ahead): its row is dropped
             request._token_log = self
             request._log_row = row
@@ -129,17 +127,13 @@ class TokenLog:
         """Give ``request`` (attached) the tokens logged since it last took them."""
         first = request._log_from
         if first < self.steps:
-            new = self.tokens[first:self.steps, request._log_row].tolist()
-            _ALL_TOKEN_IDS.__get__(request).extend(new)
-            _NUM_COMPUTED.__set__(request, _NUM_COMPUTED.__get__(request) + len(new))
+            _take(request, self.tokens[first:self.steps, request._log_row].tolist())
             request._log_from = self.steps
 
     def detach(self, request: Request) -> None:
         """``sync`` ``request`` and take it off the log: later rows of it are dropped."""
         self.sync(request)
-        request.__class__ = Request
-        request._token_log = None
-        self.num_detached += 1
+        _leave(request)
 
     def close(self) -> None:
         """Every attached request takes its tokens and leaves the log."""
@@ -154,12 +148,20 @@ class TokenLog:
             if request._token_log is not self:
                 continue
             if steps:
-                first = request._log_from
-                new = columns[row][first:] if first else columns[row]
-                _ALL_TOKEN_IDS.__get__(request).extend(new)
-                _NUM_COMPUTED.__set__(request, _NUM_COMPUTED.__get__(request) + len(new))
+                _take(request, columns[row][request._log_from:])
             request._log_from = 0
             if detach:
-                request.__class__ = Request
-                request._token_log = None
+                _leave(request)
         self.steps = 0
+
+
+def _take(request: Request, tokens: list[int]) -> None:
+    """Append logged ``tokens`` to ``request``'s slots, each one computed token more."""
+    _ALL_TOKEN_IDS.__get__(request).extend(tokens)
+    _NUM_COMPUTED.__set__(request, _NUM_COMPUTED.__get__(request) + len(tokens))
+
+
+def _leave(request: Request) -> None:
+    """A plain ``Request`` again, in no log."""
+    request.__class__ = Request
+    request._token_log = None

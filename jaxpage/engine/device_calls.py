@@ -319,15 +319,15 @@ class DeviceCalls:
         if not call.out.all_decodes:
             self._observe_step(call.out, self._results_at - call.dispatched_at)
         with_logprobs = result.top_ids is not None
-        if (call.out.all_decodes and not with_logprobs and result.may_stop is not None
-                and self.kv_transfer is None and not self.scheduler.has_constrained):
-            # The steady state: tokens into the scheduler's token log, no pass over the
-            # requests; what comes back is only what ``collect`` reports on.
-            report = self.scheduler.accept_logged_decodes(call.out, result.tokens,
-                                                          result.may_stop)
-            if report is not None:
-                return report
         if call.out.all_decodes and not with_logprobs:
+            if (result.may_stop is not None and self.kv_transfer is None
+                    and not self.scheduler.has_constrained):
+                # The steady state: tokens into the scheduler's token log, no pass over
+                # the requests; what comes back is only what ``collect`` reports on.
+                report = self.scheduler.accept_logged_decodes(call.out, result.tokens,
+                                                              result.may_stop)
+                if report is not None:
+                    return report
             # The hot path of decoding: one pass applies the tokens and picks out the
             # requests that still want a first-token time or stop strings.
             follow_up: list[Request] = []
