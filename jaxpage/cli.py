@@ -25,12 +25,12 @@ def _bool(text: str) -> bool:
 
 
 def _warmup(text: str) -> bool | str:
-    if text.lower() == "core":
-        return "core"
+    if text.lower() in ("ready", "core"):
+        return text.lower()
     try:
         return _bool(text)
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not true, false or core") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not true, false, ready or core") from None
 
 
 def _json_object(text: str) -> dict:
@@ -79,9 +79,10 @@ ENGINE_FLAGS = {
     "attention_backend": (str, "auto, reference, cpu (C++ kernel), gpu or tpu"),
     "compilation_cache": (_bool, "save compiled programs for the next start (true/false)"),
     "weight_cache": (_bool, "keep GGUF weights converted for the next start (true/false)"),
-    "warmup": (_warmup, "programs compiled at start-up: true (every bucket), core (a full "
-                        "prefill step and the decode programs, unless saved) or false "
-                        "(default: true on accelerators, core on the CPU)"),
+    "warmup": (_warmup, "programs compiled at start-up: true (every bucket), ready (the "
+                        "few that run any batch padded; the rest in the background), core "
+                        "(a full prefill step and the decode programs, unless saved) or "
+                        "false (default: ready on accelerators, core on the CPU)"),
     "async_scheduling": (_bool, "dispatch the next call before processing the last one's tokens (true/false)"),
     "cpu_compute_niceness": (int, "CPU backend: nice value of XLA's compute threads, so the host loop gets a core first (0..19; 0: unchanged; default 10)"),
     "compile_ahead": (_bool, "build the decode programs of smaller batches in the background (true/false; default: on accelerators only)"),
@@ -172,9 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
     plan.add_argument("--target", required=True,
                       help="v5e:1x1, v5e:2x4, v6e:1x1, v5p:2x2x1, h100, a100, h100x8, ...")
-    plan.add_argument("--buckets", choices=("all", "largest"), default="largest",
+    plan.add_argument("--buckets", choices=("largest", "warmup", "all"), default="largest",
                       help="compile the largest bucket of each program (default; they bound "
-                           "the memory) or every bucket of the ladders, as warm-up does")
+                           "the memory), the ready set an engine builds before it takes "
+                           "requests (warmup), or every program it builds eventually (all)")
     plan.add_argument("--context", type=int, default=None,
                       help="tokens per sequence for the roofline (default: max_model_len)")
     _add_engine_flags(plan)

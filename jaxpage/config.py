@@ -37,9 +37,10 @@ class ModelConfig:
     attention_backend: str = "auto"
     compilation_cache: bool = True  # save compiled programs under the jaxpage cache dir
     weight_cache: bool = True  # keep GGUF weights converted under the jaxpage cache dir
-    # Programs compiled at start-up (``engine.warmup``): True every bucket; "core" a full
-    # prefill step and the decode programs, unless saved; False none; None: True on
-    # accelerators, "core" on the CPU ($JAXPAGE_WARMUP overrides this default).
+    # Programs built at start-up (``engine.warmup``): True every program; "ready" the few
+    # that run any batch padded, the rest in the background; "core" a full prefill step
+    # and the decode programs, unless saved; False none; None: "ready" on accelerators,
+    # "core" on the CPU ($JAXPAGE_WARMUP overrides this default).
     warmup: bool | str | None = None
     # Keys replaced in the model's Hugging Face config before it is built (vLLM's name), e.g.
     # {"num_hidden_layers": 2} for a shallow copy of a model; not for orbax checkpoints.
@@ -90,8 +91,9 @@ class ModelConfig:
                  or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
                  f"max_model_len={self.max_model_len!r} must be None or an integer >= 2")
         _require(isinstance(self.seed, int), f"seed={self.seed!r} must be an integer")
-        _require(self.warmup is None or isinstance(self.warmup, bool) or self.warmup == "core",
-                 f"warmup={self.warmup!r} must be None (auto), True, False or 'core'")
+        _require(self.warmup is None or isinstance(self.warmup, bool)
+                 or self.warmup in ("ready", "core"),
+                 f"warmup={self.warmup!r} must be None (auto), True, False, 'ready' or 'core'")
         _require(isinstance(self.compilation_cache, bool),
                  f"compilation_cache={self.compilation_cache!r} must be a bool")
         _require(isinstance(self.weight_cache, bool),

@@ -8,6 +8,12 @@
 # It runs, on the real device, each step under a time limit (STEP_TIMEOUT seconds, default
 # 300; TIMEOUT_<step> for one step, e.g. TIMEOUT_kernel_tests=200), a failing or timed-out
 # step recorded and the next one run:
+#   startup           issue [16]: LLM("preset:llama3-8b", dtype="bfloat16") to its first token,
+#                     cold (empty cache) and warm (scripts/bench_startup.py), then
+#                     bench_throughput.py's 64 x (1,024 + 128) random run started cold
+#                     (--warmup ready) and with every program built first (--warmup buckets,
+#                     loaded from the cache the cold run filled); raise TIMEOUT_startup
+#                     (~500 s) when the other steps are skipped;
 #   host_overhead     scripts/bench_host_overhead.py on the device: host microseconds per engine
 #                     call by phase and the fraction of wall time the device waits for the
 #                     host, tiny preset, K=1 and K=8 (HOST_RUNNING, default 16,256,1024;
@@ -34,7 +40,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$(pwd)"
 export PYTHONUNBUFFERED=1
 PYTHON="${PYTHON:-python3}"
-STEPS="${STEPS:-host_overhead kernel_tests bench_kernels engine_vs_hf bench_throughput bench_spec_decode}"
+STEPS="${STEPS:-startup host_overhead kernel_tests bench_kernels engine_vs_hf bench_throughput bench_spec_decode}"
 STEP_TIMEOUT="${STEP_TIMEOUT:-300}"
 # The tests and benchmark scripts default to the CPU; here the device's own platform runs.
 if command -v nvidia-smi >/dev/null 2>&1; then export JAX_PLATFORMS=cuda; else export JAX_PLATFORMS=tpu; fi
@@ -76,6 +82,21 @@ run_step() {  # name, then the command; output to $dir/<name>.log, status to the
     echo "|---|---|---|---|"
 } > "$summary"
 
+# Issue [16]: an 8B model ready within a minute cold, 10 s warm (the second start loads);
+# then the same 64 x (1,024 + 128) run started cold (ready set, the rest compiled in the
+# background while it runs) against the run with every program built first (loaded from
+# the cache the cold run filled).
+export STARTUP_CACHE="${STARTUP_CACHE:-$(mktemp -d)}"
+run_step startup bash -c '
+    JAXPAGE_CACHE_DIR="$STARTUP_CACHE/a" "$0" scripts/bench_startup.py --model preset:llama3-8b \
+        --dtype bfloat16 --scenarios default --warm-runs 1 --json "$1/startup.json" &&
+    for warmup in ready buckets; do
+        JAXPAGE_CACHE_DIR="$STARTUP_CACHE/b" "$0" scripts/bench_throughput.py \
+            --model preset:llama3-8b --dtype bfloat16 --systems jaxpage --workload random \
+            --num-requests 64 --input-len 1024 --output-len 128 --max-num-seqs 64 \
+            --max-num-batched-tokens 1024 --warmup $warmup --out-dir "$1" \
+            --name "startup-throughput-$warmup" --no-progress || exit 1
+    done' "$PYTHON" "$dir"
 run_step host_overhead "$PYTHON" scripts/bench_host_overhead.py \
     --running "${HOST_RUNNING:-16,256,1024}" --waiting "${HOST_WAITING:-0,10000}" --steps 1,8 \
     --repeats "${HOST_REPEATS:-5}" --out "$dir" --stem host_overhead

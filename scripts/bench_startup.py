@@ -6,9 +6,9 @@ empty ``JAXPAGE_CACHE_DIR`` (converted weights, tokenizer, C++ kernels, compiled
 programs); the warm starts that follow reuse it. Three ways to start, each with a cache
 of its own:
 
-* ``default``: ``LLM(model)`` with every other option at its default (on the CPU no
-  warm-up: a program is loaded or compiled when a batch first needs it), then one
-  generated token;
+* ``default``: ``LLM(model)`` with every other option at its default (on the CPU the
+  core warm-up; on a GPU or TPU the ready set, the rest built in the background), then
+  one generated token;
 * ``warmup``: ``LLM(model, warmup=True, --max-model-len ...)``, which loads or compiles
   every program of the bucket ladders before it returns, then one generated token;
 * ``cli``: ``jaxpage generate "Hello" --max-tokens 1`` (to the first text it prints, and
@@ -99,6 +99,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+    parser.add_argument("--dtype", default=None, help="LLM's dtype (default: its own)")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS),
                         help=f"comma-separated, of {', '.join(SCENARIOS)} (default: all)")
     parser.add_argument("--warm-runs", type=int, default=3,
@@ -114,11 +115,12 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown scenario(s) {unknown}; choose from {', '.join(SCENARIOS)}")
 
+    dtype = {"dtype": args.dtype} if args.dtype else {}
     options = {
-        "default": {"model": args.model},
+        "default": {"model": args.model, **dtype},
         "warmup": {"model": args.model, "warmup": True, "max_model_len": args.max_model_len,
                    "max_num_seqs": args.max_num_seqs,
-                   "max_num_batched_tokens": args.max_num_batched_tokens},
+                   "max_num_batched_tokens": args.max_num_batched_tokens, **dtype},
     }
     results: dict = {}
     for scenario in scenarios:

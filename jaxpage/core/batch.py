@@ -40,14 +40,17 @@ class BatchBuilder(BatchShapes):
 
     def __init__(self, kv_cache_manager: KVCacheManager, *, max_num_batched_tokens: int,
                  max_num_seqs: int, max_model_len: int, num_penalty_slots: int | None = None,
-                 bucket_growth: int = 2, one_block_rung: bool = False) -> None:
-        """Ladders and shape rules: ``BatchShapes`` (``one_block_rung`` there)."""
+                 bucket_growth: int = 2, one_block_rung: bool = False,
+                 additive: bool = False) -> None:
+        """Ladders and shape rules: ``BatchShapes`` (``one_block_rung`` and ``additive``
+        there)."""
         self.kv = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
         max_blocks = kv_cache_manager.num_blocks_for(max_model_len)
         super().__init__(max_num_batched_tokens=max_num_batched_tokens,
                          max_num_seqs=max_num_seqs, max_blocks=max_blocks,
-                         bucket_growth=bucket_growth, one_block_rung=one_block_rung)
+                         bucket_growth=bucket_growth, one_block_rung=one_block_rung,
+                         additive=additive)
         self.penalty_slots = PenaltySlots(num_penalty_slots or max_num_seqs)
         self.rows = BatchRows(max_num_seqs, max_blocks)
         self._last: tuple[SchedulerOutput, BatchMetadata] | None = None  # the latest build

@@ -26,11 +26,22 @@ class BatchShapes:
     """The ladders and shape rules of one engine's batches."""
 
     def __init__(self, *, max_num_batched_tokens: int, max_num_seqs: int, max_blocks: int,
-                 bucket_growth: int = 2, one_block_rung: bool = False) -> None:
+                 bucket_growth: int = 2, one_block_rung: bool = False,
+                 additive: bool = False) -> None:
         """``one_block_rung``: every batch's block tables are ``max_blocks`` wide (one rung,
         so the block width never multiplies the programs), for attention kernels whose
-        cost does not depend on that width (the C++ CPU kernel reads each sequence's
-        blocks up to its own length)."""
+        cost does not depend on that width (the C++ CPU kernel, and the GPU and TPU
+        Pallas kernels, read each sequence's blocks up to its own length).
+
+        ``additive`` (accelerators): a step's seats depend on its token rung alone
+        (``S = min(T, max_num_seqs)``: a step of T tokens holds at most T sequences), and
+        an all-decode batch of n sequences has ``T = S =`` the decode rung of n, from a
+        ladder of the token ladder's own rungs (16, 32, ... up to the most sequences a
+        step can hold), shared by the step and the multi-step decode call. The program
+        count is then the sum of the two ladders, not a product: on an accelerator a
+        compile costs seconds to minutes, and padding a memory-bound decode to the next
+        power of two costs little (the weights are read once either way)."""
+        self.additive = additive
         self.token_ladder = BucketLadder(min(16, max_num_batched_tokens), max_num_batched_tokens,
                                          bucket_growth)
         self.seq_ladder = BucketLadder(1, max_num_seqs, bucket_growth)
@@ -38,6 +49,8 @@ class BatchShapes:
         self.verify_ladder = BucketLadder(1, max_num_batched_tokens, bucket_growth)
         self.block_ladder = BucketLadder(max_blocks if one_block_rung else min(8, max_blocks),
                                          max_blocks, bucket_growth)
+        most_decodes = min(max_num_seqs, max_num_batched_tokens)
+        self.decode_ladder = BucketLadder(min(16, most_decodes), most_decodes, bucket_growth)
 
     def seats(self, num_tokens_rung: int, num_seqs: int, decodes_only: bool) -> int:
         """S of a batch: the sequence rung of ``num_seqs``, and for a step with prefill at
@@ -48,6 +61,8 @@ class BatchShapes:
         (seconds on the CPU, minutes on a TPU) and an executable to load at start-up."""
         if decodes_only:
             return self.decode_seats(num_seqs)
+        if self.additive:
+            return min(num_tokens_rung, self.seq_ladder.rungs[-1])
         floor = min(num_tokens_rung // TOKENS_PER_SEAT, self.seq_ladder.rungs[-1])
         return self.seq_ladder.fit(max(num_seqs, floor))
 
@@ -65,6 +80,8 @@ class BatchShapes:
         ~87 ms an iteration on SmolLM2, in 48 seats ~67 ms (docs/benchmarks/host_overhead.md).
         Decodes are where a batch spends most of its steps, so only they get the extra
         rungs (two more programs for 64 sequences)."""
+        if self.additive:
+            return self.decode_ladder.fit(max(num_seqs, 1))
         if num_seqs <= 1:
             return self.seq_ladder.fit(num_seqs)
         rung = self.seq_ladder.fit(max(num_seqs, min(MIN_DECODE_SEATS, self.seq_ladder.rungs[-1])))
@@ -81,6 +98,11 @@ class BatchShapes:
     def step_shapes(self) -> list[tuple[int, int, int]]:
         """Every (T, S, M) that ``build`` can produce: n sequences carry n..max tokens
         (decodes only: ``decode_tokens(n)``)."""
+        if self.additive:
+            most = self.seq_ladder.rungs[-1]
+            pairs = {(rung, min(rung, most)) for rung in self.token_ladder.rungs}
+            pairs |= {(rung, rung) for rung in self.decode_ladder.rungs}
+            return sorted((t, s, m) for t, s in pairs for m in self.block_ladder.rungs)
         pairs = {(self.decode_tokens(n), self.decode_seats(n))
                  for n in range(1, self.seq_ladder.rungs[-1] + 1)}
         max_tokens = self.token_ladder.rungs[-1]
@@ -94,6 +116,9 @@ class BatchShapes:
 
     def decode_shapes(self) -> list[tuple[int, int, int]]:
         """Every (T, S, M) of an all-decode batch (n sequences, one token each)."""
+        if self.additive:
+            return sorted((rung, rung, m) for rung in self.decode_ladder.rungs
+                          for m in self.block_ladder.rungs)
         pairs = {(self.decode_tokens(n), self.decode_seats(n))
                  for n in range(1, self.seq_ladder.rungs[-1] + 1)}
         return sorted((t, s, m) for t, s in pairs for m in self.block_ladder.rungs)
@@ -110,3 +135,14 @@ class BatchShapes:
             seats = self.seq_ladder.fit(n)
             pairs.update((rung, seats) for rung in self.verify_ladder.rungs if low <= rung <= high)
         return sorted((t, s, m) for t, s in pairs for m in self.block_ladder.rungs)
+
+
+def ladder_policy(platform: str, attention_backend: str) -> dict[str, bool]:
+    """``BatchShapes``' keyword choices for a platform ("cpu", "gpu", "tpu") and resolved
+    attention backend: one block-table rung when the kernel reads each sequence's blocks
+    up to its own length (the C++ CPU kernel and the Pallas GPU / TPU kernels; the plain
+    jnp reference gathers the whole table, so it keeps the width rungs), and additive
+    ladders on accelerators (the CPU keeps its product ladders, measured faster there:
+    docs/benchmarks/startup.md)."""
+    return {"one_block_rung": attention_backend in ("cpu", "gpu", "tpu"),
+            "additive": platform != "cpu"}

@@ -21,6 +21,7 @@ import numpy as np
 from jaxpage.beam_search import BeamSearchParams
 from jaxpage.config import EngineConfig
 from jaxpage.core.batch import BatchBuilder
+from jaxpage.core.batch_shapes import ladder_policy
 from jaxpage.core.block_pool import BlockPool
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.request import Request, RequestStatus
@@ -38,7 +39,8 @@ from jaxpage.engine.prompt_logits import prompt_logits
 from jaxpage.engine.request_groups import RequestGroups
 from jaxpage.engine.structured_outputs import CompiledGrammar, GrammarCompiler
 from jaxpage.engine.tokenizer import cache_dir, load_tokenizer
-from jaxpage.engine.warmup import compile_core_programs, resolve_warmup
+from jaxpage.engine.warmup import (compile_core_programs, compile_ready_programs,
+                                    resolve_warmup)
 from jaxpage.models.quantize import stored_bytes
 from jaxpage.lora_request import LoRARequest
 from jaxpage.models.loader import load_model, resolve_model_path
@@ -57,6 +59,20 @@ def jax_backend() -> str:
     import jax
 
     return jax.default_backend()
+
+
+def _use_xla_cache(directory: str) -> None:
+    """On an accelerator, turn on JAX's persistent compilation cache in ``directory`` unless
+    one is set already (``JAX_COMPILATION_CACHE_DIR``): what the executable cache does not
+    hold (a mesh's programs, a draft model's) then loads at the next start instead of
+    compiling. On the CPU the executable cache alone is used: an executable XLA:CPU's
+    cache handed back cannot be saved by it (``runtime.executable_cache``)."""
+    import jax
+
+    if jax_backend() == "cpu" or jax.config.jax_compilation_cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", directory)
+    logger.info("JAX compilation cache: %s", directory)
 
 
 def _in_background(fn: Any, *args: Any) -> Future:
@@ -131,6 +147,8 @@ class LLMEngine(LoRAAdapters, kv_handoff.KVHandoff):
         self.kv_cache_manager = KVCacheManager(
             self.block_pool, block_size, num_host_blocks=num_host_blocks,
             sliding_window=_droppable_window(self.arch, None if draft is None else draft.arch))
+        if mc.compilation_cache:
+            _use_xla_cache(os.path.join(cache_dir(), "xla"))
         self.runner = ModelRunner(loaded, num_blocks=num_kv_blocks + 1, block_size=block_size,
                                   max_num_seqs=config.scheduler.max_num_seqs,
                                   executable_dir=(os.path.join(cache_dir(), "executables")
@@ -147,8 +165,8 @@ class LLMEngine(LoRAAdapters, kv_handoff.KVHandoff):
             max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
             num_penalty_slots=self.runner.penalty_table.shape[0],
             bucket_growth=config.scheduler.bucket_growth,
-            one_block_rung=resolve_attention_backend(
-                mc.attention_backend, dtype=loaded.model.final_norm[...].dtype) == "cpu")
+            **ladder_policy(self.runner.placement_platform(), resolve_attention_backend(
+                mc.attention_backend, dtype=loaded.model.final_norm[...].dtype)))
         self.quantization = loaded.quantization
         self.kv_cache_dtype = cc.kv_cache_dtype
         self.weight_bytes = stored_bytes(self.runner.params)  # every device's share together
@@ -165,6 +183,8 @@ class LLMEngine(LoRAAdapters, kv_handoff.KVHandoff):
         warmup = resolve_warmup(mc.warmup, jax_backend())
         if warmup == "all":
             self.warmup()
+        elif warmup == "ready":
+            compile_ready_programs(self)
         elif warmup == "core":
             compile_core_programs(self)
         self.input_processor = InputProcessor(

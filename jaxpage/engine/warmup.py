@@ -1,29 +1,49 @@
-"""Warm-up: the programs an engine compiles before its first request.
+"""Warm-up: the programs an engine builds before its first request.
 
-Three modes (``resolve_warmup``): ``"all"`` (``warmup=True``, the default on
-accelerators) compiles or loads every program an engine can run; ``"core"`` (the default
-on the CPU) compiles the few programs nearly every workload runs, a full prefill step and
-the decode programs of every seat rung, unless they are already saved (so a warm start
-still loads nothing up front), and runs each one it compiled once (``first_run``);
-``"none"`` (``warmup=False``) builds every program when a batch first needs it.
+Four modes (``resolve_warmup``):
+
+* ``"ready"`` (the default on accelerators): the *ready set* of ``core.program_set`` (the
+  largest step, the largest decode call, the largest block move, the penalty fill: enough
+  to run any batch, padded) is built before the engine returns; every other program of
+  the set is built afterwards on the background thread, largest first, and until one
+  exists its batches run padded in the smallest built program that holds them
+  (``runtime.program_fallback``), so no request waits for a compile.
+* ``"all"`` (``warmup=True``): every program of the set (and a draft model's and LoRA's)
+  before the first request.
+* ``"core"`` (the default on the CPU) compiles the few programs nearly every workload
+  runs, a full prefill step and the decode programs of every seat rung, unless they are
+  already saved (so a warm start still loads nothing up front), and runs each one it
+  compiled once (``first_run``); the rest are built when a batch first needs them.
+* ``"none"`` (``warmup=False``) builds every program when a batch first needs it.
+
+Built means loaded from the executable cache when saved there, else compiled.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
+
+import numpy as np
+
+from jaxpage.core.program_set import ProgramKey, ProgramSet, program_set
+from jaxpage.runtime import background_compile
+from jaxpage.runtime.model_runner import PENALTY_FILL_WIDTH
+from jaxpage.runtime.program_fallback import ProgramFallback
 
 logger = logging.getLogger("jaxpage")
 
-WARMUP_MODES = ("all", "core", "none")
+WARMUP_MODES = ("all", "ready", "core", "none")
 # Overrides the platform default of ``warmup=None`` (an explicit ``warmup`` wins).
 WARMUP_ENV = "JAXPAGE_WARMUP"
 
 
 def resolve_warmup(option: bool | str | None, backend: str) -> str:
     """The warm-up mode of an engine: ``warmup`` as given (True: "all", False: "none",
-    "core"), else ``$JAXPAGE_WARMUP``, else "all" on accelerators and "core" on the CPU."""
+    "ready", "core"), else ``$JAXPAGE_WARMUP``, else "ready" on accelerators and "core"
+    on the CPU."""
     if option is True:
         return "all"
     if option is False:
@@ -35,7 +55,98 @@ def resolve_warmup(option: bool | str | None, backend: str) -> str:
         if mode not in WARMUP_MODES:
             raise ValueError(f"{WARMUP_ENV}={mode!r} must be one of {WARMUP_MODES}")
         return mode
-    return "all" if backend != "cpu" else "core"
+    return "ready" if backend != "cpu" else "core"
+
+
+def engine_program_set(engine: Any) -> ProgramSet:
+    """The program set (``core.program_set``) of ``engine`` (an ``LLMEngine``)."""
+    builder, runner = engine.batch_builder, engine.runner
+    speculation = engine.scheduler.speculation
+    verifies = (builder.verify_shapes(speculation.disable_by_batch_size,
+                                      speculation.num_speculative_tokens)
+                if speculation is not None else None)
+    return program_set(builder, num_steps=engine.config.scheduler.num_scheduler_steps,
+                       host_decides=runner.programs.host_decides_branches,
+                       move_sizes=runner.block_mover.sizes, penalty_width=PENALTY_FILL_WIDTH,
+                       verify_shapes=verifies,
+                       masked_steps=not runner.programs.mask_in_device_step)
+
+
+def _holds_programs(runner: Any) -> bool:
+    """The runner keeps built programs itself (an ``ExecutableCache``), so a program can be
+    built without running it; a mesh's plain jit dispatch builds a program by running it."""
+    return hasattr(runner.executables, "holds")
+
+
+def build_program(engine: Any, key: ProgramKey) -> None:
+    """Build (load or compile) the program ``key`` names and hold it, without running it
+    where the runner can (else by running it once on a batch holding nothing)."""
+    runner, builder = engine.runner, engine.batch_builder
+    if _holds_programs(runner):
+        runner.executables.get(*runner.program_spec(key, builder.empty))
+        return
+    if key.kind == "move_blocks":
+        runner.compile_block_ops([key.bucket[0]])
+    elif key.kind == "penalty_fill":
+        runner.compile_penalty_fill()
+    elif key.kind == "decode":
+        runner.execute_multi_step(builder.empty(*key.bucket), key.steps,
+                                  device_decided=key.device_decided)
+    else:
+        batch = builder.empty(*key.bucket)
+        mask = (np.full((key.bucket[1], runner.mask_words), -1, np.int32)
+                if key.kind == "step-masked" else None)
+        runner.dispatch(batch, verify=key.kind == "verify", token_mask=mask,
+                        device_decided=key.device_decided).fetch()
+
+
+def _build_with_progress(engine: Any, keys: tuple[ProgramKey, ...], description: str) -> float:
+    """Build ``keys`` one after another under a progress bar; the seconds taken."""
+    from tqdm.auto import tqdm
+
+    began = time.perf_counter()
+    for key in tqdm(keys, desc=description, dynamic_ncols=True, disable=not keys):
+        build_program(engine, key)
+    return time.perf_counter() - began
+
+
+def compile_ready_programs(engine: Any) -> int:
+    """Build the ready set now and queue every other program of the set on the background
+    thread, largest first, with the runner's fallback on until they are all built (see
+    the module docstring); the number of programs built now."""
+    programs = engine_program_set(engine)
+    runner = engine.runner
+    if not _holds_programs(runner):  # a mesh: programs are built by running them
+        logger.info("warm-up 'ready' on a device mesh builds every program first")
+        return compile_every_program(engine)
+    seconds = _build_with_progress(engine, programs.ready, "Compiling the ready set")
+    executables = runner.executables
+    empty = engine.batch_builder.empty
+    runner.fallback = ProgramFallback(
+        programs.all, runner.programs, executables, empty,
+        request=lambda key: executables.prefetch(*runner.program_spec(key, empty), urgent=True))
+    runner.block_mover.built = lambda size: executables.holds("move_blocks", (size,))
+    logger.info("ready after %d programs (%.1f s); building %d more in the background",
+                len(programs.ready), seconds, len(programs.background))
+    began = time.perf_counter()
+    for key in programs.background:
+        executables.prefetch(*runner.program_spec(key, engine.batch_builder.empty))
+    background_compile.submit(lambda: _background_done(runner, programs, began, empty))
+    return len(programs.ready)
+
+
+def _background_done(runner: Any, programs: ProgramSet, began: float, empty: Any) -> None:
+    """Runs on the background thread after its builds: log, and turn the fallback off when
+    every program of the set is built (a failed build keeps it on: its batches stay
+    padded into a larger program)."""
+    missing = [key for key in programs.background
+               if not runner.executables.holds(*runner.program_spec(key, empty)[:2])]
+    logger.info("background compiles done: %d programs in %.1f s%s",
+                len(programs.background) - len(missing), time.perf_counter() - began,
+                f" ({len(missing)} failed: their batches run padded)" if missing else "")
+    if not missing:
+        runner.fallback = None
+        runner.block_mover.built = None
 
 
 def core_program_shapes(engine: Any) -> list[tuple[tuple[int, int, int], int]]:
@@ -99,45 +210,24 @@ def first_run(engine: Any, shape: tuple[int, int, int], steps: int) -> None:
 
 
 def compile_every_program(engine: Any) -> int:
-    """Compile every program ``engine`` (an ``LLMEngine``) can run, so that no workload
+    """Build every program ``engine`` (an ``LLMEngine``) can run, so that no workload
     compiles later; the number of programs.
 
-    Steps for every (tokens, sequences, blocks) bucket, the multi-step decode loop for
-    every all-decode bucket (each in both its programs where the host decides the
-    sampling features: ``core.step_features.features_of``), verify steps when speculation
-    is on
-    (``BatchBuilder.verify_shapes``), a draft model's and LoRA's programs, the
-    penalty-table fill, and block copies / swaps for every padded size. With the
-    persistent compilation cache warm, a second start loads them instead of compiling.
-    ``prompt_logits`` (a diagnostic path) is not covered.
+    The program set (``engine_program_set``: steps, multi-step decode calls and verify
+    steps of every bucket, in both variants where the host decides the sampling features,
+    block moves of every size, the penalty fill), then a draft model's and LoRA's
+    programs. With the executable cache warm, a second start loads them instead of
+    compiling. ``prompt_logits`` (a diagnostic path) is not covered.
     """
-    from tqdm.auto import tqdm
-
-    builder = engine.batch_builder
-    num_steps = engine.config.scheduler.num_scheduler_steps
-    jobs = [(shape, 1) for shape in builder.step_shapes()]
-    if num_steps > 1:
-        jobs += [(shape, num_steps) for shape in builder.decode_shapes()]
-    speculation = engine.scheduler.speculation
-    if speculation is not None:  # verify steps: 0 below means "verify"
-        jobs += [(shape, 0) for shape in builder.verify_shapes(
-            speculation.disable_by_batch_size, speculation.num_speculative_tokens)]
-    variants = [False, True] if engine.runner.programs.host_decides_branches else [False]
-    jobs = [(shape, steps, device) for device in variants for shape, steps in jobs]
-    for shape, steps, device in tqdm(jobs, desc="Compiling buckets", dynamic_ncols=True):
-        batch = builder.empty(*shape)
-        if steps > 1:
-            engine.runner.execute_multi_step(batch, steps, device_decided=device)
-        else:
-            engine.runner.dispatch(batch, verify=steps == 0, device_decided=device).fetch()
+    programs = engine_program_set(engine)
+    _build_with_progress(engine, programs.all, "Compiling buckets")
+    count = len(programs.all)
     proposer = engine.scheduler.proposer
     if hasattr(proposer, "warmup"):  # a draft model's fill and propose programs
-        jobs += [None] * proposer.warmup()
+        count += proposer.warmup()
     if engine.loras is not None:  # the slot-write program: slot 1 written as it is
         holder = engine.scheduler.lora_slots.holder(1)
         engine.runner.write_lora_slot(1, None if holder is None else holder.weights)
-        jobs.append(None)
-    count = len(jobs) + engine.runner.compile_penalty_fill() + engine.runner.compile_block_ops(
-        max_copies=engine.config.scheduler.max_num_seqs, max_swaps=engine.num_kv_blocks)
-    logger.info("warm-up compiled %d programs", count)
+        count += 1
+    logger.info("warm-up built %d programs", count)
     return count

@@ -79,6 +79,13 @@ class Placement:
     def replicated(self) -> NamedSharding:
         return self.sharding(P())
 
+    def put_replicated(self, value: Any) -> jax.Array:
+        """A host array put on every device of the mesh (or the default one); a transfer,
+        no program."""
+        if self.mesh is None:
+            return jax.device_put(value)
+        return jax.device_put(value, self.replicated)
+
     def zeros_replicated(self, shape: tuple[int, ...], dtype: Any) -> jax.Array:
         """A zero array with a full copy on every device of the mesh (or the default one)."""
         if self.mesh is None:

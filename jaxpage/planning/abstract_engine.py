@@ -28,7 +28,9 @@ from jaxpage.config import EngineConfig
 from jaxpage.core.batch import BatchBuilder
 from jaxpage.core.block_pool import BlockPool
 from jaxpage.core.kv_cache_manager import KVCacheManager
-from jaxpage.core.step_features import ALL_FEATURES
+from jaxpage.core.batch_shapes import ladder_policy
+from jaxpage.core.program_set import ProgramKey, ProgramSet, program_set
+from jaxpage.core.step_features import BASE_FEATURES, StepFeatures
 from jaxpage.arch_config import ArchConfig
 from jaxpage.models.loader import DTYPES
 from jaxpage.models.presets import PREFIX as PRESET_PREFIX
@@ -40,10 +42,12 @@ from jaxpage.parallel.sharding_rules import TP, replicated_arch
 from jaxpage.runtime import block_ops
 from jaxpage.runtime.decode_loop import make_decode_loop
 from jaxpage.runtime.kv_cache import bytes_per_block
-from jaxpage.runtime.model_runner import PENALTY_FILL_WIDTH, _powers_of_two_upto
+from jaxpage.runtime.model_runner import PENALTY_FILL_WIDTH
 from jaxpage.runtime.step import make_penalty_fill, make_step
 from pallas_kernels._backend import branches_wait_for_device
 
+# The attention kernel ``attention_backend="auto"`` runs on each target platform.
+_TARGET_KERNELS = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "cpu": "cpu"}
 
 
 def model_config(model: str | None) -> dict[str, Any]:
@@ -78,14 +82,15 @@ def _quant_plan(mc: Any, arch: ArchConfig) -> dict:
 class Program:
     """One compiled-to-be program: its name, bucket, jitted function and abstract args."""
 
-    name: str           # "step", "decode8", "copy_blocks", ...
-    bucket: tuple       # (T, S, M) for steps and decode loops, (P,) for block ops
+    name: str           # "step", "decode8", "verify", "move_blocks", "penalty_fill"
+    bucket: tuple       # (T, S, M) for steps and decode loops, (P,) for block moves
     jitted: Callable    # a jax.jit-wrapped function
     args: tuple         # ShapeDtypeStructs with shardings
+    key: ProgramKey | None = None  # the engine's name for it (``core.program_set``)
 
     @property
     def label(self) -> str:
-        return f"{self.name}{list(self.bucket)}"
+        return self.key.label if self.key is not None else f"{self.name}{list(self.bucket)}"
 
 
 class AbstractEngine:
@@ -99,10 +104,11 @@ class AbstractEngine:
                              f"{len(devices)}")
         self.config = config
         self.device = devices[0]
-        # Where the host decides the sampling features (a GPU: ``step_features``), the
-        # programs compiled are those doing all of it: the largest of every bucket.
-        self.features = (ALL_FEATURES if branches_wait_for_device(self.device.platform)
-                         else None)
+        # Where the host decides the sampling features (a GPU: ``step_features``), every
+        # bucket has two programs: the host-decided one (``BASE_FEATURES``) and the one
+        # deciding on the device (any batch), as ``StepPrograms`` makes them.
+        self.platform = self.device.platform
+        self.host_decides = self.platform == "cpu" or branches_wait_for_device(self.platform)
         self.mesh = Mesh(np.array(devices[:tp]), (TP,))
         self.placement = Placement(self.mesh)
         self.hf_config = {**model_config(mc.model), **(mc.hf_overrides or {})}
@@ -130,12 +136,18 @@ class AbstractEngine:
             lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
                                                         sharding=sharding),
             state, self.placement.state_shardings(state))
+        # the attention kernel the target runs: its own Pallas kernel under "auto"
+        attention = (_TARGET_KERNELS.get(self.platform, "reference")
+                     if mc.attention_backend == "auto" else mc.attention_backend)
         self.builder = BatchBuilder(
             KVCacheManager(BlockPool(2), self.block_size),
             max_num_batched_tokens=sc.max_num_batched_tokens, max_num_seqs=sc.max_num_seqs,
-            max_model_len=self.max_model_len, bucket_growth=sc.bucket_growth)
+            max_model_len=self.max_model_len, bucket_growth=sc.bucket_growth,
+            **ladder_policy(self.platform, attention))
         self.num_steps = sc.num_scheduler_steps
         self.swap_blocks = int(cc.swap_space * 2**30) // self.bytes_per_block(per_device=False)
+        self.move_sizes = block_ops.move_sizes(block_ops.move_chunk(
+            self.bytes_per_block(per_device=False), num_kv_blocks + 1))
 
     # -- sizes ------------------------------------------------------------------------
 
@@ -188,71 +200,101 @@ class AbstractEngine:
         return functools.partial(placement.jit, carry_sharding=(placement.kv_sharding,
                                                                 placement.replicated))
 
-    def step_program(self, shape, num_blocks: int | None = None) -> Program:
-        run = make_step(self.graphdef, jit=self._jit_with_caches, features=self.features)
-        return Program("step", tuple(shape), run.jitted,
-                       (self.state, self.caches(num_blocks), self.batch(shape),
-                        self._replicated((self.max_num_seqs,), jnp.int32)))
+    def _features(self, device_decided: bool) -> StepFeatures | None:
+        """The features a program variant is made with (None: decided on the device)."""
+        return BASE_FEATURES if self.host_decides and not device_decided else None
 
-    def verify_program(self, shape, num_blocks: int | None = None) -> Program:
+    def step_program(self, shape, num_blocks: int | None = None,
+                     device_decided: bool = False) -> Program:
+        features = self._features(device_decided)
+        run = make_step(self.graphdef, jit=self._jit_with_caches, features=features)
+        args = (self.state, self.caches(num_blocks), self.batch(shape),
+                self._replicated((self.max_num_seqs,), jnp.int32))
+        if features is None and self.platform != "cpu":  # it takes the grammar mask
+            args += (self._replicated((shape[1], -(-self.arch.vocab_size // 32)), jnp.int32),)
+        return Program("step", tuple(shape), run.jitted, args,
+                       ProgramKey("step", tuple(shape), 1, device_decided))
+
+    def verify_program(self, shape, num_blocks: int | None = None,
+                       device_decided: bool = False) -> Program:
         """The speculative-decoding verify step (``make_step(verify=True)``)."""
         run = make_step(self.graphdef, jit=self._jit_with_caches, verify=True,
-                        features=self.features)
+                        features=self._features(device_decided))
         return Program("verify", tuple(shape), run.jitted,
                        (self.state, self.caches(num_blocks), self.batch(shape),
                         self._replicated((self.max_num_seqs,), jnp.int32),
                         self._replicated((1, self.arch.vocab_size), jnp.float32),
-                        self._replicated((shape[0],), jnp.int32)))
+                        self._replicated((shape[0],), jnp.int32)),
+                       ProgramKey("verify", tuple(shape), 1, device_decided))
 
-    def decode_program(self, shape, num_blocks: int | None = None) -> Program:
+    def decode_program(self, shape, num_blocks: int | None = None,
+                       device_decided: bool = False) -> Program:
         run = make_decode_loop(self.graphdef, self.num_steps, self.block_size,
-                               jit=self._jit_with_caches, features=self.features)
+                               jit=self._jit_with_caches,
+                               features=self._features(device_decided),
+                               fixed_length=branches_wait_for_device(self.platform))
         rows = self.max_num_seqs
         args = (self.state, self.caches(num_blocks), self.batch(shape),
                 self._replicated((rows,), jnp.int32), self._replicated((rows,), jnp.bool_),
                 self._replicated((shape[1],), jnp.int32))
-        return Program(f"decode{self.num_steps}", tuple(shape), run.jitted, args)
+        return Program(f"decode{self.num_steps}", tuple(shape), run.jitted, args,
+                       ProgramKey("decode", tuple(shape), self.num_steps, device_decided))
 
-    def programs(self, buckets: str = "all") -> Iterator[Program]:
-        """Every program the engine can run (``buckets="largest"``: the largest of each
-        kind only, which bounds memory but proves less)."""
-        steps = self.builder.step_shapes()
-        decodes = self.builder.decode_shapes() if self.num_steps > 1 else []
-        if buckets == "largest":  # the largest step, the largest all-decode step (the
-            # roofline's), and the largest decode loop
-            steps = sorted({steps[-1], self.builder.decode_shapes()[-1]})
-            decodes = decodes[-1:]
-        for shape in steps:
-            yield self.step_program(shape)
-        for shape in decodes:
-            yield self.decode_program(shape)
+    def program_set(self) -> ProgramSet:
+        """The engine's program set on this target (``core.program_set``), as
+        ``engine.warmup.engine_program_set`` makes it for a live engine."""
         speculation = self.config.scheduler.speculative
-        if speculation is not None:
-            verifies = self.builder.verify_shapes(speculation.disable_by_batch_size,
-                                                  speculation.num_speculative_tokens)
-            for shape in (verifies[-1:] if buckets == "largest" else verifies):
-                yield self.verify_program(shape)
-        kv = self.kv_cache()
-        index = lambda n: self._replicated((n,), jnp.int32)  # noqa: E731
-        copies = _powers_of_two_upto(self.max_num_seqs)
-        swaps = _powers_of_two_upto(min(self.swap_blocks, self.num_kv_blocks,
-                                        block_ops.swap_chunk(self.bytes_per_block(per_device=False))))
-        if buckets == "largest":
-            copies, swaps = copies[-1:], swaps[-1:]
-        for n in copies:
-            yield Program("copy_blocks", (n,), block_ops.copy_blocks, (kv, index(n), index(n)))
-        if self.swap_blocks:
-            for n in swaps:
-                blocks = self._kv_blocks_spec(n)
-                yield Program("gather_blocks", (n,), block_ops.gather_blocks, (kv, index(n)))
-                yield Program("scatter_blocks", (n,), block_ops.scatter_blocks,
-                              (kv, index(n), blocks, blocks))
+        verifies = (self.builder.verify_shapes(speculation.disable_by_batch_size,
+                                               speculation.num_speculative_tokens)
+                    if speculation is not None else None)
+        return program_set(self.builder, num_steps=self.num_steps,
+                           host_decides=self.host_decides, move_sizes=self.move_sizes,
+                           penalty_width=PENALTY_FILL_WIDTH, verify_shapes=verifies)
+
+    def program(self, key: ProgramKey, num_blocks: int | None = None) -> Program:
+        """The program ``key`` names, with abstract arguments."""
+        if key.kind == "step":
+            return self.step_program(key.bucket, num_blocks, key.device_decided)
+        if key.kind == "decode":
+            return self.decode_program(key.bucket, num_blocks, key.device_decided)
+        if key.kind == "verify":
+            return self.verify_program(key.bucket, num_blocks, key.device_decided)
+        kv = self.kv_cache(num_blocks)
+        if key.kind == "move_blocks":
+            n = key.bucket[0]
+            index = self._replicated((n,), jnp.int32)
+            blocks = self._kv_blocks_spec(n)
+            return Program("move_blocks", (n,), block_ops.move_blocks,
+                           (kv, index, index, blocks, blocks, self._replicated((), jnp.bool_)),
+                           key)
         fill = make_penalty_fill(jit=functools.partial(
             self.placement.jit, carry_sharding=self.placement.replicated))
-        width = PENALTY_FILL_WIDTH
-        yield Program("penalty_fill", (width,), fill.jitted, (
-            (), self.caches()[1], self._replicated((), jnp.int32), index(width), index(width),
-            self._replicated((), jnp.bool_)))
+        width = key.bucket[0]
+        index = self._replicated((width,), jnp.int32)
+        return Program("penalty_fill", (width,), fill.jitted, (
+            (), self.caches(num_blocks)[1], self._replicated((), jnp.int32), index, index,
+            self._replicated((), jnp.bool_)), key)
+
+    def programs(self, buckets: str = "all") -> Iterator[Program]:
+        """The engine's programs: ``"all"`` every one it can run; ``"warmup"`` the ready set
+        (what ``LLM(...)`` builds before it takes requests on an accelerator); ``"largest"``
+        the ready set and the largest all-decode step (the roofline's), which bound the
+        memory but prove less."""
+        programs = self.program_set()
+        if buckets == "all":
+            keys = list(programs.all)
+        elif buckets == "warmup":
+            keys = list(programs.ready)
+        elif buckets == "largest":
+            decodes = self.builder.decode_shapes()
+            keys = list(programs.ready)
+            largest_decode = ProgramKey("step", decodes[-1], 1, False)
+            if largest_decode not in keys:
+                keys.insert(1, largest_decode)
+        else:
+            raise ValueError(f"buckets={buckets!r} must be 'all', 'warmup' or 'largest'")
+        for key in keys:
+            yield self.program(key)
 
     def _kv_blocks_spec(self, n: int) -> jax.ShapeDtypeStruct:
         a = self.arch

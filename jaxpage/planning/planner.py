@@ -75,13 +75,14 @@ def plan(model: str | None = None, target: str = "v5e:1x1", *, buckets: str = "l
     is read). ``engine_options``: ``LLM``'s keyword arguments (``tensor_parallel_size``,
     ``max_num_seqs``, ``max_model_len``, ``block_size``, ``memory_utilization``,
     ``num_kv_blocks``, ``dtype`` (default bfloat16 here), ...). ``buckets``: ``"largest"``
-    (the largest bucket of each program, which bound the memory; the default) or
-    ``"all"`` (every bucket of the ladders, as warm-up compiles them: hundreds of
-    programs with the default ladders).
+    (the ready set and the largest all-decode step, which bound the memory; the default),
+    ``"warmup"`` (exactly the ready set: what ``LLM(...)`` builds on this target before it
+    takes requests, ``engine.warmup``) or ``"all"`` (every program it builds eventually,
+    the rest in the background: ``core.program_set``).
     ``context``: tokens per sequence for the roofline (default ``max_model_len``).
     """
-    if buckets not in ("all", "largest"):
-        raise ValueError(f"buckets={buckets!r} must be 'all' or 'largest'")
+    if buckets not in ("all", "warmup", "largest"):
+        raise ValueError(f"buckets={buckets!r} must be 'all', 'warmup' or 'largest'")
     options = dict(engine_options)
     options.setdefault("dtype", "bfloat16")
     options["model"] = model
@@ -97,7 +98,7 @@ def plan(model: str | None = None, target: str = "v5e:1x1", *, buckets: str = "l
     penalty = probe.max_num_seqs * probe.arch.vocab_size * 4
     budget = int(config.cache.memory_utilization * chip.hbm_bytes)
 
-    largest_shape = probe.builder.step_shapes()[-1]
+    largest_step = probe.program_set().ready[0]  # the largest step, as warm-up builds it
     blocks_per_seq = -(-probe.max_model_len // probe.block_size)
     max_useful = probe.max_num_seqs * blocks_per_seq
     peak_temp, temp_per_block, probe_errors = 0, 0.0, []
@@ -115,7 +116,7 @@ def plan(model: str | None = None, target: str = "v5e:1x1", *, buckets: str = "l
         second = int(max(2, min((chip.hbm_bytes - weights - penalty) // 4 // per_block,
                                 max_useful)))
         for blocks in (1, second):
-            program = probe.step_program(largest_shape, num_blocks=blocks)
+            program = probe.program(largest_step, num_blocks=blocks)
             try:
                 compiled = probe.compile(program)
             except Exception as error:  # noqa: BLE001 - reported, not raised
@@ -148,13 +149,14 @@ def plan(model: str | None = None, target: str = "v5e:1x1", *, buckets: str = "l
 
     engine = AbstractEngine(config, devices, num_kv_blocks=num_blocks)
     programs = list(engine.programs(buckets))
-    report.num_ladder_programs = sum(1 for _ in engine.programs("all"))
+    report.num_ladder_programs = len(engine.program_set().all)
+    report.num_ready_programs = len(engine.program_set().ready)
+    report.buckets = buckets
     say(f"compiling {len(programs)} programs with a {num_blocks}-block KV cache")
     model_temp = 0
     for i, program in enumerate(programs):
         began = time.perf_counter()
-        reuse = (probed_programs.get(num_blocks)
-                 if program.name == "step" and program.bucket == largest_shape else None)
+        reuse = probed_programs.get(num_blocks) if program.key == largest_step else None
         try:
             compiled = reuse if reuse is not None else engine.compile(program)
         except Exception as error:  # noqa: BLE001 - reported per program

@@ -70,7 +70,9 @@ class PlanReport:
     kv_free_bytes_at_full_memory: int = 0  # what is left for KV at memory_utilization = 1.0
     fits: bool = False
     shortfall_bytes: int = 0      # > 0: how much more memory the configuration needs
-    num_ladder_programs: int = 0  # programs in the full ladders (what warm-up compiles)
+    num_ladder_programs: int = 0  # every program an engine builds (its program set)
+    num_ready_programs: int = 0   # the ready set: built before it takes requests
+    buckets: str = "largest"      # which programs were compiled: "largest", "warmup", "all"
     probe_errors: list[str] = dataclasses.field(default_factory=list)
     programs: list[ProgramResult] = dataclasses.field(default_factory=list)
     roofline: list[RooflineRow] = dataclasses.field(default_factory=list)
@@ -164,11 +166,12 @@ class PlanReport:
                          f"{g(largest.device_bytes)} per device (arguments, outputs and "
                          f"temporaries; the chip has {g(self.hbm_bytes)})")
             done = sum(p.compiled for p in self.programs)
-            lines += ["", f"Programs: {done} of {len(self.programs)} compiled"
-                      + ("" if len(self.programs) == self.num_ladder_programs else
-                         f" (the largest bucket of each; the ladders hold "
-                         f"{self.num_ladder_programs}, which warm-up compiles and "
-                         f"--buckets all checks)")]
+            what = {"warmup": "the ready set", "all": "every program",
+                    "largest": "the largest bucket of each"}.get(self.buckets, self.buckets)
+            lines += ["", f"Programs: {done} of {len(self.programs)} compiled ({what}) in "
+                      f"{sum(p.seconds for p in self.programs):.1f} s; an engine builds "
+                      f"{self.num_ready_programs} before it is ready (--buckets warmup) and "
+                      f"{self.num_ladder_programs} in all (--buckets all)"]
             lines += [f"  {p.line()}" for p in self.programs]
         if self.roofline:
             lines += ["", "Roofline ESTIMATE of decode tokens/s (not measured; published "

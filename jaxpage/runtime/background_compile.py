@@ -6,28 +6,33 @@ while the device runs the current call, takes their tracing and XLA compilation 
 step that first needs them; on an accelerator the host is otherwise idle then, and on the
 CPU the compiler fills the cores the step leaves idle.
 
-Invariants: jobs run one at a time in submission order; a job's failure is kept in its
-future (the caller then builds the program itself) and never stops the worker; at
-interpreter exit the queued jobs are dropped and only the build under way is waited for.
+Invariants: jobs run one at a time, urgent ones first (a program a batch wants now,
+``urgent=True``), each kind in submission order; a job's failure is kept in its future
+(the caller then builds the program itself) and never stops the worker; at interpreter
+exit the queued jobs are dropped and only the build under way is waited for.
 """
 
 from __future__ import annotations
 
 import atexit
+import itertools
 import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-_jobs: "queue.SimpleQueue[tuple[Future, Callable[[], Any]] | None]" = queue.SimpleQueue()
+# (priority, order, future, build): 0 urgent, 1 the rest; None (priority 2) stops the worker
+_jobs: "queue.PriorityQueue[tuple]" = queue.PriorityQueue()
+_order = itertools.count()
 _worker: threading.Thread | None = None
 _start_lock = threading.Lock()
 _closing = threading.Event()
 
 
-def submit(build: Callable[[], Any]) -> Future:
-    """Run ``build()`` on the background thread; its result (or error) in the future."""
+def submit(build: Callable[[], Any], urgent: bool = False) -> Future:
+    """Run ``build()`` on the background thread (before every job not ``urgent`` still
+    queued, when ``urgent``); its result (or error) in the future."""
     global _worker
     future: Future = Future()
     if _closing.is_set():
@@ -37,16 +42,15 @@ def submit(build: Callable[[], Any]) -> Future:
         if _worker is None or not _worker.is_alive():
             _worker = threading.Thread(target=_run, name="jaxpage-compile", daemon=True)
             _worker.start()
-    _jobs.put((future, build))
+    _jobs.put((0 if urgent else 1, next(_order), future, build))
     return future
 
 
 def _run() -> None:
     while True:
-        job = _jobs.get()
-        if job is None or _closing.is_set():
+        _, _, future, build = _jobs.get()
+        if future is None or _closing.is_set():
             return
-        future, build = job
         if not future.set_running_or_notify_cancel():
             continue
         try:
@@ -60,6 +64,6 @@ def _stop() -> None:
     """Drop the queued jobs and let the worker finish the one it is on: a daemon thread
     still inside the compiler when the interpreter finalizes aborts the process."""
     _closing.set()
-    _jobs.put(None)
+    _jobs.put((2, next(_order), None, None))
     if _worker is not None:
         _worker.join(timeout=600)

@@ -25,6 +25,7 @@ import logging
 import os
 import pickle
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -109,6 +110,9 @@ class ExecutableCache:
         self.num_shared = 0      # programs another cache of the process had compiled
         self.num_prefetched = 0  # programs built on the background thread (``prefetch``)
         self._pending: dict[tuple[str, tuple], Future] = {}  # queued background builds
+        # Every compile here: ((name, bucket), the thread that compiled it, seconds).
+        self.compiles: list[tuple[tuple[str, tuple], str, float]] = []
+        self._platform = (devices[0].platform if devices else jax.default_backend())
         self._lock = threading.Lock()
 
     def get(self, name: str, bucket: tuple, jitted: Any, args: tuple) -> Callable:
@@ -128,17 +132,22 @@ class ExecutableCache:
             self._programs[key] = program
         return program
 
-    def prefetch(self, name: str, bucket: tuple, jitted: Any, args: tuple) -> bool:
+    def prefetch(self, name: str, bucket: tuple, jitted: Any, args: tuple,
+                 urgent: bool = False) -> bool:
         """Build the program for ``args`` on the background thread (``background_compile``)
         unless it is held or already on its way; ``get`` then waits for it instead of
         building it again. ``args`` may be ``jax.ShapeDtypeStruct``s (only their shapes,
-        dtypes and shardings count). True when a build was queued."""
+        dtypes and shardings count). ``urgent``: before the queued builds that are not
+        (a program queued already is queued again, urgently: whichever runs second finds it
+        built). True when a build was queued."""
         key = (name, bucket)
         with self._lock:
-            if key in self._programs or key in self._pending:
+            if key in self._programs or (key in self._pending and not urgent):
                 return False
+            mine: list[Future] = []
             future = background_compile.submit(
-                lambda: self._background_build(key, jitted, args))
+                lambda: self._background_build(key, jitted, args, mine), urgent=urgent)
+            mine.append(future)
             self._pending[key] = future
         return True
 
@@ -157,7 +166,10 @@ class ExecutableCache:
         self._programs[key] = self._find_or_build(key, jitted, args)
         return True
 
-    def _background_build(self, key: tuple[str, tuple], jitted: Any, args: tuple) -> Callable:
+    def _background_build(self, key: tuple[str, tuple], jitted: Any, args: tuple,
+                          mine: list[Future]) -> Callable:
+        """A queued build (``mine``: its own future, once queued); it leaves ``_pending``
+        unless a later request for the same program queued another build."""
         try:
             program = self._find_or_build(key, jitted, args)
             self._programs.setdefault(key, program)
@@ -165,7 +177,8 @@ class ExecutableCache:
             return program
         finally:
             with self._lock:
-                self._pending.pop(key, None)
+                if key in self._programs or self._pending.get(key) in mine:
+                    self._pending.pop(key, None)
 
     def _find_or_build(self, key: tuple[str, tuple], jitted: Any, args: tuple) -> Callable:
         """The program shared in memory, else loaded from disk, else compiled (and saved)."""
@@ -176,6 +189,10 @@ class ExecutableCache:
             return program
         program = self._load(key) or self._compile(key, jitted, args)
         return _SHARED_PROGRAMS.setdefault(shared_key, program)
+
+    def holds(self, name: str, bucket: tuple) -> bool:
+        """The program is built and held here (a call of it neither loads nor compiles)."""
+        return (name, bucket) in self._programs
 
     def programs(self) -> dict[tuple[str, tuple], Callable]:
         """The programs held in memory, by (name, bucket): for inspection."""
@@ -205,14 +222,20 @@ class ExecutableCache:
 
     def _compile(self, key: tuple[str, tuple], jitted: Any, args: tuple) -> Callable:
         hits = _persistent_cache_hits[0]
+        began = time.perf_counter()
         compiled = jitted.lower(*args).compile()
         self.num_compiled += 1
+        self.compiles.append((key, threading.current_thread().name,
+                              time.perf_counter() - began))
         path = self._path(key)
         # An executable that XLA's persistent cache handed back serializes without its code
         # on the CPU (jax 0.10: "Function ... not found" when the copy runs). Hits are not
-        # always reported to this process, so nothing is saved while that cache is on.
-        xla_cache_on = bool(jax.config.jax_compilation_cache_dir)
-        if path is not None and not xla_cache_on and _persistent_cache_hits[0] == hits:
+        # always reported to this process, so on the CPU nothing is saved while that cache
+        # is on. GPU and TPU executables carry their code (the persistent cache itself
+        # stores them serialized), so there both caches are kept.
+        unsafe = self._platform == "cpu" and (bool(jax.config.jax_compilation_cache_dir)
+                                              or _persistent_cache_hits[0] != hits)
+        if path is not None and not unsafe:
             self._save(path, compiled)
         return compiled
 

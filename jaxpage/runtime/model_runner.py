@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import Callable
 
 import jax
 import numpy as np
@@ -12,6 +13,8 @@ from flax import nnx
 
 from jaxpage.runtime import block_ops
 from jaxpage.core.batch_metadata import BatchMetadata
+from jaxpage.core.program_set import ProgramKey
+from jaxpage.runtime.program_fallback import ProgramFallback
 from jaxpage.models.loader import LoadedModel
 from jaxpage.parallel.placement import JitDispatch, Placement
 from jaxpage.runtime.executable_cache import ExecutableCache, fingerprint
@@ -84,6 +87,10 @@ class ModelRunner:
         # ``use_draft_rows`` sizes it for a draft model's (one shape per engine).
         self._no_draft = jax.numpy.zeros((1, self.arch.vocab_size), jax.numpy.float32)
         self._last_call: PendingStep | PendingMultiStep | None = None  # for chained calls
+        # Runs a batch whose program is not built yet in a larger built one
+        # (``ProgramFallback``; set by a warm-up that builds the rest in the background).
+        self.fallback: ProgramFallback | None = None
+        self._all_allowed_masks: dict[int, jax.Array] = {}  # rows -> ``_all_allowed``
         # Start each call's outputs on their way to the host as soon as it is dispatched.
         # A CPU device's arrays already live in host memory: there the request would only
         # cost the dispatching thread time (~50 us a call) for nothing.
@@ -102,6 +109,9 @@ class ModelRunner:
                 self.params, self.kv_cache, self.penalty_table, self._no_carry,
                 extra=f"{graphdef}|{self.arch}|block_size={block_size}|{kernels}"),
                 devices=sorted(self.kv_cache[0].devices(), key=lambda d: d.id))
+        # Copies and swaps of whole blocks, through the executable cache
+        self.block_mover = block_ops.BlockMover(self.host_pool, self.executables,
+                                                num_blocks=num_blocks)
 
     @property
     def mask_words(self) -> int:
@@ -128,10 +138,10 @@ class ModelRunner:
         Swap-outs first (their device blocks may be reused by this very step), then
         swap-ins, then copy-on-write copies (a copy may read a block just swapped in).
         """
-        programs = self.executables
-        block_ops.swap_out(self.kv_cache, self.host_pool, swap_out, programs)
-        self.kv_cache = block_ops.swap_in(self.kv_cache, self.host_pool, swap_in, programs)
-        self.kv_cache = block_ops.copy(self.kv_cache, copies, programs)
+        mover = self.block_mover
+        self.kv_cache = mover.swap_out(self.kv_cache, swap_out)
+        self.kv_cache = mover.swap_in(self.kv_cache, swap_in)
+        self.kv_cache = mover.copy(self.kv_cache, copies)
 
     def write_lora_slot(self, slot: int, weights: "LoRAWeights | None") -> None:
         """Write an adapter (None: zeros) into LoRA slot ``slot`` (1..max_loras). Calls
@@ -175,23 +185,10 @@ class ModelRunner:
                                np.zeros(PENALTY_FILL_WIDTH, np.int32), False)
         return 1
 
-    def compile_block_ops(self, max_copies: int, max_swaps: int) -> int:
-        """Compile the block copy / swap programs for every padded size they can take."""
-        kv = self.kv_cache
-        count = 0
-        for size in _powers_of_two_upto(max_copies):
-            zeros = jax.numpy.zeros(size, jax.numpy.int32)
-            kv = block_ops.run_program(self.executables, block_ops.copy_blocks, kv, zeros, zeros)
-            count += 1
-        if self.host_pool.k.shape[0]:
-            for size in _powers_of_two_upto(min(max_swaps, self.host_pool.chunk)):
-                zeros = jax.numpy.zeros(size, jax.numpy.int32)
-                k_blocks, v_blocks = block_ops.run_program(
-                    self.executables, block_ops.gather_blocks, kv, zeros)
-                kv = block_ops.run_program(self.executables, block_ops.scatter_blocks,
-                                           kv, zeros, k_blocks, v_blocks)
-                count += 2
-        self.kv_cache = kv
+    def compile_block_ops(self, sizes: list[int] | None = None) -> int:
+        """Build the block-move program (``block_ops.move_blocks``) for ``sizes`` (default:
+        every size it can take); the number of sizes."""
+        self.kv_cache, count = self.block_mover.compile_all(self.kv_cache, sizes)
         return count
 
     def measure_host_bandwidth(self, num_bytes: int = 32 * 2**20) -> float:
@@ -234,13 +231,28 @@ class ModelRunner:
         if token_mask is not None and verify:
             raise ValueError("a verify step takes no grammar mask")
         features = self.programs.features(batch, device_decided)
-        name, step = "verify" if verify else "step", self.programs.step(verify, features)
+        in_step = self.programs.mask_in_device_step and not verify  # the mask rides along
         if token_mask is not None:
             expected = (batch.block_tables.shape[0], self.mask_words)
             if token_mask.shape != expected or token_mask.dtype != np.int32:
                 raise ValueError(f"token_mask has shape {token_mask.shape} "
                                  f"({token_mask.dtype}); expected int32 {expected}")
-            name = "step-masked"
+            if in_step:
+                features = None  # only the device-decided step takes a mask there
+        if verify:
+            name = self._verify_name(draft)  # the program depends on Q
+        else:
+            name = "step-masked" if token_mask is not None and not in_step else "step"
+        if self.fallback is not None:  # not every program built yet
+            batch, features = self.fallback.fit("verify" if verify else name, batch,
+                                                features, 1, name)
+        step = self.programs.step(verify, features)
+        rows = batch.block_tables.shape[0]
+        if token_mask is not None and token_mask.shape[0] != rows:  # padded: allow all
+            token_mask = np.pad(token_mask, ((0, rows - token_mask.shape[0]), (0, 0)),
+                                constant_values=-1)
+        if in_step and features is None and token_mask is None:
+            token_mask = self._all_allowed(rows)
         self.compiled_shapes.add(batch.shape_key + ((name,) if name != "step" else ()))
         prev_tokens = self._carry_of_last_call()[0] if chain else self._no_carry[0]
         # Numpy goes straight to the program: its C++ call path transfers the arrays for
@@ -249,8 +261,10 @@ class ModelRunner:
         if verify:
             draft_probs, q_src = draft if draft is not None else (
                 self._no_draft, np.full(batch.input_ids.shape[0], -1, np.int32))
+            if q_src.shape[0] != batch.input_ids.shape[0]:  # padded into a larger bucket
+                q_src = np.pad(q_src, (0, batch.input_ids.shape[0] - q_src.shape[0]),
+                               constant_values=-1)
             args += (draft_probs, q_src)
-            name = f"verify-q{draft_probs.shape[0]}"  # the program depends on Q
         elif token_mask is not None:
             args += (token_mask,)
         program = self.executables.get(self.programs.name(name, features), batch.shape_key,
@@ -262,6 +276,19 @@ class ModelRunner:
                 array.copy_to_host_async()
         self._last_call = PendingStep(last_tokens, *outputs)
         return self._last_call
+
+    def _all_allowed(self, rows: int) -> jax.Array:
+        """int32 [rows, mask_words] of set bits, on the device (put there once per size:
+        no program runs to make it): the grammar mask of a batch without grammars."""
+        mask = self._all_allowed_masks.get(rows)
+        if mask is None:
+            mask = self._all_allowed_masks[rows] = self.placement.put_replicated(
+                np.full((rows, self.mask_words), -1, np.int32))
+        return mask
+
+    def _verify_name(self, draft: "tuple[jax.Array, np.ndarray] | None") -> str:
+        """The verify program's base name: it depends on Q, the draft distributions' rows."""
+        return f"verify-q{(self._no_draft if draft is None else draft[0]).shape[0]}"
 
     def _carry_of_last_call(self) -> tuple[jax.Array, jax.Array]:
         """(last tokens int32 [R], done bool [R]) of the call dispatched last; after a
@@ -285,8 +312,10 @@ class ModelRunner:
         input token and done flag from the device; the host built ``batch`` as far ahead
         as that call goes. ``device_decided``: as in ``dispatch``.
         """
-        name, loop = self.programs.decode(num_steps,
-                                          self.programs.features(batch, device_decided))
+        features = self.programs.features(batch, device_decided)
+        if self.fallback is not None:  # not every program built yet
+            batch, features = self.fallback.fit("decode", batch, features, num_steps)
+        name, loop = self.programs.decode(num_steps, features)
         num_rows = batch.block_tables.shape[0]
         if row_map is None:
             prev_tokens, prev_done = self._no_carry
@@ -330,20 +359,51 @@ class ModelRunner:
             return False
         return ensure(*self._program_of(batch, num_steps))
 
-    def _program_of(self, batch: BatchMetadata, num_steps: int) -> tuple:
-        """(name, bucket, jitted, args) of the program a call of ``batch``'s shape runs, with
-        the params and caches as shapes only (the live caches are donated by every call)."""
-        fixed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                             (self.params, (self.kv_cache, self.penalty_table)))
-        features = self.programs.features(batch)
+    def _fixed_args(self) -> tuple:
+        """The params and caches as shapes only (the live caches are donated by every call)."""
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                            (self.params, (self.kv_cache, self.penalty_table)))
+
+    def _program_of(self, batch: BatchMetadata, num_steps: int,
+                    device_decided: bool = False, masked: bool = False) -> tuple:
+        """(name, bucket, jitted, args) of the program a call of ``batch``'s shape runs
+        (``num_steps`` 0: a verify step; ``masked``: the CPU's grammar-masked step), with
+        the params and caches as shapes only."""
+        fixed = self._fixed_args()
+        features = self.programs.features(batch, device_decided)
+        if num_steps == 0:
+            args = (*fixed, batch.packed(), self._no_carry[0], self._no_draft,
+                    np.full(batch.input_ids.shape[0], -1, np.int32))
+            return (self.programs.name(self._verify_name(None), features), batch.shape_key,
+                    self.programs.step(True, features), args)
         if num_steps == 1:
-            return (self.programs.name("step", features), batch.shape_key,
-                    self.programs.step(False, features),
-                    (*fixed, batch.packed(), self._no_carry[0]))
+            args = (*fixed, batch.packed(), self._no_carry[0])
+            if masked or (features is None and self.programs.mask_in_device_step):
+                args += (jax.ShapeDtypeStruct((batch.block_tables.shape[0], self.mask_words),
+                                              np.int32),)
+            name = "step-masked" if masked else "step"
+            return (self.programs.name(name, features), batch.shape_key,
+                    self.programs.step(False, features), args)
         name, loop = self.programs.decode(num_steps, features)
         row_map = np.full(batch.block_tables.shape[0], -1, np.int32)
         args = (*fixed, batch.packed(), *self._no_carry, row_map)
         return name, batch.shape_key, loop, args
+
+    def program_spec(self, key: ProgramKey, empty: Callable[..., BatchMetadata]) -> tuple:
+        """(name, bucket, jitted, args) of the program ``key`` names (``core.program_set``);
+        ``empty(T, S, M)`` makes a batch of a bucket (``BatchBuilder.empty``)."""
+        if key.kind in ("step", "step-masked", "decode", "verify"):
+            steps = {"step": 1, "step-masked": 1, "verify": 0}.get(key.kind, key.steps)
+            return self._program_of(empty(*key.bucket), steps, key.device_decided,
+                                    masked=key.kind == "step-masked")
+        if key.kind == "move_blocks":
+            return self.block_mover.spec(self._fixed_args()[1][0], key.bucket[0])
+        if key.kind == "penalty_fill":
+            width = key.bucket[0]
+            args = ((), self._fixed_args()[1][1], np.int32(0), np.full(width, -1, np.int32),
+                    np.zeros(width, np.int32), np.bool_(False))
+            return "penalty_fill", (width,), self._fill_penalties, args
+        raise ValueError(f"unknown program kind {key.kind!r}")
 
     def execute_multi_step(self, batch: BatchMetadata, num_steps: int,
                            device_decided: bool = False) -> np.ndarray:
@@ -357,11 +417,3 @@ class ModelRunner:
                                                      jax.device_put(batch.packed()))
         return np.asarray(logits)
 
-
-def _powers_of_two_upto(limit: int) -> list[int]:
-    sizes, size = [], 1
-    while True:
-        sizes.append(size)
-        if size >= limit:
-            return sizes
-        size *= 2

@@ -27,6 +27,11 @@ class StepPrograms:
     def __init__(self, graphdef: Any, block_size: int, jit: Callable, platform: str) -> None:
         self.host_decides_branches = platform == "cpu" or branches_wait_for_device(platform)
         self.fixed_decode_length = branches_wait_for_device(platform)
+        # On accelerators the device-decided single step always takes a grammar mask (all
+        # tokens allowed when no row has a grammar), so a structured-output batch runs a
+        # program of the engine's set instead of one of its own; the CPU keeps a separate
+        # "step-masked" program (a mask pass over [S, V] costs a CPU step more).
+        self.mask_in_device_step = platform != "cpu"
         self.steps: dict[tuple[bool, StepFeatures | None], Any] = {}
         self.decode_loops: dict[tuple[int, StepFeatures | None, bool], Any] = {}
         self._graphdef, self._block_size, self._jit = graphdef, block_size, jit

@@ -1,7 +1,7 @@
 """The engine's own programs compiled for real targets without the hardware (``plan``).
 
 ``jaxpage.plan`` builds every program the model runner runs (steps per bucket, the
-multi-step decode loop, block copies and swaps, the penalty fill) with abstract
+multi-step decode loop, block moves (copies and swaps), the penalty fill) with abstract
 parameters and KV cache sharded over the target's devices, and compiles them with
 libtpu / the CUDA plugin. A model step takes 20-80 s to compile on a 2-core CI machine
 (XLA's own compile of the unrolled layers; the Pallas kernels are ~2 s of it), so the
@@ -41,8 +41,8 @@ def _assert_compiled_and_fits(report):
     assert not failed and not report.probe_errors, (failed, report.probe_errors)
     assert report.fits and report.num_kv_blocks >= 1
     assert report.roofline, "an all-decode step is compiled, so the roofline has a row"
-    names = {p.label.split("[")[0] for p in report.programs}
-    assert {"step", "decode4", "copy_blocks", "penalty_fill"} <= names
+    names = {p.label.split("[")[0].split("(")[0] for p in report.programs}
+    assert {"step", "decode4", "move_blocks", "penalty_fill"} <= names
     # every program's arguments + temporaries fit the device, as the compiler sized them
     assert max(p.device_bytes for p in report.programs) <= report.hbm_bytes
 
@@ -55,10 +55,14 @@ def test_smollm2_on_one_v5e_chip_sized_by_the_compiler(depth):
     report = plan(None, "v5e:1x1", hf_overrides=depth,
                   **_swap_scaled(SMALL_LADDERS, depth, full_depth=30))
     _assert_compiled_and_fits(report)
+    # the ready set (the largest step, decode call and block move, the penalty fill) and
+    # the roofline's all-decode step; a block move holds at most the 17 blocks' power of two
     assert [p.label for p in report.programs] == [
-        "step[2, 2, 8]", "step[16, 2, 8]", "decode4[2, 2, 8]", "copy_blocks[2]",
-        "gather_blocks[1]", "scatter_blocks[1]", "penalty_fill[512]"]
-    assert report.num_ladder_programs == 10   # steps (1, 1), (2, 2), (16, 2): 16 tokens seat 2
+        "step[16, 2, 8]", "step[2, 2, 8]", "decode4[2, 2, 8]", "move_blocks[32]",
+        "penalty_fill[512]"]
+    # steps (2, 2) and (16, 2) (additive: a step of T tokens seats min(T, 2)), one decode
+    # call, block moves of 1, 4, 16 and 32, the penalty fill
+    assert report.num_ladder_programs == 8 and report.num_ready_programs == 4
     assert 0 < report.peak_temp_bytes < report.weight_bytes
     assert report.num_kv_blocks == 2 * 8            # capped at what 2 full sequences use
     assert report.fitting_kv_blocks > 10_000        # a 135M model leaves most of 16 GiB
@@ -69,14 +73,13 @@ def test_smollm2_on_one_v5e_chip_sized_by_the_compiler(depth):
 def test_smollm2_every_bucket_on_one_v5e_chip():
     report = plan(None, "v5e:1x1", buckets="all", **SMALL_LADDERS)
     _assert_compiled_and_fits(report)
-    # 2 sequences, 16 tokens, 128 context (8 blocks, one rung): steps (T, S) = (1, 1),
-    # (2, 2), (16, 2) (a step with prefill seats 16 / 8 = 2); decode loops (1, 1), (2, 2);
-    # copies 1, 2; swaps of 1 block (0.5 MiB of swap space holds one); the penalty fill
+    # 2 sequences, 16 tokens, 128 context (8 blocks, one rung): steps (T, S) = (16, 2),
+    # (2, 2); the decode loop (2, 2); block moves of 1, 4, 16, 32; the penalty fill. The
+    # ready set first, then the rest largest first
     labels = [p.label for p in report.programs]
-    assert labels == ["step[1, 1, 8]", "step[2, 2, 8]", "step[16, 2, 8]",
-                      "decode4[1, 1, 8]", "decode4[2, 2, 8]", "copy_blocks[1]",
-                      "copy_blocks[2]", "gather_blocks[1]", "scatter_blocks[1]",
-                      "penalty_fill[512]"]
+    assert labels == ["step[16, 2, 8]", "decode4[2, 2, 8]", "move_blocks[32]",
+                      "penalty_fill[512]", "step[2, 2, 8]", "move_blocks[16]",
+                      "move_blocks[4]", "move_blocks[1]"]
     assert report.num_ladder_programs == len(labels)
     assert report.weight_bytes < 0.5 * GiB          # 135M parameters in bfloat16
     assert report.num_kv_blocks == 2 * 8            # capped at what 2 full sequences use
@@ -94,8 +97,13 @@ def test_llama3_8b_largest_buckets(target, tp, layers):
                   num_kv_blocks=1024, hf_overrides=depth, **options)
     _assert_compiled_and_fits(report)
     assert report.tensor_parallel_size == tp
+    # the ready set (on a GPU its step and decode call decide sampling on the device, and
+    # the roofline's host-decided all-decode step is added); 1,025 blocks: moves of 512
+    device = "(device-decided)" if target == "h100" else ""
     assert [p.label for p in report.programs] == [
-        "step[2, 2, 8]", "decode4[2, 2, 8]", "copy_blocks[2]", "penalty_fill[512]"]
+        f"step{device}[2, 2, 8]", *(["step[2, 2, 8]"] if device else []),
+        f"decode4{device}[2, 2, 8]", f"move_blocks[{512 if layers == 4 else 64}]",
+        "penalty_fill[512]"]
     # bfloat16 parameters split over tp devices: the two vocab tables, the final norm and
     # 218.1 M per layer (8.03 B at 32 layers, 14.96 GiB)
     per_layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
@@ -153,9 +161,8 @@ def test_speculative_verify_step_compiles(target):
     assert "verify[8, 2, 8]" in labels, labels
 
 
-def test_swap_programs_stop_at_one_chunk_of_blocks():
-    """With the default swap space (4 GiB: more blocks than the cache holds), the swap
-    ladder stops at ``SWAP_CHUNK_BYTES`` of blocks: a whole-cache gather did not fit the
+def test_block_moves_stop_at_one_chunk_of_blocks():
+    """Block moves (copies and swaps) grow by 4 and stop at ``SWAP_CHUNK_BYTES`` of blocks: a whole-cache gather did not fit the
     chip next to the cache (libtpu: 19.5 GB of temporaries for SmolLM2 on v5e)."""
     from jaxpage.config import EngineConfig
     from jaxpage.parallel.targets import target_devices
@@ -166,8 +173,8 @@ def test_swap_programs_stop_at_one_chunk_of_blocks():
     engine = AbstractEngine(config, target_devices("v5e:1x1"), num_kv_blocks=11012)
     chunk = swap_chunk(engine.bytes_per_block(per_device=False))
     assert chunk == 256  # 0.35 MiB blocks, 128 MiB per call
-    swaps = [p.bucket[0] for p in engine.programs("all") if p.name == "gather_blocks"]
-    assert swaps == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    moves = [k.bucket[0] for k in engine.program_set().all if k.kind == "move_blocks"]
+    assert sorted(moves) == [1, 4, 16, 64, 256]
 
 
 @pytest.mark.slow  # ~60 s each; the step it extends compiles in the default suite

@@ -36,4 +36,4 @@ def test_warmup_option_takes_true_false_or_core(capsys):
     with pytest.raises(SystemExit) as exited:
         parser.parse_args(["generate", "hi", "--warmup", "fast"])
     assert exited.value.code == 2
-    assert "'fast' is not true, false or core" in capsys.readouterr().err
+    assert "'fast' is not true, false, ready or core" in capsys.readouterr().err

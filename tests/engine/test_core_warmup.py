@@ -19,7 +19,8 @@ def test_resolve_warmup(monkeypatch):
     assert resolve_warmup(False, "tpu") == "none"
     assert resolve_warmup("core", "gpu") == "core"
     assert resolve_warmup(None, "cpu") == "core"
-    assert resolve_warmup(None, "tpu") == "all"
+    assert resolve_warmup(None, "tpu") == "ready"
+    assert resolve_warmup("ready", "cpu") == "ready"
     monkeypatch.setenv(WARMUP_ENV, "none")
     assert resolve_warmup(None, "cpu") == "none"
     assert resolve_warmup(True, "cpu") == "all"  # an explicit choice wins over the variable

@@ -106,11 +106,11 @@ def test_draft_programs_are_compiled_by_warmup(tiny_checkpoints, noisy_llama):
                warmup=True, **TINY)
     proposer = spec.llm_engine.scheduler.proposer
     warmed = set(proposer.compiled_shapes)
-    runner = spec.llm_engine.runner
-    shapes = set(runner.compiled_shapes)
+    programs = spec.llm_engine.runner.executables
+    built, compiled = set(programs.programs()), len(programs.compiles)
     spec.generate(BASE[:6], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)
     assert proposer.compiled_shapes == warmed
-    assert runner.compiled_shapes == shapes
+    assert set(programs.programs()) == built and len(programs.compiles) == compiled
 
 
 def test_draft_model_configs_are_checked(tiny_checkpoints):

@@ -21,9 +21,30 @@ print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs],
 """
 
 
-def start(checkpoint: str, cache: Path) -> dict:
+# warmup="ready": the ready set before the engine returns, the rest in the background
+CHILD_READY = """
+import json, sys, threading
+from jaxpage import LLM, SamplingParams
+from jaxpage.runtime import background_compile
+llm = LLM(sys.argv[1], max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
+          block_size=8, num_kv_blocks=24, num_scheduler_steps=4, bucket_growth=4096,
+          warmup="ready")
+outs = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9] * 11}],
+                    SamplingParams(temperature=0, max_tokens=9, ignore_eos=True), use_tqdm=False)
+done = threading.Event()
+background_compile.submit(done.set)
+assert done.wait(600)
+runner = llm.llm_engine.runner
+programs = runner.executables
+print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs],
+                  "loaded": programs.num_loaded, "compiled": programs.num_compiled,
+                  "held": len(programs.programs()), "fallback_off": runner.fallback is None}))
+"""
+
+
+def start(checkpoint: str, cache: Path, child: str = CHILD) -> dict:
     env = dict(os.environ, JAXPAGE_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, "-c", CHILD, checkpoint], env=env, cwd=ROOT,
+    result = subprocess.run([sys.executable, "-c", child, checkpoint], env=env, cwd=ROOT,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -40,6 +61,15 @@ def test_second_start_loads_every_program(tiny_checkpoints, tmp_path):
         path.write_bytes(b"junk")
     again = start(tiny_checkpoints["llama"], tmp_path)
     assert again == {**cold, "loaded": 0}
+
+
+def test_a_ready_engine_second_start_compiles_nothing(tiny_checkpoints, tmp_path):
+    """``warmup="ready"``, twice with one cache: the first start compiles its whole program
+    set (the ready set, then the rest in the background), the second loads every one."""
+    cold = start(tiny_checkpoints["llama"], tmp_path, CHILD_READY)
+    warm = start(tiny_checkpoints["llama"], tmp_path, CHILD_READY)
+    assert cold["fallback_off"] and cold["compiled"] == cold["held"] and cold["loaded"] == 0
+    assert warm == {**cold, "loaded": cold["held"], "compiled": 0}
 
 
 def test_an_engine_like_another_runs_its_programs_without_compiling(tiny_llm, tiny_checkpoints):
