@@ -44,7 +44,14 @@ def _json_object(text: str) -> dict:
 
 
 ENGINE_FLAGS = {
-    "dtype": (str, "compute dtype: auto, float32, bfloat16, float16"),
+    "dtype": (str, "compute dtype: auto (default: the checkpoint's on GPUs and TPUs, float32 "
+                   "on the CPU), float32, bfloat16, float16"),
+    "revision": (str, "Hub model id: the branch, tag or commit to use (default: main)"),
+    "download_dir": (str, "Hub model id: the cache directory to download into and read from "
+                          "(default: the Hugging Face cache, HF_HOME)"),
+    "load_format": (str, "auto, safetensors or gguf (checked against the model)"),
+    "generation_config": (str, "auto (default: generation_config.json's sampling defaults for "
+                               "requests that set none), vllm (none) or a directory"),
     "max_model_len": (int, "context length (default: the model's)"),
     "max_num_seqs": (int, "most sequences in one step"),
     "max_num_batched_tokens": (int, "token budget of one step (long prompts are chunked)"),
@@ -94,13 +101,62 @@ ENGINE_FLAGS = {
 }
 
 
+# vLLM's names for options jaxpage names otherwise (both are accepted).
+VLLM_ALIASES = {"memory_utilization": ("--gpu-memory-utilization",),
+                "num_kv_blocks": ("--num-gpu-blocks-override",),
+                "kv_cache_memory": ("--kv-cache-memory-bytes",)}
+# vLLM flags that change nothing here (accepted so that a vLLM command line runs; each is
+# logged as having no effect when given).
+NO_EFFECT_FLAGS = {"trust_remote_code": "jaxpage runs no code from checkpoints",
+                   "enforce_eager": "jaxpage has no CUDA graphs to turn off",
+                   "disable_log_requests": "jaxpage does not log requests",
+                   "disable_log_stats": "jaxpage does not log periodic stats"}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine options (LLM keyword arguments)")
-    group.add_argument("--tokenizer", default=None, help="tokenizer directory or .gguf file")
+    group.add_argument("--tokenizer", default=None, help="tokenizer directory, .gguf file or "
+                                                         "Hub id")
     group.add_argument("--config", default=None, help="TOML file of engine options")
     for name, (kind, help_text) in ENGINE_FLAGS.items():
-        group.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
-                           help=help_text)
+        group.add_argument(_flag(name), *VLLM_ALIASES.get(name, ()), dest=name, type=kind,
+                           default=None, help=help_text + (
+                               " (bare: true; --no-... : false)" if kind is _bool else ""))
+    ignored = parser.add_argument_group("vLLM flags that change nothing here")
+    for name, why in NO_EFFECT_FLAGS.items():
+        ignored.add_argument(_flag(name), dest=name, type=_bool, default=None, help=why)
+
+
+_BOOL_WORDS = ("1", "true", "yes", "on", "0", "false", "no", "off")
+
+
+def normalize_bool_flags(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """vLLM's boolean flag forms in ``argv``: a bare ``--enable-prefix-caching`` means true
+    and ``--no-enable-prefix-caching`` false; ``--flag true|false`` keeps working."""
+    flags = {option for action in _all_actions(parser) if action.type is _bool
+             for option in action.option_strings}
+    out: list[str] = []
+    for i, token in enumerate(argv):
+        if token.startswith("--no-") and "--" + token[5:] in flags:
+            out += ["--" + token[5:], "false"]
+        elif token in flags and (i + 1 == len(argv) or argv[i + 1].lower() not in _BOOL_WORDS):
+            out += [token, "true"]
+        else:
+            out.append(token)
+    return out
+
+
+def _all_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    actions = list(parser._actions)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                actions += _all_actions(sub)
+    return actions
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,7 +177,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require 'Authorization: Bearer KEY' on /v1 routes")
     serve.add_argument("--served-model-name", default=None,
                        help="model name clients use (default: the model path's name)")
-    serve.add_argument("--log-level", default="info", help="uvicorn log level")
+    serve.add_argument("--log-level", default="info",
+                       help="jaxpage's log level (start-up facts at info) and uvicorn's")
+    serve.add_argument("--uvicorn-log-level", default=None, help="uvicorn's own log level "
+                                                                "(default: --log-level)")
+    serve.add_argument("--chat-template", default=None,
+                       help="a Jinja chat template, or a file holding one, instead of the "
+                            "tokenizer's")
+    serve.add_argument("--enable-auto-tool-choice", type=_bool, default=False,
+                       help="tool_choice \"auto\": parse tool calls out of free output "
+                            "(needs --tool-call-parser)")
+    serve.add_argument("--tool-call-parser", default=None,
+                       help="hermes (Qwen2/Qwen3, Hermes), llama3_json (Llama 3.x) or mistral")
     serve.add_argument("--lora-modules", nargs="+", default=None, type=_lora_module,
                        metavar="NAME=PATH",
                        help="LoRA adapters (PEFT directories) served under NAME as the "
@@ -158,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     gen.add_argument("--top-k", type=int, default=-1, help="-1 disables top-k")
     gen.add_argument("--sample-seed", type=int, default=None, help="seed of this request")
+    gen.add_argument("--log-level", default="info", help="jaxpage's log level (to stderr)")
     _add_engine_flags(gen)
 
     plan = commands.add_parser(
@@ -177,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="compile the largest bucket of each program (default; they bound "
                            "the memory), the ready set an engine builds before it takes "
                            "requests (warmup), or every program it builds eventually (all)")
+    plan.add_argument("--log-level", default="info", help="jaxpage's log level (to stderr)")
     plan.add_argument("--context", type=int, default=None,
                       help="tokens per sequence for the roofline (default: max_model_len)")
     _add_engine_flags(plan)
@@ -239,10 +308,57 @@ def _serve(args) -> int:
     lora_modules = dict(args.lora_modules or ())
     if lora_modules:
         options.setdefault("enable_lora", True)
+    tool_parser = None
+    if args.enable_auto_tool_choice or args.tool_call_parser:
+        if not (args.enable_auto_tool_choice and args.tool_call_parser):
+            raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together")
+        from jaxpage.server.tool_parsers import get_parser
+
+        tool_parser = get_parser(args.tool_call_parser).name
     serve(model, tokenizer=args.tokenizer, host=args.host, port=args.port, api_key=args.api_key,
-          served_model_name=args.served_model_name, log_level=args.log_level,
-          lora_modules=lora_modules, **options)
+          served_model_name=args.served_model_name,
+          log_level=args.uvicorn_log_level or args.log_level, lora_modules=lora_modules,
+          chat_template=_chat_template(args.chat_template), tool_parser=tool_parser, **options)
     return 0
+
+
+def _chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the template itself."""
+    import os
+
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return value
+
+
+def _configure_logging(level: str) -> None:
+    """The ``jaxpage`` logger at ``level``, to stderr (start-up facts are at INFO)."""
+    import logging
+
+    numeric = logging.getLevelName(level.upper())
+    if not isinstance(numeric, int):
+        raise ValueError(f"--log-level {level!r} is not one of debug, info, warning, error")
+    logger = logging.getLogger("jaxpage")
+    logger.setLevel(numeric)
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s jaxpage: %(message)s",
+                                               "%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
+def _report_no_effect_flags(args) -> None:
+    import logging
+
+    for name, why in NO_EFFECT_FLAGS.items():
+        if getattr(args, name, None):
+            logging.getLogger("jaxpage").info("%s has no effect: %s", _flag(name), why)
 
 
 def _generate(args) -> int:
@@ -285,9 +401,14 @@ def _proxy(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(normalize_bool_flags(sys.argv[1:] if argv is None else argv,
+                                                  parser))
     commands = {"serve": _serve, "generate": _generate, "plan": _plan, "proxy": _proxy}
     try:
+        if args.command != "proxy":
+            _configure_logging(args.log_level)
+            _report_no_effect_flags(args)
         return commands[args.command](args)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

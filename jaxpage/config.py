@@ -14,6 +14,7 @@ from typing import Any
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SUPPORTED_ATTENTION_BACKENDS = ("auto", "reference", "cpu", "gpu", "tpu")
+SUPPORTED_LOAD_FORMATS = ("auto", "safetensors", "gguf")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -29,9 +30,21 @@ SUPPORTED_KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 class ModelConfig:
     """What to load and how to run it numerically."""
 
-    model: str | None = None  # None: the embedded default (SmolLM2-135M-Instruct GGUF)
+    # None: the embedded default (SmolLM2-135M-Instruct GGUF); a local directory or .gguf
+    # file; "preset:<name>"; or a Hugging Face Hub id, resolved through the standard cache
+    # (``models.hub``: ``revision``, ``download_dir``, ``HF_HUB_OFFLINE``)
+    model: str | None = None
     tokenizer: str | None = None  # None: the model's own tokenizer
-    dtype: str = "float32"
+    revision: str | None = None  # Hub id: a branch, tag or commit (None: main)
+    download_dir: str | None = None  # Hub id: the cache to use (None: the standard one)
+    # What to read: "auto" (what the path holds), "safetensors" or "gguf" (checked against it)
+    load_format: str = "auto"
+    # "auto": the checkpoint's dtype on GPUs and TPUs (bfloat16 when it names none), and
+    # float32 on the CPU, which measures fastest there; or float32, bfloat16, float16
+    dtype: str = "auto"
+    # Sampling defaults for requests that set none (``engine.generation_config``): "auto"
+    # the checkpoint's generation_config.json, "vllm" none, or a directory holding one
+    generation_config: str = "auto"
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
     attention_backend: str = "auto"
@@ -87,6 +100,16 @@ class ModelConfig:
                  f"hf_overrides={self.hf_overrides!r} must be None or a dict with string keys")
         _require(self.dtype in SUPPORTED_DTYPES,
                  f"dtype={self.dtype!r} is not supported; choose one of {SUPPORTED_DTYPES}")
+        _require(self.load_format in SUPPORTED_LOAD_FORMATS,
+                 f"load_format={self.load_format!r} is not supported; choose one of "
+                 f"{SUPPORTED_LOAD_FORMATS}")
+        for name in ("revision", "download_dir"):
+            value = getattr(self, name)
+            _require(value is None or (isinstance(value, str) and value),
+                     f"{name}={value!r} must be None or a non-empty string")
+        _require(isinstance(self.generation_config, str) and self.generation_config,
+                 f"generation_config={self.generation_config!r} must be 'auto', 'vllm' or a "
+                 f"directory")
         _require(self.max_model_len is None
                  or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
                  f"max_model_len={self.max_model_len!r} must be None or an integer >= 2")

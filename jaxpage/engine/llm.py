@@ -31,7 +31,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
-                 dtype: str = "float32", block_size: int = 16, max_model_len: int | None = None,
+                 dtype: str = "auto", block_size: int = 16, max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  num_kv_blocks: int | None = None, seed: int = 0, **engine_options: Any) -> None:
         config = EngineConfig.from_kwargs(
@@ -67,6 +67,12 @@ class LLM:
 
         return save_checkpoint(self.llm_engine, path)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the checkpoint's generation-config defaults (vLLM's
+        method; ``generation_config="vllm"``: none): what ``generate`` uses without params."""
+        defaults = getattr(self.llm_engine, "generation_defaults", None) or {}
+        return SamplingParams(**defaults)
+
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = True,
@@ -84,7 +90,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params_list = _one_per_prompt(sampling_params, SamplingParams, len(prompts),
                                       "sampling_params")
         for params in params_list:

@@ -9,6 +9,7 @@ turns moved sequences into ``RequestOutput``s. Nothing here waits on the device.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -31,6 +32,7 @@ from jaxpage.engine.device_calls import DeviceCalls
 from jaxpage.engine import kv_handoff
 from jaxpage.engine.input_processor import InputProcessor, PromptInput
 from jaxpage.engine.kv_calibration import calibrate_kv_scales
+from jaxpage.engine.generation_config import generation_defaults
 from jaxpage.engine.kv_sizing import choose_num_kv_blocks
 from jaxpage.engine.logprobs import LogprobsRecorder
 from jaxpage.engine.lora_manager import LoRAAdapters
@@ -43,6 +45,7 @@ from jaxpage.engine.warmup import (compile_core_programs, compile_ready_programs
                                     resolve_warmup)
 from jaxpage.models.quantize import stored_bytes
 from jaxpage.lora_request import LoRARequest
+from jaxpage.models.hub import resolve_hub_models
 from jaxpage.models.loader import load_model, resolve_model_path
 from jaxpage.outputs import RequestOutput
 from jaxpage.parallel.placement import default_mesh
@@ -96,6 +99,7 @@ class LLMEngine(LoRAAdapters, kv_handoff.KVHandoff):
     def __init__(self, config: EngineConfig, *, mesh: Any = None) -> None:
         """``mesh``: this replica's devices (``jaxpage.engine.replicas.build_engine`` picks
         them); None means replica 0's under ``tensor_parallel_size > 1``, else one device."""
+        config = resolve_hub_models(config)  # Hub ids -> local snapshots (models.hub)
         self.config = config
         mc, cc = config.model, config.cache
         resolve_attention_backend(mc.attention_backend)  # a backend this platform lacks fails now
@@ -111,8 +115,12 @@ class LLMEngine(LoRAAdapters, kv_handoff.KVHandoff):
                                        if mc.weight_cache else None),
                             quantization=mc.quantization,
                             quantization_group_size=mc.quantization_group_size,
-                            kv_format=cc.kv_format)
+                            kv_format=cc.kv_format, load_format=mc.load_format)
         self.arch = loaded.arch
+        # Sampling defaults of requests that set none (the server applies them)
+        self.generation_defaults = generation_defaults(
+            None if mc.model is None or mc.model.startswith("preset:") else mc.model,
+            mc.generation_config)
         self.loras = self._enable_lora(loaded, mesh) if mc.enable_lora else None
         limit = self.arch.max_position_embeddings
         if mc.max_model_len is not None and mc.max_model_len > limit:

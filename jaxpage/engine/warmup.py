@@ -120,6 +120,7 @@ def compile_ready_programs(engine: Any) -> int:
         logger.info("warm-up 'ready' on a device mesh builds every program first")
         return compile_every_program(engine)
     seconds = _build_with_progress(engine, programs.ready, "Compiling the ready set")
+    _build_feature_programs(engine)  # a request of those features must not wait either
     executables = runner.executables
     empty = engine.batch_builder.empty
     runner.fallback = ProgramFallback(
@@ -221,7 +222,15 @@ def compile_every_program(engine: Any) -> int:
     """
     programs = engine_program_set(engine)
     _build_with_progress(engine, programs.all, "Compiling buckets")
-    count = len(programs.all)
+    count = len(programs.all) + _build_feature_programs(engine)
+    logger.info("warm-up built %d programs", count)
+    return count
+
+
+def _build_feature_programs(engine: Any) -> int:
+    """A draft model's and LoRA's programs (outside the program set: only engines with
+    those features have them); the number built."""
+    count = 0
     proposer = engine.scheduler.proposer
     if hasattr(proposer, "warmup"):  # a draft model's fill and propose programs
         count += proposer.warmup()
@@ -229,5 +238,4 @@ def compile_every_program(engine: Any) -> int:
         holder = engine.scheduler.lora_slots.holder(1)
         engine.runner.write_lora_slot(1, None if holder is None else holder.weights)
         count += 1
-    logger.info("warm-up built %d programs", count)
     return count

@@ -25,7 +25,7 @@ from gguf.quants import dequantize
 
 from jaxpage.arch_config import ArchConfig
 from jaxpage.models.converted_cache import ConvertedCache, StaleEntry
-from jaxpage.models.hf_layout import LAYER_TENSORS, HFTensorSource
+from jaxpage.models.hf_layout import LAYER_TENSORS, HFTensorSource, loading_bar
 from jaxpage.models.quantize import GGUF_KEPT, QuantFormat, gguf_parts, plan_to_json
 from jaxpage.parallel.placement import Placement
 
@@ -251,7 +251,8 @@ class GGUFSource(HFTensorSource):
             self.cache.discard(dtype, arch, variant)
         nbytes = sum(int(np.prod(leaf.shape)) * np.dtype(dtype).itemsize
                      for leaf in jax.tree.leaves(template))
-        converted = self.cache.save(dtype, arch, self.layout_arrays(arch), nbytes, variant)
+        converted = self.cache.save(dtype, arch, loading_bar(self.layout_arrays(arch), template),
+                                    nbytes, variant)
         return self.place(self.repeat_kv(converted, arch, run_arch), placement, dtype)
 
     def _cache_variant(self) -> str:

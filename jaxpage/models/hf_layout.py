@@ -92,8 +92,11 @@ class HFTensorSource:
 
     def read_params(self, arch: ArchConfig, run_arch: ArchConfig, template: dict[str, Any],
                     placement: Placement, dtype: Any) -> dict[str, Any]:
-        """The model's pure dict (keys as in ``template``), every array on its devices."""
-        return self.place(self.param_arrays(arch, run_arch), placement, dtype)
+        """The model's pure dict (keys as in ``template``), every array on its devices.
+        A progress bar counts the tensors when the ``jaxpage`` logger shows INFO (the
+        command line's default)."""
+        arrays = loading_bar(self.param_arrays(arch, run_arch), template)
+        return self.place(arrays, placement, dtype)
 
     def place(self, arrays: Iterable[tuple[tuple, np.ndarray]], placement: Placement,
               dtype: Any) -> dict[str, Any]:
@@ -194,3 +197,22 @@ def place_arrays(arrays: Iterable[tuple[tuple, Any]], placement: Placement, dtyp
                           else placement.put(name, array, as_dtype))
         del array  # the host copy of one tensor at a time
     return pure
+
+
+def loading_bar(arrays: Iterable, template: Any) -> Iterable:
+    """``arrays`` under a "Loading weights" progress bar (total: ``template``'s arrays),
+    shown when the ``jaxpage`` logger shows INFO (the command line's default)."""
+    import logging
+
+    from tqdm.auto import tqdm
+
+    return tqdm(arrays, desc="Loading weights", unit=" tensors", total=_count_leaves(template),
+                dynamic_ncols=True,
+                disable=not logging.getLogger("jaxpage").isEnabledFor(logging.INFO))
+
+
+def _count_leaves(tree: Any) -> int:
+    """Arrays of a nested dict (the model's pure dict): the weight-loading bar's total."""
+    if isinstance(tree, dict):
+        return sum(_count_leaves(value) for value in tree.values())
+    return 1

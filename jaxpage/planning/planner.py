@@ -36,6 +36,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from jaxpage.config import EngineConfig
+from jaxpage.models.hub import resolve_hub_models
 from jaxpage.parallel.targets import parse_target, target_devices
 from jaxpage.planning.abstract_engine import AbstractEngine
 from jaxpage.planning.report import PlanReport, ProgramResult, RooflineRow
@@ -74,7 +75,8 @@ def plan(model: str | None = None, target: str = "v5e:1x1", *, buckets: str = "l
     ``model``: a checkpoint directory, a .gguf file or ``preset:<name>`` (only its config
     is read). ``engine_options``: ``LLM``'s keyword arguments (``tensor_parallel_size``,
     ``max_num_seqs``, ``max_model_len``, ``block_size``, ``memory_utilization``,
-    ``num_kv_blocks``, ``dtype`` (default bfloat16 here), ...). ``buckets``: ``"largest"``
+    ``num_kv_blocks``, ``dtype`` ("auto": the checkpoint's, bfloat16 when it names none),
+    ...). ``model`` may be a Hub id (only its config is fetched with the weights' files). ``buckets``: ``"largest"``
     (the ready set and the largest all-decode step, which bound the memory; the default),
     ``"warmup"`` (exactly the ready set: what ``LLM(...)`` builds on this target before it
     takes requests, ``engine.warmup``) or ``"all"`` (every program it builds eventually,
@@ -84,9 +86,8 @@ def plan(model: str | None = None, target: str = "v5e:1x1", *, buckets: str = "l
     if buckets not in ("all", "warmup", "largest"):
         raise ValueError(f"buckets={buckets!r} must be 'all', 'warmup' or 'largest'")
     options = dict(engine_options)
-    options.setdefault("dtype", "bfloat16")
     options["model"] = model
-    config = EngineConfig.from_kwargs(**options)
+    config = resolve_hub_models(EngineConfig.from_kwargs(**options))
     parsed = parse_target(target)
     devices = target_devices(target)
     chip = parsed.chip

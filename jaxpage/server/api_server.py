@@ -9,6 +9,8 @@ aborts its requests (their KV blocks are freed before the engine's next step).
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.metadata
 import json
 import time
 from typing import Any, AsyncIterator
@@ -31,6 +33,7 @@ from jaxpage.server.serving import (GenerationJob, chat_logprobs, completion_log
                                     context_check, sampling_params)
 from jaxpage.server.structured import (structured_outputs_of, template_message, tool_calls_of,
                                        tool_delta)
+from jaxpage.server.tool_parsers import StreamingToolCalls, get_parser
 
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
 
@@ -103,9 +106,13 @@ def _event_stream(job: GenerationJob, chunks: AsyncIterator[str]) -> EventStream
 
 def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
               api_key: str | None = None,
-              lora_modules: dict[str, str] | None = None) -> FastAPI:
+              lora_modules: dict[str, str] | None = None,
+              chat_template: str | None = None, tool_parser: str | None = None) -> FastAPI:
     """The app serving ``engine`` as the model ``served_model_name``, and each LoRA
-    adapter of ``lora_modules`` (name -> PEFT directory, loaded now) under its name."""
+    adapter of ``lora_modules`` (name -> PEFT directory, loaded now) under its name.
+    ``chat_template``: a Jinja template replacing the tokenizer's; ``tool_parser``: the
+    parser (``server.tool_parsers``) that finds tool calls in free output, for
+    ``tool_choice: "auto"`` (None: "auto" is refused with a 400)."""
     app = FastAPI(title="jaxpage", version="0.1.0",
                   description="OpenAI-compatible API of a jaxpage engine")
     install_error_handlers(app)
@@ -116,6 +123,14 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
     max_model_len = core.max_model_len
     app.state.engine, app.state.metrics = engine, metrics
     created = int(time.time())
+
+    if chat_template is not None:
+        if core.tokenizer is None:
+            raise ValueError("--chat-template: this model has no tokenizer")
+        core.tokenizer.chat_template = chat_template
+    parser = get_parser(tool_parser) if tool_parser is not None else None
+    # the checkpoint's sampling defaults (generation_config.json) for fields a request omits
+    defaults = dict(getattr(core, "generation_defaults", {}) or {})
 
     adapters = ServedAdapters(engine, served_model_name)
     for name, path in (lora_modules or {}).items():
@@ -151,6 +166,15 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
             for a in adapters.names()]}
 
     add_kv_routes(app, engine, _ERRORS)
+
+    @app.get("/version")
+    async def version():
+        return {"version": jaxpage_version()}
+
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping():  # load balancers' probe (vLLM's and SageMaker's route)
+        return await health()
 
     @app.get("/health")
     async def health():
@@ -210,7 +234,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
             prompts = [{"prompt_token_ids": list(p)} for p in prompt]
         spec, _ = structured_outputs_of(body)
         params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
-                                 stream=body.stream, structured_outputs=spec)
+                                 stream=body.stream, structured_outputs=spec,
+                                 defaults=defaults)
         job = GenerationJob(engine, metrics, body.n)
         await job.start(prompts, params, context_check(max_model_len, params),
                         kv_transfer=body.kv_transfer_params, lora_request=lora)
@@ -262,13 +287,23 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         tok = tokenizer()
         spec, tool_plan = structured_outputs_of(body)
+        # tool_choice "auto" (or unset, with tools): the model may call them; a parser finds
+        # the calls in its output
+        auto_tools = bool(body.tools) and body.tool_choice in (None, "auto") and tool_plan is None
+        if auto_tools and parser is None and body.tool_choice == "auto":
+            raise APIError(400, 'tool_choice "auto" needs the server started with '
+                                "--enable-auto-tool-choice and --tool-call-parser",
+                           param="tool_choice")
+        auto_parser = parser if auto_tools else None
         messages = [template_message(m) for m in body.messages]
         tools = ([t.model_dump(exclude_none=True) for t in body.tools]
                  if body.tools and body.tool_choice != "none" else None)
+        template_kwargs = dict(body.chat_template_kwargs or {})
         try:
             ids = await engine.run(lambda: _apply_template(
                 tok, messages, add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message, tools=tools))
+                continue_final_message=body.continue_final_message, tools=tools,
+                template_kwargs=template_kwargs))
         except ValueError:
             raise
         except Exception as error:  # a template that rejects the conversation
@@ -277,7 +312,11 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
         num_top = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = sampling_params(body, max_tokens=max_tokens, logprobs=num_top,
-                                 stream=body.stream, structured_outputs=spec)
+                                 stream=body.stream, structured_outputs=spec,
+                                 defaults=defaults)
+        if auto_parser is not None and auto_parser.needs_special_tokens:
+            # its markers are special tokens
+            params = dataclasses.replace(params, skip_special_tokens=False)
         job = GenerationJob(engine, metrics, body.n)
         await job.start([{"prompt_token_ids": ids}], params, context_check(max_model_len, params),
                         kv_transfer=body.kv_transfer_params, lora_request=lora)
@@ -290,6 +329,12 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
 
         def message_of(choice) -> tuple[dict, str | None]:
             """The assistant message and finish reason of a finished choice."""
+            if auto_parser is not None:
+                content, found = auto_parser.parse(choice.text)
+                if not found:
+                    return {"role": "assistant", "content": choice.text}, choice.finish_reason
+                return ({"role": "assistant", "content": content, "tool_calls": found},
+                        "tool_calls")
             calls = tool_calls_of(tool_plan, choice.text) if tool_plan else None
             if calls is None:
                 return {"role": "assistant", "content": choice.text}, choice.finish_reason
@@ -320,8 +365,34 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
                               "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}])
             call_ids: dict[int, str] = {}
+            streams = {c.index: StreamingToolCalls(auto_parser) for c in job.choices} \
+                if auto_parser is not None else {}
+            calls_sent: dict[int, int] = {}
             async for choice, delta, finished in job.events():
                 if not (delta.text or delta.token_ids or finished):
+                    continue
+                if auto_parser is not None:
+                    stream = streams[choice.index]
+                    content, calls = stream.feed(delta.text)
+                    if finished:
+                        more, last = stream.finish()
+                        content, calls = content + more, calls + last
+                    out: dict = {"content": content} if content else {}
+                    if calls:
+                        first = calls_sent.get(choice.index, 0)
+                        out["tool_calls"] = [{"index": first + i, **call}
+                                             for i, call in enumerate(calls)]
+                        calls_sent[choice.index] = first + len(calls)
+                    reason = None
+                    if finished:
+                        reason = ("tool_calls" if calls_sent.get(choice.index)
+                                  else choice.finish_reason)
+                    if out or finished:
+                        yield chunk([{"index": choice.index, "delta": out,
+                                      "logprobs": logprobs_of(delta.token_ids,
+                                                              delta.logprobs or []),
+                                      "finish_reason": reason,
+                                      "stop_reason": choice.stop_reason if finished else None}])
                     continue
                 if tool_plan is not None:
                     if tool_plan.function is None and not finished:
@@ -344,18 +415,36 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
     return app
 
 
+def jaxpage_version() -> str:
+    """The installed package's version (``GET /version``)."""
+    try:
+        return importlib.metadata.version("jaxpage")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "0.1.0"
+
+
 def _kv_ticket(job: GenerationJob) -> dict:
     """A prefill instance's answer carries the ticket for the request's KV pages."""
     return {} if job.kv_transfer_params is None else {"kv_transfer_params": job.kv_transfer_params}
 
 
 def _apply_template(tok, messages: list[dict], *, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, tools: list | None = None) -> list[int]:
+                    continue_final_message: bool = False, tools: list | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
+    """``template_kwargs``: a request's ``chat_template_kwargs``, variables the template
+    reads (e.g. ``enable_thinking``); they cannot replace the arguments above."""
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message=true needs add_generation_prompt=false")
     if getattr(tok, "chat_template", None) is None:
         raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
+    template_kwargs = template_kwargs or {}
+    reserved = sorted(set(template_kwargs) & {"tokenize", "return_dict", "tools", "messages",
+                                              "conversation", "add_generation_prompt",
+                                              "continue_final_message", "chat_template"})
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {reserved}")
     out = tok.apply_chat_template(messages, tokenize=True, return_dict=True, tools=tools,
                                   add_generation_prompt=add_generation_prompt,
-                                  continue_final_message=continue_final_message)
+                                  continue_final_message=continue_final_message,
+                                  **template_kwargs)
     return list(out["input_ids"])

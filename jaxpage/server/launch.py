@@ -24,14 +24,17 @@ def default_served_name(model: str | None) -> str:
 
 def make_server(model: str | None = None, *, served_model_name: str | None = None,
                 api_key: str | None = None, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-                lora_modules: dict[str, str] | None = None,
+                lora_modules: dict[str, str] | None = None, chat_template: str | None = None,
+                tool_parser: str | None = None,
                 **engine_options: Any) -> tuple[uvicorn.Server, AsyncLLMEngine]:
     """Load the engine and build a uvicorn server for it (not started); ``lora_modules``:
-    adapter name -> PEFT directory, each served as a model of that name."""
+    adapter name -> PEFT directory, each served as a model of that name; ``chat_template``
+    and ``tool_parser``: ``build_app``'s."""
     engine = AsyncLLMEngine.from_options(model, **engine_options)
     try:
         app = build_app(engine, served_model_name=served_model_name or default_served_name(model),
-                        api_key=api_key, lora_modules=lora_modules)
+                        api_key=api_key, lora_modules=lora_modules,
+                        chat_template=chat_template, tool_parser=tool_parser)
     except BaseException:
         engine.shutdown()
         raise

@@ -79,7 +79,13 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # OpenAI fields that cannot change the tokens: accepted, not used
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # OpenAI's per-token bias: not supported yet (a non-empty one is a 400 naming it)
+    logit_bias: dict[str, float] | None = None
     # Structured outputs (``jaxpage.server.structured``): OpenAI's and vLLM's fields.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -166,6 +172,8 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # variables the chat template reads (vLLM's field), e.g. {"enable_thinking": false}
+    chat_template_kwargs: dict | None = None
 
 
 class TokenizeRequest(_Strict):

@@ -26,25 +26,38 @@ RETRY_AFTER_S = "1"
 
 def sampling_params(body: CompletionRequest | ChatCompletionRequest, *, max_tokens: int | None,
                     logprobs: int | None, stream: bool,
-                    structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
-    """SamplingParams from the request's fields (OpenAI defaults where a field is null)."""
-    def pick(value, default):
-        return default if value is None else value
+                    structured_outputs: StructuredOutputsParams | None = None,
+                    defaults: dict | None = None) -> SamplingParams:
+    """SamplingParams from the request's fields: where a field is null, ``defaults`` (the
+    checkpoint's generation config: ``engine.generation_config``), else OpenAI's."""
+    defaults = defaults or {}
+
+    def pick(value, default, name=None):
+        if value is not None:
+            return value
+        return defaults.get(name, default) if name else default
+
+    if body.logit_bias:
+        raise APIError(400, "logit_bias is not supported yet", param="logit_bias")
+    if max_tokens is None and "max_tokens" in defaults:
+        max_tokens = defaults["max_tokens"]
 
     extra = {}
     if stream and supports_delta_outputs():
         extra["output_kind"] = "delta"
     try:
         return SamplingParams(
-            n=body.n, temperature=pick(body.temperature, 1.0), top_p=pick(body.top_p, 1.0),
-            top_k=pick(body.top_k, -1) or -1, min_p=pick(body.min_p, 0.0), seed=body.seed,
+            n=body.n, temperature=pick(body.temperature, 1.0, "temperature"),
+            top_p=pick(body.top_p, 1.0, "top_p"), top_k=pick(body.top_k, -1, "top_k") or -1,
+            min_p=pick(body.min_p, 0.0, "min_p"), seed=body.seed,
             max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop,
             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
             presence_penalty=pick(body.presence_penalty, 0.0),
             frequency_penalty=pick(body.frequency_penalty, 0.0),
-            repetition_penalty=pick(body.repetition_penalty, 1.0), logprobs=logprobs,
+            repetition_penalty=pick(body.repetition_penalty, 1.0, "repetition_penalty"),
+            logprobs=logprobs,
             structured_outputs=structured_outputs, **extra)
     except ValueError as error:
         raise bad_request_from(error) from None

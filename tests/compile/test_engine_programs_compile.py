@@ -63,6 +63,8 @@ def test_smollm2_on_one_v5e_chip_sized_by_the_compiler(depth):
     # steps (2, 2) and (16, 2) (additive: a step of T tokens seats min(T, 2)), one decode
     # call, block moves of 1, 4, 16 and 32, the penalty fill
     assert report.num_ladder_programs == 8 and report.num_ready_programs == 4
+    assert ("an engine builds 4 before it is ready (--buckets warmup) and 8 in all"
+            in report.text())
     assert 0 < report.peak_temp_bytes < report.weight_bytes
     assert report.num_kv_blocks == 2 * 8            # capped at what 2 full sequences use
     assert report.fitting_kv_blocks > 10_000        # a 135M model leaves most of 16 GiB

@@ -37,12 +37,14 @@ class Served:
 
 
 def start_server(model: str, *, api_key: str | None = API_KEY, name: str = MODEL_NAME,
-                 lora_modules: dict[str, str] | None = None,
+                 lora_modules: dict[str, str] | None = None, tool_parser: str | None = None,
+                 chat_template: str | None = None,
                  **options) -> tuple[Served, BackgroundServer]:
     llm = LLM(model, **{**OPTIONS, **options})
     engine = AsyncLLMEngine(llm.llm_engine)
     server = BackgroundServer(build_app(engine, served_model_name=name, api_key=api_key,
-                                        lora_modules=lora_modules)).start()
+                                        lora_modules=lora_modules, tool_parser=tool_parser,
+                                        chat_template=chat_template)).start()
     return Served(server.url, llm, engine), server
 
 
