@@ -113,6 +113,8 @@ def _fail_structured(name: str, value: object, rule: str) -> None:
 
 # Most top log-probabilities a request may ask for per generated token (vLLM's default cap).
 MAX_LOGPROBS = 20
+# Tokens one request's logit_bias may name (each row of a batch carries this many slots).
+MAX_LOGIT_BIAS = 16
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # OpenAI's logit_bias: token id -> a number in [-100, 100] added to that token's logit
+    # before sampling (greedy too), at most MAX_LOGIT_BIAS tokens
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -207,6 +212,15 @@ class SamplingParams:
                 self.structured_outputs, StructuredOutputsParams):
             _fail("structured_outputs", self.structured_outputs,
                   "must be a StructuredOutputsParams or None")
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS or any(
+                    not _is_int(t) or t < 0 or not _is_number(v) or not -100 <= v <= 100
+                    for t, v in bias.items()):
+                _fail("logit_bias", bias, f"must map at most {MAX_LOGIT_BIAS} token ids >= 0 "
+                                          "to numbers in [-100, 100]")
+            object.__setattr__(self, "logit_bias", {int(t): float(v) for t, v in bias.items()}
+                               or None)
         for flag in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, flag), bool):
                 _fail(flag, getattr(self, flag), "must be a bool")

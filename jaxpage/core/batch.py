@@ -23,6 +23,7 @@ from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.penalty_slots import PenaltyFill, PenaltySlots
 from jaxpage.core.request import MAX_STOP_TOKENS
 from jaxpage.core.scheduler import SchedulerOutput
+from jaxpage.sampling_params import MAX_LOGIT_BIAS
 
 # Columns of the packed per-row ints that a continuing build touches.
 _KV_LENS = ROW_INT_FIELDS.index("kv_lens")
@@ -71,7 +72,8 @@ class BatchBuilder(BatchShapes):
             sample_seeds=np.zeros(S, np.uint32), sample_index=zeros(S),
             stop_token_ids=np.full((S, MAX_STOP_TOKENS), -1, np.int32), min_tokens=zeros(S),
             max_output=zeros(S), want_logprobs=zeros(S), lora_slot=zeros(S),
-            **_no_penalties(S))
+            bias_ids=np.full((S, MAX_LOGIT_BIAS), -1, np.float32),
+            bias_values=np.zeros((S, MAX_LOGIT_BIAS), np.float32), **_no_penalties(S))
 
     def build(self, out: SchedulerOutput, ahead: int = 0) -> BatchMetadata:
         """Pad ``out`` into a batch.

@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxpage.core.request import MAX_STOP_TOKENS
 from jaxpage.core.step_features import StepFeatures
-from jaxpage.sampling_params import MAX_LOGPROBS
+from jaxpage.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 # Top log-probabilities the step returns per sequence when any sequence asks for them: as
 # many as a request may ask for.
@@ -59,6 +59,11 @@ class BatchMetadata:
     repetition_penalty: np.ndarray  # float32 [S]  1 = off
     penalty_slot: np.ndarray     # int32 [S]  row of the device's penalty table, -1 = none
     lora_slot: np.ndarray        # int32 [S]  LoRA adapter slot 1..max_loras, 0 = base model
+    # logit_bias: token ids as float32 (exact below 2**24) and the numbers added to their
+    # logits; -1 / 0 where a row has fewer. Floats, so they ride in the packed floats,
+    # which a continuing build shares instead of copying.
+    bias_ids: np.ndarray         # float32 [S, MAX_LOGIT_BIAS]  -1 = none
+    bias_values: np.ndarray      # float32 [S, MAX_LOGIT_BIAS]
     # ``packed()``'s arrays, once made (or given: ``from_packed``). Never modified.
     _packed: tuple[np.ndarray, np.ndarray, np.ndarray] | None = field(
         default=None, repr=False, compare=False)
@@ -109,7 +114,8 @@ class BatchMetadata:
         tokens int32 [4, T] (input_ids, positions, slot_mapping, input_src), rows int32
         [S, len(ROW_INT_FIELDS) + MAX_STOP_TOKENS + M] (per-row ints, stop ids, block
         table; ``cu_q_lens[1:]`` and ``num_seqs`` ride as columns) and floats float32
-        [S, len(ROW_FLOAT_FIELDS)].
+        [S, len(ROW_FLOAT_FIELDS) + 2 * MAX_LOGIT_BIAS] (per-row floats, logit-bias ids
+        and values).
         """
         if self._packed is not None:
             return self._packed
@@ -120,7 +126,8 @@ class BatchMetadata:
         rows = np.concatenate([np.stack(ints, axis=1), self.stop_token_ids, self.block_tables],
                               axis=1)
         tokens = np.stack([self.input_ids, self.positions, self.slot_mapping, self.input_src])
-        floats = np.stack([getattr(self, name) for name in ROW_FLOAT_FIELDS], axis=1)
+        floats = np.concatenate([np.stack([getattr(self, name) for name in ROW_FLOAT_FIELDS],
+                                          axis=1), self.bias_ids, self.bias_values], axis=1)
         object.__setattr__(self, "_packed", (tokens, rows, floats))
         return self._packed
 
@@ -148,6 +155,9 @@ def unpack_batch(tokens, rows, floats) -> dict:
     batch["block_tables"] = rows[:, num_ints + MAX_STOP_TOKENS:]
     for column, name in enumerate(ROW_FLOAT_FIELDS):
         batch[name] = floats[:, column]
+    num_floats = len(ROW_FLOAT_FIELDS)
+    batch["bias_ids"] = floats[:, num_floats:num_floats + MAX_LOGIT_BIAS]
+    batch["bias_values"] = floats[:, num_floats + MAX_LOGIT_BIAS:]
     return batch
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.request import MAX_STOP_TOKENS, Request
+from jaxpage.sampling_params import MAX_LOGIT_BIAS
 
 # Per-row settings a request keeps while it runs: name -> (dtype, padding value).
 SETTINGS: dict[str, tuple[type, float]] = {
@@ -43,6 +44,8 @@ class BatchRows:
         R = self.capacity
         self.settings = {name: np.full(R, pad, dtype) for name, (dtype, pad) in SETTINGS.items()}
         self.stop_token_ids = np.full((R, MAX_STOP_TOKENS), -1, np.int32)  # [R, MAX_STOP]
+        self.bias_ids = np.full((R, MAX_LOGIT_BIAS), -1, np.float32)       # [R, MAX_BIAS]
+        self.bias_values = np.zeros((R, MAX_LOGIT_BIAS), np.float32)       # [R, MAX_BIAS]
         self.has_penalties = np.zeros(R, bool)                             # [R]
         self.external = np.zeros(R, bool)                                  # [R] beam search
         self.tables = np.zeros((R, self.max_blocks), np.int32)             # [R, max_blocks]
@@ -94,7 +97,7 @@ class BatchRows:
             if row is not None and old_requests[row] is request:
                 old_rows[i] = row
         old = (self.settings, self.stop_token_ids, self.has_penalties, self.tables,
-               self.table_len, self.external)
+               self.table_len, self.external, self.bias_ids, self.bias_values)
         self._reset()
         kept = np.flatnonzero(old_rows >= 0)
         source = old_rows[kept]
@@ -105,6 +108,8 @@ class BatchRows:
         self.tables[kept] = old[3][source]
         self.table_len[kept] = old[4][source]
         self.external[kept] = old[5][source]
+        self.bias_ids[kept] = old[6][source]
+        self.bias_values[kept] = old[7][source]
         self.requests = list(requests)
         self.longest_table = int(self.table_len.max())
         self.any_penalties = bool(self.has_penalties.any())
@@ -129,6 +134,9 @@ class BatchRows:
         values["lora_slot"][row] = request.lora_slot
         ids = request.stop_token_ids_to_suppress[:MAX_STOP_TOKENS]
         self.stop_token_ids[row, :len(ids)] = ids
+        if params.logit_bias:
+            self.bias_ids[row, :len(params.logit_bias)] = list(params.logit_bias)
+            self.bias_values[row, :len(params.logit_bias)] = list(params.logit_bias.values())
         self.has_penalties[row] = params.has_penalties and not request.external_sampling
         self.any_penalties = self.any_penalties or bool(self.has_penalties[row])
         self.external[row] = request.external_sampling
@@ -156,4 +164,6 @@ class BatchRows:
         keep them while later builds change the rows)."""
         out = {name: values[:S].copy() for name, values in self.settings.items()}
         out["stop_token_ids"] = self.stop_token_ids[:S].copy()
+        out["bias_ids"] = self.bias_ids[:S].copy()
+        out["bias_values"] = self.bias_values[:S].copy()
         return out

@@ -2,7 +2,7 @@
 where a branch inside a program makes the host wait (``branches_wait_for_device``: a GPU).
 
 The step programs skip optional work (the top-k / top-p sort, penalties, log-probabilities,
-Gumbel noise when every row is greedy) with ``lax.cond`` on a predicate over the batch.
+logit biases, Gumbel noise when every row is greedy) with ``lax.cond`` on a predicate over the batch.
 XLA:GPU reads such a predicate back to the host and waits for the stream before it picks
 the branch, so the call that launches step n+1 blocks until step n has finished: measured
 on an H100 (``docs/benchmarks/accelerator/2026-11-26-NVIDIA-H100-80GB-HBM3``), a call's
@@ -37,6 +37,7 @@ class StepFeatures:
     penalties: bool   # some row has a penalty slot: the penalty table is read
     logprobs: bool    # some row wants log-probabilities: log-softmax and top-k
     min_tokens: bool  # some row is below its min_tokens: its stop ids are suppressed
+    bias: bool = False  # some row has a logit_bias: its biases are added to the logits
 
     @classmethod
     def of(cls, batch: Any) -> "StepFeatures":
@@ -50,7 +51,8 @@ class StepFeatures:
             sort=bool((sampled_rows & ((batch.top_k > 0) | (batch.top_p < 1.0))).any()),
             penalties=bool((batch.penalty_slot >= 0).any()),
             logprobs=bool(batch.want_logprobs.any()),
-            min_tokens=bool((batch.sample_index < batch.min_tokens).any()))
+            min_tokens=bool((batch.sample_index < batch.min_tokens).any()),
+            bias=bool((batch.bias_ids >= 0).any()))
 
     def union(self, other: "StepFeatures") -> "StepFeatures":
         """The features either needs."""
@@ -64,9 +66,9 @@ class StepFeatures:
         return "".join("+" + name for name in names)
 
 
-_NAMES = ("sampled", "sort", "penalties", "logprobs", "min_tokens")
-NO_FEATURES = StepFeatures(False, False, False, False, False)
-ALL_FEATURES = StepFeatures(True, True, True, True, True)
+_NAMES = ("sampled", "sort", "penalties", "logprobs", "min_tokens", "bias")
+NO_FEATURES = StepFeatures(False, False, False, False, False, False)
+ALL_FEATURES = StepFeatures(True, True, True, True, True, True)
 # The one host-decided program a runner runs: the noise of sampled rows (one elementwise
 # pass over the logits; greedy rows still take their argmax) and nothing else. Greedy
 # batches and the default sampling (temperature 1, no filters) share it, and warm-up and

@@ -80,6 +80,10 @@ class InputProcessor:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens but max_model_len={self.max_model_len}"
                              " (the prompt plus at least one generated token must fit)")
+        biased = [t for t in (params.logit_bias or ()) if t >= self.vocab_size]
+        if biased:
+            raise ValueError(f"logit_bias names token ids {biased[:5]} outside the vocabulary "
+                             f"[0, {self.vocab_size})")
         if params.n > self.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}")
         seed = params.seed if params.seed is not None else _stable_seed(

@@ -173,14 +173,25 @@ def fill_penalty_row(penalty_table: jax.Array, slot: jax.Array, token_ids: jax.A
     return penalty_table.at[slot].set(row)
 
 
+def add_logit_bias(logits: jax.Array, ids: jax.Array, values: jax.Array) -> jax.Array:
+    """logits float32 [S, V] with ``values[i, j]`` added at token ``ids[i, j]`` (ids float32
+    [S, K], -1 for none; values float32 [S, K]). A scatter of S x K entries, no [S, V] pass:
+    the empty slots add 0 to token 0."""
+    token = ids.astype(jnp.int32)                                            # [S, K]
+    rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], token.shape)
+    return logits.at[rows, jnp.maximum(token, 0)].add(jnp.where(token >= 0, values, 0.0))
+
+
 def adjusted_logits(logits: jax.Array, batch: dict[str, jax.Array],
                     penalty_table: jax.Array | None = None,
                     features: StepFeatures | None = None) -> jax.Array:
     """logits float32 [S, V] with the grammar mask (when ``batch`` has ``token_mask``),
-    ``min_tokens``' suppressed stop ids and the penalties applied: what temperature and
+    the logit biases, ``min_tokens``' suppressed stop ids and the penalties applied: what temperature and
     top-k/p / min-p filtering start from."""
     if "token_mask" in batch:
         logits = apply_token_mask(logits, batch["token_mask"])
+    if features is None or features.bias:
+        logits = add_logit_bias(logits, batch["bias_ids"], batch["bias_values"])
     if features is None or features.min_tokens:
         too_early = (batch["sample_index"] < batch["min_tokens"])[:, None]
         logits = suppress_tokens(logits, jnp.where(too_early, batch["stop_token_ids"], -1))

@@ -135,7 +135,7 @@ def make_forward_logits(graphdef: Any, jit: Callable = jax.jit) -> Callable:
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "sample_seeds", "sample_index",
                     "min_tokens", "stop_token_ids", "max_output", "want_logprobs",
                     "penalty_slot", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty")
+                    "repetition_penalty", "bias_ids", "bias_values")
 
 
 def verify_tokens(tokens: jax.Array, input_ids: jax.Array, cu_q_lens: jax.Array,

@@ -84,7 +84,7 @@ class _SamplingFields(_Strict):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    # OpenAI's per-token bias: not supported yet (a non-empty one is a 400 naming it)
+    # OpenAI's per-token bias: token id (a string, as JSON keys are) -> [-100, 100]
     logit_bias: dict[str, float] | None = None
     # Structured outputs (``jaxpage.server.structured``): OpenAI's and vLLM's fields.
     response_format: ResponseFormat | None = None

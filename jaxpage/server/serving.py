@@ -37,8 +37,13 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, *, max_toke
             return value
         return defaults.get(name, default) if name else default
 
+    logit_bias = None
     if body.logit_bias:
-        raise APIError(400, "logit_bias is not supported yet", param="logit_bias")
+        try:  # JSON keys are strings: token ids
+            logit_bias = {int(token): value for token, value in body.logit_bias.items()}
+        except ValueError:
+            raise APIError(400, f"logit_bias keys must be token ids, got "
+                                f"{sorted(body.logit_bias)[:5]}", param="logit_bias") from None
     if max_tokens is None and "max_tokens" in defaults:
         max_tokens = defaults["max_tokens"]
 
@@ -58,7 +63,7 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, *, max_toke
             frequency_penalty=pick(body.frequency_penalty, 0.0),
             repetition_penalty=pick(body.repetition_penalty, 1.0, "repetition_penalty"),
             logprobs=logprobs,
-            structured_outputs=structured_outputs, **extra)
+            structured_outputs=structured_outputs, logit_bias=logit_bias, **extra)
     except ValueError as error:
         raise bad_request_from(error) from None
 

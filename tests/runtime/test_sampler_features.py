@@ -21,7 +21,7 @@ S, V = 6, 64
 
 
 def _batch(rng, *, sampled: bool, sort: bool, penalties: bool, logprobs: bool,
-           min_tokens: bool) -> dict:
+           min_tokens: bool, bias: bool) -> dict:
     temperature = np.where(rng.random(S) < 0.5, 0.8, 0.0) if sampled else np.zeros(S)
     if sampled:
         temperature[0] = 1.1
@@ -41,6 +41,11 @@ def _batch(rng, *, sampled: bool, sort: bool, penalties: bool, logprobs: bool,
         "presence_penalty": jnp.full(S, 0.2, jnp.float32),
         "want_logprobs": jnp.asarray([0, 1] + [0] * (S - 2) if logprobs else [0] * S,
                                      jnp.int32),
+        # row 0 pushes token 5 up and bans token 6; row 3 boosts token 63; -1: no entry
+        "bias_ids": jnp.asarray([[5, 6, -1], [-1] * 3, [-1] * 3, [63, -1, -1], [-1] * 3,
+                                 [-1] * 3] if bias else [[-1] * 3] * S, jnp.float32),
+        "bias_values": jnp.asarray([[4.0, -100.0, 0], [0] * 3, [0] * 3, [2.5, 0, 0],
+                                    [0] * 3, [0] * 3], jnp.float32),
     }
 
 
@@ -55,11 +60,11 @@ def _run(logits, batch, table, features):
     return adjusted, threshold, tokens, logprobs
 
 
-@pytest.mark.parametrize("flags", [(0, 0, 0, 0, 0), (1, 0, 0, 0, 0), (1, 1, 0, 1, 0),
-                                   (0, 0, 1, 0, 1), (1, 1, 1, 1, 1)])
+@pytest.mark.parametrize("flags", [(0, 0, 0, 0, 0, 0), (1, 0, 0, 0, 0, 0), (1, 1, 0, 1, 0, 0),
+                                   (0, 0, 1, 0, 1, 0), (0, 0, 0, 0, 0, 1), (1, 1, 1, 1, 1, 1)])
 def test_host_decided_sampler_equals_device_decided(flags):
     rng = np.random.default_rng(sum(f << i for i, f in enumerate(flags)))
-    names = ("sampled", "sort", "penalties", "logprobs", "min_tokens")
+    names = ("sampled", "sort", "penalties", "logprobs", "min_tokens", "bias")
     batch = _batch(rng, **dict(zip(names, map(bool, flags))))
     logits = jnp.asarray(rng.standard_normal((S, V)) * 3, jnp.float32)
     table = np.zeros((2, V), np.int32)
@@ -92,3 +97,13 @@ def test_reference_last_step_stochastic_flag():
     np.testing.assert_array_equal(reference.sample_rows(logits, hot, *args, stochastic=True),
                                   drawn)
     assert not np.array_equal(np.asarray(drawn), np.asarray(base))  # the noise mattered
+
+
+def test_logit_bias_adds_to_the_named_tokens_only():
+    logits = jnp.zeros((2, 8), jnp.float32)
+    ids = jnp.asarray([[3, 5, -1], [-1, -1, -1]], jnp.float32)
+    values = jnp.asarray([[2.0, -100.0, 7.0], [9.0, 9.0, 9.0]], jnp.float32)
+    got = np.asarray(sampler.add_logit_bias(logits, ids, values))
+    want = np.zeros((2, 8), np.float32)
+    want[0, 3], want[0, 5] = 2.0, -100.0
+    np.testing.assert_array_equal(got, want)

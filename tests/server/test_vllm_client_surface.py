@@ -1,7 +1,7 @@
 """The parts of the OpenAI / vLLM surface that applications send by default, through the
 ``openai`` client over real HTTP: ``tools`` with ``tool_choice: "auto"`` (parsed by the
 server's ``--tool-call-parser``, whole and streamed), the fields that cannot change the
-tokens, ``chat_template_kwargs``, ``GET /version`` and ``/ping``."""
+tokens, ``logit_bias``, ``chat_template_kwargs``, ``GET /version`` and ``/ping``."""
 
 from __future__ import annotations
 
@@ -104,9 +104,16 @@ def test_fields_that_cannot_change_the_tokens_are_accepted(served):
         metadata={"trace": "abc"}, store=False, service_tier="auto", parallel_tool_calls=True,
         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert extra.choices[0].message.content == plain.choices[0].message.content
+    forced = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4,
+                                            temperature=0, logit_bias={"1234": 100})
+    assert forced.choices[0].message.content == served.reference(
+        lambda llm: llm.get_tokenizer().decode([1234] * 4, skip_special_tokens=True))
     with pytest.raises(BadRequestError, match="logit_bias"):
         client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=5,
-                                       logit_bias={"5": 10})
+                                       logit_bias={"5": 101})
+    with pytest.raises(BadRequestError, match="logit_bias"):
+        client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=5,
+                                       logit_bias={"five": 1})
     with pytest.raises(BadRequestError, match="chat_template_kwargs"):
         client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=5,
                                        extra_body={"chat_template_kwargs": {"tools": []}})
