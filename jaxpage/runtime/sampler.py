@@ -186,11 +186,11 @@ def adjusted_logits(logits: jax.Array, batch: dict[str, jax.Array],
                     penalty_table: jax.Array | None = None,
                     features: StepFeatures | None = None) -> jax.Array:
     """logits float32 [S, V] with the grammar mask (when ``batch`` has ``token_mask``),
-    the logit biases, ``min_tokens``' suppressed stop ids and the penalties applied: what temperature and
+    the logit biases (when it has ``bias_ids``), ``min_tokens``' suppressed stop ids and the penalties applied: what temperature and
     top-k/p / min-p filtering start from."""
     if "token_mask" in batch:
         logits = apply_token_mask(logits, batch["token_mask"])
-    if features is None or features.bias:
+    if "bias_ids" in batch and (features is None or features.bias):
         logits = add_logit_bias(logits, batch["bias_ids"], batch["bias_values"])
     if features is None or features.min_tokens:
         too_early = (batch["sample_index"] < batch["min_tokens"])[:, None]

@@ -52,7 +52,7 @@ def completion(**fields):
     (completion(prompt=None), "prompt"),
     (completion(max_tokens=256), "max_tokens"),            # prompt + max_tokens > context
     (completion(prompt="word " * 400), None),              # prompt alone longer than context
-    (completion(logit_bias={"1": 2}), "logit_bias"),       # unsupported parameter
+    (completion(logit_bias={"1": 200}), "logit_bias"),     # out of [-100, 100]
     (completion(echo=True), "echo"),
     (completion(stream="yes"), "stream"),
     ({"model": MODEL_NAME}, "prompt"),
