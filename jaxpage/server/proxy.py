@@ -129,13 +129,23 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout_s: float =
         try:
             request = client.build_request("POST", url + route, json=body, headers=headers)
             try:
-                return await client.send(request, stream=stream)
-            except (httpx.RemoteProtocolError, httpx.ReadError):
-                # The instance closed (or reset) a kept-alive connection as we sent on it:
-                # send once more on a new connection. At worst an instance runs the request
-                # twice and drops the first answer (its pages are offered but never pulled).
-                request = client.build_request("POST", url + route, json=body, headers=headers)
-                return await client.send(request, stream=stream)
+                try:
+                    return await client.send(request, stream=stream)
+                except (httpx.RemoteProtocolError, httpx.ReadError):
+                    # The instance closed (or reset) a kept-alive connection as we sent on
+                    # it: send once more on a new connection. At worst an instance runs the
+                    # request twice and drops the first answer (its pages are offered but
+                    # never pulled).
+                    request = client.build_request("POST", url + route, json=body,
+                                                   headers=headers)
+                    return await client.send(request, stream=stream)
+            except (AttributeError, OSError) as error:
+                # A socket closed while it connected (an instance killed at that moment)
+                # can surface from httpcore's anyio backend as an AttributeError ("'NoneType'
+                # object has no attribute 'getpeername'"): the instance is unreachable,
+                # which the callers answer with a 503, as for any transport error.
+                raise httpx.ConnectError(f"connecting to {url} failed: {error!r}",
+                                         request=request) from error
         finally:
             if not stream:
                 pool.in_flight[url] -= 1
