@@ -367,27 +367,15 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
             call_ids: dict[int, str] = {}
             streams = {c.index: StreamingToolCalls(auto_parser) for c in job.choices} \
                 if auto_parser is not None else {}
-            calls_sent: dict[int, int] = {}
             async for choice, delta, finished in job.events():
                 if not (delta.text or delta.token_ids or finished):
                     continue
                 if auto_parser is not None:
                     stream = streams[choice.index]
-                    content, calls = stream.feed(delta.text)
-                    if finished:
-                        more, last = stream.finish()
-                        content, calls = content + more, calls + last
-                    out: dict = {"content": content} if content else {}
-                    if calls:
-                        first = calls_sent.get(choice.index, 0)
-                        out["tool_calls"] = [{"index": first + i, **call}
-                                             for i, call in enumerate(calls)]
-                        calls_sent[choice.index] = first + len(calls)
-                    reason = None
-                    if finished:
-                        reason = ("tool_calls" if calls_sent.get(choice.index)
-                                  else choice.finish_reason)
+                    out = stream.delta(delta.text, finished)
                     if out or finished:
+                        reason = (("tool_calls" if stream.emitted else choice.finish_reason)
+                                  if finished else None)
                         yield chunk([{"index": choice.index, "delta": out,
                                       "logprobs": logprobs_of(delta.token_ids,
                                                               delta.logprobs or []),

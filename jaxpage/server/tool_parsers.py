@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 # Markup tokens the parsers read; the request must keep them in the text
@@ -191,7 +191,7 @@ class StreamingToolCalls:
     released: int = 0          # characters of ``text`` sent as content
     calls_sent: int = 0
     in_call: bool = False
-    calls: list[dict] = field(default_factory=list)
+    emitted: int = 0           # calls handed out by ``delta``
 
     def feed(self, delta: str) -> tuple[str, list[dict]]:
         self.text += delta
@@ -212,6 +212,21 @@ class StreamingToolCalls:
             self.released = max(self.released, end)
             return content, []
         return "", self._complete_calls(final=False)
+
+    def delta(self, text: str, finished: bool) -> dict:
+        """An OpenAI chat delta for ``text`` (and, when ``finished``, the rest): ``content``
+        and / or ``tool_calls`` entries numbered across the stream; {} when nothing can
+        be released yet."""
+        content, calls = self.feed(text)
+        if finished:
+            more, last = self.finish()
+            content, calls = content + more, calls + last
+        out: dict = {"content": content} if content else {}
+        if calls:
+            out["tool_calls"] = [{"index": self.emitted + i, **call}
+                                 for i, call in enumerate(calls)]
+            self.emitted += len(calls)
+        return out
 
     def finish(self) -> tuple[str, list[dict]]:
         if not self.in_call:
