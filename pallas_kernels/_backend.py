@@ -74,16 +74,28 @@ def resolve(backend: str, *, interpret: bool = False, platform: str | None = Non
     return backend
 
 
-def layer_view(k_cache, v_cache, layer: int | None):
-    """The shape of one layer's pages, for the shape checks: ``k_cache`` itself without
-    ``layer``; with it, the caches must be every layer's ``[L, N, B, Hkv, D]`` and the
-    result is a ``[N, B, Hkv, D]`` shape struct. Raises ``ValueError`` otherwise."""
-    if layer is None:
-        return k_cache
-    if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"with layer={layer}, k_cache and v_cache must both be [num_layers, "
-                         f"num_blocks, block_size, num_kv_heads, head_dim], got "
-                         f"{k_cache.shape} and {v_cache.shape}")
-    if not 0 <= layer < k_cache.shape[0]:
+def layer_view(k_cache, v_cache, layer: int | None, head_dim: int | None = None):
+    """The shape of one layer's pages as split ``[N, B, Hkv, D]``, for the shape checks.
+
+    Split caches (``v_cache`` given): ``k_cache`` itself without ``layer``; with it, the
+    caches must be every layer's ``[L, N, B, Hkv, D]``. Fused caches (``v_cache`` None,
+    ``kv_layout``): ``[(L,) N, B, W]``, read at ``head_dim``. Raises ``ValueError``
+    otherwise."""
+    if v_cache is None:
+        from pallas_kernels import kv_layout
+        if k_cache.ndim != (3 if layer is None else 4):
+            raise ValueError(f"a fused KV cache is [{'' if layer is None else 'num_layers, '}"
+                             f"num_blocks, block_size, row_width], got {k_cache.shape}")
+        heads = kv_layout.heads_in_row(k_cache.shape[-1], head_dim)
+        view = (*k_cache.shape[-3:-1], heads, head_dim)
+    else:
+        if layer is not None and (k_cache.ndim != 5 or k_cache.shape != v_cache.shape):
+            raise ValueError(f"with layer={layer}, k_cache and v_cache must both be "
+                             f"[num_layers, num_blocks, block_size, num_kv_heads, head_dim], "
+                             f"got {k_cache.shape} and {v_cache.shape}")
+        if layer is None:
+            return k_cache
+        view = k_cache.shape[1:]
+    if layer is not None and not 0 <= layer < k_cache.shape[0]:
         raise ValueError(f"layer={layer} is out of range for {k_cache.shape[0]} layers")
-    return jax.ShapeDtypeStruct(k_cache.shape[1:], k_cache.dtype)
+    return jax.ShapeDtypeStruct(view, k_cache.dtype)

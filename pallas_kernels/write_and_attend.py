@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import jax
 
+from pallas_kernels import _backend
 from pallas_kernels.kv_cache_update import check_shapes as check_update
 from pallas_kernels.kv_cache_update import kv_cache_update
 from pallas_kernels.ragged_paged_attention import check_kv_format
@@ -40,22 +41,21 @@ def write_and_attend(q, k_new, v_new, slot_mapping, k_cache, v_cache, kv_lens, b
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Write ``k_new`` / ``v_new`` [T, Hkv, D] into layer ``layer``'s slots
     ``slot_mapping`` [T] (-1: skip) of ``k_cache`` / ``v_cache`` [L, N, B, Hkv, D], then
-    attend ``q`` [T, Hq, D] over that layer's updated pages.
+    attend ``q`` [T, Hq, D] over that layer's updated pages. With ``v_cache`` None,
+    ``k_cache`` is a fused cache ``[L, N, B, W]`` (``kv_layout``) and None comes back in
+    ``v_cache``'s place.
 
     -> (attention [T, Hq, D], k_cache, v_cache). ``backend`` picks the attention kernel
     (``ragged_paged_attention``'s rule); the same checks and errors apply. With
     ``kv_format`` the caches are bytes (``kv_quant``) and ``k_new`` / ``v_new`` come
     already encoded (``k / k_scale``, ``v / v_scale``, scales [Hkv, D] of this layer).
     """
-    if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
+    if v_cache is not None and (k_cache.ndim != 5 or k_cache.shape != v_cache.shape):
         raise ValueError(f"k_cache and v_cache must both be [num_layers, num_blocks, "
                          f"block_size, num_kv_heads, head_dim], got {k_cache.shape} and "
                          f"{v_cache.shape}")
-    num_layers = k_cache.shape[0]
-    if not 0 <= layer < num_layers:
-        raise ValueError(f"layer={layer} is out of range for {num_layers} layers")
-    page_shape = k_cache.shape[1:]
-    layer_view = jax.ShapeDtypeStruct(page_shape, k_cache.dtype)  # shapes only, for checks
+    # one layer's pages as split shapes, for the checks
+    layer_view = _backend.layer_view(k_cache, v_cache, layer, head_dim=q.shape[-1])
     check_update(layer_view, layer_view, k_new, v_new, slot_mapping)
     check_attention(q, layer_view, layer_view, kv_lens, block_tables, cu_q_lens, num_seqs,
                     sliding_window=sliding_window, soft_cap=soft_cap)
@@ -63,9 +63,10 @@ def write_and_attend(q, k_new, v_new, slot_mapping, k_cache, v_cache, kv_lens, b
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if kv_format is not None:
         kwargs["kv_format"] = kv_format
-    same_dtype = (q.dtype == k_cache.dtype == v_cache.dtype if kv_format is None
+    v_dtype = k_cache.dtype if v_cache is None else v_cache.dtype
+    same_dtype = (q.dtype == k_cache.dtype == v_dtype if kv_format is None
                   else k_new.dtype == v_new.dtype == k_cache.dtype)
-    if (q.shape[0] > 0 and same_dtype
+    if (q.shape[0] > 0 and same_dtype and v_cache is not None
             and resolve_backend(backend, interpret=interpret, dtype=q.dtype) == "cpu"):
         from pallas_kernels.ragged_paged_attention.cpu import write_and_attend_cpu
         if kv_format is not None:

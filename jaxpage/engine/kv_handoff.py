@@ -28,7 +28,7 @@ from jaxpage.core.request import Request
 from jaxpage.engine.structured_outputs import advance
 from jaxpage.runtime.kv_transfer import KVTransfer, TransferTicket
 
-Pages = tuple[np.ndarray, np.ndarray]  # K, V: [layers, num_blocks, block_size, kv_heads, head_dim]
+Pages = tuple  # of np.ndarray, one per cache array: [layers, num_blocks, block_size, ...]
 
 
 class NoRoomForPages(RuntimeError):
@@ -45,7 +45,7 @@ def start_kv_transfer(role: str | None, runner: Any, parallel: Any,
         raise ValueError(f"kv_role={role!r} is not supported with data_parallel_size > 1 or "
                          "several processes; start one instance per replica "
                          "(tensor_parallel_size is supported)")
-    if role == "decode" and runner.host_pool.k.shape[0] == 0:
+    if role == "decode" and runner.host_pool.num_blocks == 0:
         raise ValueError("kv_role='decode' needs swap_space > 0: pulled pages wait in host "
                          "blocks until device blocks are free")
     sharding = runner.kv_cache[0].sharding if runner.placement.mesh is not None else None
@@ -103,7 +103,7 @@ def offer_pages(transfer: KVTransfer, runner: Any, touched: list[Request]) -> No
 def install(engine: Any, request: Request, pages: Pages, params: dict) -> None:
     """Add ``request`` (made from the ticket's prompt ids) to ``engine`` with its prompt
     pages in host blocks and the tokens the prefill instance sampled in its output."""
-    k, v = pages
+    k = pages[0]  # the first cache array (K when split): its blocks and per-token shape
     if len(params["output_token_ids"]) >= request.max_tokens:
         raise ValueError(f"max_tokens={request.max_tokens} leaves nothing to decode after the "
                          f"{len(params['output_token_ids'])} token(s) the prefill instance sampled")
@@ -114,20 +114,26 @@ def install(engine: Any, request: Request, pages: Pages, params: dict) -> None:
                          f"not fit a {request.num_prompt_tokens}-token prompt in blocks of "
                          f"{block_size}: the instances' block sizes differ")
     pool = engine.runner.host_pool
-    if k.shape[0] != pool.k.shape[1] or k.shape[3:] != pool.k.shape[3:]:
+    host_k = pool.arrays[0]  # [host blocks, layers, block_size, ...]
+    if len(pages) != len(pool.arrays):
+        raise ValueError(f"the pulled pages are {len(pages)} array(s), this instance's KV "
+                         f"cache {len(pool.arrays)}: the instances lay pages out differently "
+                         "(a TPU's fused rows against split K and V)")
+    if k.shape[0] != host_k.shape[1] or k.shape[3:] != host_k.shape[3:]:
         raise ValueError(f"the pulled pages have shape {k.shape[:1] + k.shape[3:]} per token "
-                         f"(layers, kv heads, head dim), this model {pool.k.shape[1:2]}"
-                         f"{pool.k.shape[3:]}: the instances serve different models")
-    if k.dtype != pool.k.dtype:
+                         f"(layers, then kv heads and head dim or a fused row), this model "
+                         f"{host_k.shape[1:2]}{host_k.shape[3:]}: the instances serve "
+                         "different models")
+    if k.dtype != pool.dtype:
         raise ValueError(f"the pulled pages are {k.dtype}, this instance's KV cache "
-                         f"{pool.k.dtype}: start both instances with the same dtype and "
+                         f"{pool.dtype}: start both instances with the same dtype and "
                          "kv_cache_dtype")
     try:
         host = engine.kv_cache_manager.adopt_host_blocks(request, needed)
     except ValueError as error:
         raise NoRoomForPages(str(error)) from None
-    pool.k[host] = np.moveaxis(k, 1, 0).astype(pool.k.dtype)
-    pool.v[host] = np.moveaxis(v, 1, 0).astype(pool.v.dtype)
+    for host_array, array in zip(pool.arrays, pages):
+        host_array[host] = np.moveaxis(array, 1, 0).astype(pool.dtype)
     request.num_computed_tokens = request.num_prompt_tokens
     for token in params["output_token_ids"]:
         request.append_output_token(int(token))

@@ -27,7 +27,8 @@ from jaxpage.runtime.model_runner import ModelRunner
 
 
 def choose_num_kv_blocks(config: EngineConfig, loaded: Any, max_model_len: int, dtype: Any,
-                         num_shards: int, extra_bytes_per_block: int = 0) -> int:
+                         num_shards: int, extra_bytes_per_block: int = 0,
+                         layout: str = "split") -> int:
     """The cache size in blocks (the null block not counted); KV sizes are per device.
 
     ``extra_bytes_per_block``: another cache with the same blocks shares the budget (a
@@ -39,22 +40,24 @@ def choose_num_kv_blocks(config: EngineConfig, loaded: Any, max_model_len: int, 
         return cache.num_kv_blocks
     if device_memory_stats() is not None:
         return _profile(config, loaded, max_model_len, dtype, max_useful, num_shards,
-                        extra_bytes_per_block)
+                        extra_bytes_per_block, layout)
     if extra_bytes_per_block:
-        per_block = bytes_per_block(loaded.arch, cache.block_size, dtype, num_shards)
+        per_block = bytes_per_block(loaded.arch, cache.block_size, dtype, num_shards, layout)
         budget = cache.kv_cache_memory * per_block // (per_block + extra_bytes_per_block)
     else:
         budget = cache.kv_cache_memory
     return num_blocks_for_budget(loaded.arch, cache.block_size, dtype, budget,
-                                 max_useful_blocks=max_useful, num_shards=num_shards)
+                                 max_useful_blocks=max_useful, num_shards=num_shards,
+                                 layout=layout)
 
 
 def _profile(config: EngineConfig, loaded: Any, max_model_len: int, dtype: Any,
-             max_useful: int, num_shards: int, extra_bytes_per_block: int = 0) -> int:
+             max_useful: int, num_shards: int, extra_bytes_per_block: int = 0,
+             layout: str = "split") -> int:
     """Run the largest bucket with a 2-block cache, read peak memory, size the cache."""
     sched, block_size = config.scheduler, config.cache.block_size
     probe = ModelRunner(loaded, num_blocks=2, block_size=block_size,
-                        max_num_seqs=sched.max_num_seqs)
+                        max_num_seqs=sched.max_num_seqs, layout=layout)
     builder = BatchBuilder(KVCacheManager(BlockPool(2), block_size),
                            max_num_batched_tokens=sched.max_num_batched_tokens,
                            max_num_seqs=sched.max_num_seqs, max_model_len=max_model_len,
@@ -67,5 +70,6 @@ def _profile(config: EngineConfig, loaded: Any, max_model_len: int, dtype: Any,
     return blocks_from_device_memory(
         stats["bytes_limit"], stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0)),
         config.cache.memory_utilization,
-        bytes_per_block(loaded.arch, block_size, dtype, num_shards) + extra_bytes_per_block,
+        bytes_per_block(loaded.arch, block_size, dtype, num_shards, layout)
+        + extra_bytes_per_block,
         max_useful)

@@ -53,6 +53,7 @@ from jaxpage.runtime.cpu_threads import lower_compute_threads
 from jaxpage.runtime.kv_cache import bytes_per_block
 from jaxpage.runtime.model_runner import ModelRunner
 from jaxpage.sampling_params import SamplingParams, StructuredOutputsParams
+from pallas_kernels import kv_layout
 from pallas_kernels.ragged_paged_attention import resolve_backend as resolve_attention_backend
 
 logger = logging.getLogger("jaxpage")
@@ -106,6 +107,8 @@ class LLMEngine(LoRAAdapters, kv_handoff.KVHandoff):
         if mesh is None:
             mesh = default_mesh(config.parallel)
         num_shards = 1 if mesh is None else mesh.size  # KV sizes are per device
+        platform = jax_backend() if mesh is None else mesh.devices.flat[0].platform
+        layout = kv_layout.for_platform(platform)  # split K and V, or fused rows (TPU)
         # The tokenizer (importing transformers: ~1 s) loads on a thread while the weights
         # load and the KV cache is zeroed, which mostly run outside the GIL.
         tokenizer = _in_background(load_tokenizer, resolve_model_path(mc.model), mc.tokenizer)
@@ -145,11 +148,12 @@ class LLMEngine(LoRAAdapters, kv_handoff.KVHandoff):
             draft = load_model(speculation.model, dtype=mc.dtype,
                                attention_backend=mc.attention_backend)
         draft_per_block = 0 if draft is None else bytes_per_block(
-            draft.arch, cc.block_size, draft.model.final_norm[...].dtype)
+            draft.arch, cc.block_size, draft.model.final_norm[...].dtype, layout=layout)
         num_kv_blocks = choose_num_kv_blocks(config, loaded, self.max_model_len, dtype,
-                                             num_shards, extra_bytes_per_block=draft_per_block)
+                                             num_shards, extra_bytes_per_block=draft_per_block,
+                                             layout=layout)
         self.num_kv_blocks = num_kv_blocks
-        per_block = bytes_per_block(self.arch, block_size, dtype)
+        per_block = bytes_per_block(self.arch, block_size, dtype, layout=layout)
         num_host_blocks = int(cc.swap_space * 2**30) // per_block
         self.block_pool = BlockPool(num_kv_blocks + 1, enable_caching=cc.enable_prefix_caching)
         self.kv_cache_manager = KVCacheManager(
@@ -161,7 +165,7 @@ class LLMEngine(LoRAAdapters, kv_handoff.KVHandoff):
                                   max_num_seqs=config.scheduler.max_num_seqs,
                                   executable_dir=(os.path.join(cache_dir(), "executables")
                                                   if mc.compilation_cache else None),
-                                  num_host_blocks=num_host_blocks)
+                                  num_host_blocks=num_host_blocks, layout=layout)
         if jax_backend() == "cpu":  # the runner's first computations started XLA's threads
             lower_compute_threads(config.scheduler.cpu_compute_niceness)
         self.cost_model = PreemptionCostModel(
@@ -178,7 +182,7 @@ class LLMEngine(LoRAAdapters, kv_handoff.KVHandoff):
         self.quantization = loaded.quantization
         self.kv_cache_dtype = cc.kv_cache_dtype
         self.weight_bytes = stored_bytes(self.runner.params)  # every device's share together
-        self.kv_bytes_per_block = bytes_per_block(self.arch, block_size, dtype)
+        self.kv_bytes_per_block = per_block
         logger.info("weights: %.1f MiB (quantization=%s)", self.weight_bytes / 2**20,
                     self.quantization)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %d bytes a block)",

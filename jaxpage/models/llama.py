@@ -45,6 +45,7 @@ from jaxpage.models.moe import moe_mlp
 from jaxpage.models.params import ParamInit, QuantizedWeight, linear
 from jaxpage.models.quantize import QuantFormat
 from jaxpage.parallel.sharding_rules import TP
+from pallas_kernels import kv_layout
 from pallas_kernels._backend import branches_wait_for_device
 from pallas_kernels.kv_quant import encode
 from pallas_kernels.precision import dot_precision
@@ -243,7 +244,8 @@ class CausalLM(nnx.Module):
         rows = batch.get("live_tokens")
         attention = self._sharded(self._attention)
 
-        k_cache, v_cache = kv_cache                   # [L, N, B, Hkv, D] each
+        k_cache, v_cache = kv_layout.as_pair(kv_cache)  # split [L, N, B, Hkv, D] each,
+        # or fused [L, N, B, W] and None (pallas_kernels.kv_layout)
         h = self.embed_tokens(input_ids)                                   # [T, hidden]
         lora = None
         if getattr(self, "lora_shape", None) is not None:  # each token's adapter slot
@@ -263,7 +265,7 @@ class CausalLM(nnx.Module):
                 layer=index)
             h = layer.finish(cfg, h, attn, lora, rows)
         return (rms_norm(h, self.final_norm[...], cfg.rms_norm_eps, cfg.norm_offset),
-                (k_cache, v_cache))
+                kv_layout.from_pair(k_cache, v_cache))
 
     def _local(self, layer: int) -> bool:
         """Whether ``layer`` is a sliding one (whose RoPE may have its own base)."""
@@ -305,7 +307,8 @@ class CausalLM(nnx.Module):
         -> (attn [T, Hq, D], k_cache, v_cache).
 
         q: [T, Hq, D]; k, v: [T, Hkv, D]; k_cache, v_cache: every layer's pages
-        [L, N, B, Hkv, D] (per-device head counts under ``shard_map``); ``slot_mapping``
+        [L, N, B, Hkv, D], or a fused cache and None (``kv_layout``) (per-device head
+        counts under ``shard_map``); ``slot_mapping``
         and ``block_tables`` address the layer's own pages.
         """
         return write_and_attend(
@@ -319,16 +322,17 @@ class CausalLM(nnx.Module):
         """``attention`` under ``shard_map`` over the KV-head axis when there is a mesh."""
         if self.mesh is None:
             return attention
-        heads, pages, whole = P(None, TP, None), P(None, None, None, TP, None), P()
+        heads, pages, whole = P(None, TP, None), P(None, None, None, TP), P()
         scale = P(TP, None)  # a byte cache's [Hkv, D] scales of the layer
 
         def sharded(*args, layer: int):
             scales = (scale,) * (len(args) - 10)
+            v_pages = None if args[4] is None else pages  # None: a fused cache
             return jax.shard_map(
                 functools.partial(attention, layer=layer), mesh=self.mesh,
-                in_specs=(heads, heads, heads, pages, pages, whole, whole, whole, whole, whole,
-                          *scales),
-                out_specs=(heads, pages, pages), check_vma=False)(*args)
+                in_specs=(heads, heads, heads, pages, v_pages, whole, whole, whole, whole,
+                          whole, *scales),
+                out_specs=(heads, pages, v_pages), check_vma=False)(*args)
 
         return sharded
 

@@ -52,7 +52,7 @@ PARAM_SPECS: dict[str, P] = {
 # LoRA slots (models/lora.py): small, replicated; XLA splits their matmuls with the weights'
 PARAM_SPECS.update({f"{target}_lora_{part}": P() for part in ("a", "b") for target in (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")})
-KV_CACHE_SPEC = P(None, None, None, TP, None)  # [L, num_blocks, block_size, kv_heads, head_dim]
+KV_CACHE_SPEC = P(None, None, None, TP)  # axis 3: kv heads (split) or their fused row (kv_layout)
 VOCAB_PARAMS = ("embed", "lm_head")
 
 

@@ -201,7 +201,8 @@ def single_device_spec(device, shape: tuple[int, ...], dtype) -> Any:
 def compile_on_device(device, fn, *arg_specs, static_kwargs: dict | None = None):
     """``jax.jit(fn).lower(*arg_specs).compile()`` for a target ``device``.
 
-    ``arg_specs``: ``(shape, dtype)`` pairs, placed on ``device``. Traced under
+    ``arg_specs``: ``(shape, dtype)`` pairs, placed on ``device``, or None (an absent
+    optional argument, such as a fused cache's ``v_cache``). Traced under
     ``jax.default_device(device)`` so that Pallas lowers for the device's platform
     (Mosaic asks the default device for its TPU generation, and the kernels' ``"auto"``
     backend follows it). Returns the compiled executable; compiler errors propagate.
@@ -210,7 +211,7 @@ def compile_on_device(device, fn, *arg_specs, static_kwargs: dict | None = None)
 
     import jax
 
-    specs = [single_device_spec(device, shape, dtype) for shape, dtype in arg_specs]
+    specs = [None if spec is None else single_device_spec(device, *spec) for spec in arg_specs]
     call = functools.partial(fn, **(static_kwargs or {}))
     with jax.default_device(device):
         return jax.jit(call).lower(*specs).compile()

@@ -41,9 +41,10 @@ from jaxpage.parallel.placement import Placement
 from jaxpage.parallel.sharding_rules import TP, replicated_arch
 from jaxpage.runtime import block_ops
 from jaxpage.runtime.decode_loop import make_decode_loop
-from jaxpage.runtime.kv_cache import bytes_per_block
+from jaxpage.runtime.kv_cache import bytes_per_block, cache_shapes
 from jaxpage.runtime.model_runner import PENALTY_FILL_WIDTH
 from jaxpage.runtime.step import make_penalty_fill, make_step
+from pallas_kernels import kv_layout
 from pallas_kernels._backend import branches_wait_for_device
 
 # The attention kernel ``attention_backend="auto"`` runs on each target platform.
@@ -118,6 +119,7 @@ class AbstractEngine:
                             if mc.dtype == "auto" else mc.dtype]
         # what the KV cache holds: the model dtype, or bytes (int8 / fp8 KV, kv_quant)
         self.kv_dtype = jnp.uint8 if cc.kv_format else self.dtype
+        self.kv_layout = kv_layout.for_platform(self.platform)  # fused rows on TPUs
         limit = self.arch.max_position_embeddings
         if mc.max_model_len is not None and mc.max_model_len > limit:
             raise ValueError(f"max_model_len={mc.max_model_len} exceeds the model's context "
@@ -170,7 +172,7 @@ class AbstractEngine:
 
     def bytes_per_block(self, per_device: bool = True) -> int:
         return bytes_per_block(self.arch, self.block_size, self.kv_dtype,
-                               self.tp_size if per_device else 1)
+                               self.tp_size if per_device else 1, self.kv_layout)
 
     # -- abstract arguments -----------------------------------------------------------
 
@@ -178,11 +180,12 @@ class AbstractEngine:
         return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=self.placement.replicated)
 
     def kv_cache(self, num_blocks: int | None = None) -> tuple:
+        """The cache's arrays in the target's layout (``kv_layout``), abstract."""
         blocks = (self.num_kv_blocks if num_blocks is None else num_blocks) + 1
-        a = self.arch
-        shape = (a.num_layers, blocks, self.block_size, a.num_kv_heads, a.head_dim)
-        spec = jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=self.placement.kv_sharding)
-        return spec, spec
+        return tuple(jax.ShapeDtypeStruct(shape, self.kv_dtype,
+                                          sharding=self.placement.kv_sharding)
+                     for shape in cache_shapes(self.arch, blocks, self.block_size,
+                                               self.kv_layout))
 
     def caches(self, num_blocks: int | None = None) -> tuple:
         penalty = self._replicated((self.max_num_seqs, self.arch.vocab_size), jnp.int32)
@@ -264,10 +267,10 @@ class AbstractEngine:
         if key.kind == "move_blocks":
             n = key.bucket[0]
             index = self._replicated((n,), jnp.int32)
-            blocks = self._kv_blocks_spec(n)
+            blocks = tuple(jax.ShapeDtypeStruct((c.shape[0], n, *c.shape[2:]), c.dtype,
+                                                sharding=c.sharding) for c in kv)
             return Program("move_blocks", (n,), block_ops.move_blocks,
-                           (kv, index, index, blocks, blocks, self._replicated((), jnp.bool_)),
-                           key)
+                           (kv, index, index, blocks, self._replicated((), jnp.bool_)), key)
         fill = make_penalty_fill(jit=functools.partial(
             self.placement.jit, carry_sharding=self.placement.replicated))
         width = key.bucket[0]
@@ -296,11 +299,6 @@ class AbstractEngine:
             raise ValueError(f"buckets={buckets!r} must be 'all', 'warmup' or 'largest'")
         for key in keys:
             yield self.program(key)
-
-    def _kv_blocks_spec(self, n: int) -> jax.ShapeDtypeStruct:
-        a = self.arch
-        shape = (a.num_layers, n, self.block_size, a.num_kv_heads, a.head_dim)
-        return jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=self.placement.kv_sharding)
 
     def compile(self, program: Program):
         """Lower and compile ``program`` for the target; compiler errors propagate."""

@@ -39,7 +39,7 @@ from jaxpage.config import EngineConfig
 from jaxpage.models.hub import resolve_hub_models
 from jaxpage.parallel.targets import parse_target, target_devices
 from jaxpage.planning.abstract_engine import AbstractEngine
-from jaxpage.planning.report import PlanReport, ProgramResult, RooflineRow
+from jaxpage.planning.report import GROWTH_TOLERANCE, PlanReport, ProgramResult, RooflineRow
 
 GiB = 2**30
 # Memory the sizing never plans for: the compiler's own bookkeeping, which its memory
@@ -138,7 +138,8 @@ def plan(model: str | None = None, target: str = "v5e:1x1", *, buckets: str = "l
         penalty_bytes=penalty, peak_temp_bytes=peak_temp, temp_bytes_per_block=temp_per_block,
         bytes_per_block=per_block,
         block_size=probe.block_size, num_kv_blocks=0, max_model_len=probe.max_model_len,
-        max_num_seqs=probe.max_num_seqs, probe_errors=probe_errors)
+        max_num_seqs=probe.max_num_seqs, probe_errors=probe_errors, platform=chip.platform,
+        kv_layout=probe.kv_layout)
     _size(report)
     requested = config.cache.num_kv_blocks
     report.num_kv_blocks = (requested if requested is not None
@@ -149,6 +150,8 @@ def plan(model: str | None = None, target: str = "v5e:1x1", *, buckets: str = "l
         return report  # nothing can be compiled: the weights alone do not leave a block
 
     engine = AbstractEngine(config, devices, num_kv_blocks=num_blocks)
+    # every program is compiled again at a smaller cache: its temporaries must not change
+    smaller = max(1, num_blocks // 2)
     programs = list(engine.programs(buckets))
     report.num_ladder_programs = len(engine.program_set().all)
     report.num_ready_programs = len(engine.program_set().ready)
@@ -178,6 +181,8 @@ def plan(model: str | None = None, target: str = "v5e:1x1", *, buckets: str = "l
                 if over else None)
             if program.name == "step" and program.bucket[0] == program.bucket[1]:
                 report.roofline_inputs.append((program.bucket, cost))
+            if smaller < num_blocks:
+                _measure_growth(result, engine, program, smaller, num_blocks, per_block)
         report.programs.append(result)
         say(f"  [{i + 1}/{len(programs)}] {result.line()}")
     if not probed:  # the cache was given: judge it by the compiled model programs' own
@@ -185,6 +190,19 @@ def plan(model: str | None = None, target: str = "v5e:1x1", *, buckets: str = "l
         _size(report)
     report.roofline = _roofline(report, engine, chip, context)
     return report
+
+
+def _measure_growth(result: ProgramResult, engine: AbstractEngine, program: Any,
+                    smaller: int, num_blocks: int, per_block: int) -> None:
+    """Compile ``program`` again with a ``smaller``-block cache and record how its
+    temporaries change per block (a compile error there leaves it unmeasured)."""
+    try:
+        compiled = engine.compile(engine.program(program.key, num_blocks=smaller))
+    except Exception:  # noqa: BLE001 - the full-size compile is the one that counts
+        return
+    slope = (result.temp_bytes - _device_bytes(compiled)["temp"]) / (num_blocks - smaller)
+    result.temp_bytes_per_block = slope
+    result.grows_with_cache = slope > GROWTH_TOLERANCE * per_block
 
 
 def _size(report: PlanReport) -> None:

@@ -6,6 +6,9 @@ import dataclasses
 from typing import Any
 
 GiB = 2**30
+# A program's temporaries "grow with the cache" when they add more than this fraction of
+# a KV block's bytes per block (the compiler's figures move by a few bytes otherwise).
+GROWTH_TOLERANCE = 0.05
 
 
 @dataclasses.dataclass
@@ -20,13 +23,24 @@ class ProgramResult:
     bytes_accessed: float = 0.0   # the compiler's cost analysis, per device
     flops: float = 0.0
     error: str | None = None
+    # temporaries added per KV block, from a second compile at a smaller cache (None: not
+    # measured); more than ``GROWTH_TOLERANCE`` of a block's bytes means the program
+    # copies (part of) the cache instead of updating it in place
+    temp_bytes_per_block: float | None = None
+    grows_with_cache: bool = False
 
     def line(self) -> str:
         if not self.compiled:
             return f"{self.label}: FAILED ({self.error})"
+        growth = ""
+        if self.grows_with_cache:
+            growth = (f", GROW with the KV cache by {self.temp_bytes_per_block:.0f} bytes "
+                      f"per block")
+        elif self.temp_bytes_per_block is not None:
+            growth = ", constant in the KV cache size"
         return (f"{self.label}: compiled in {self.seconds:.1f} s, "
                 f"{self.device_bytes / GiB:.2f} GiB per device, "
-                f"temporaries {self.temp_bytes / 2**20:.1f} MiB")
+                f"temporaries {self.temp_bytes / 2**20:.1f} MiB{growth}")
 
 
 @dataclasses.dataclass
@@ -74,6 +88,8 @@ class PlanReport:
     num_ready_programs: int = 0   # the ready set: built before it takes requests
     buckets: str = "largest"      # which programs were compiled: "largest", "warmup", "all"
     probe_errors: list[str] = dataclasses.field(default_factory=list)
+    platform: str = "tpu"         # the target's: "tpu" or "cuda"
+    kv_layout: str = "fused"      # the cache layout planned (pallas_kernels.kv_layout)
     programs: list[ProgramResult] = dataclasses.field(default_factory=list)
     roofline: list[RooflineRow] = dataclasses.field(default_factory=list)
     roofline_inputs: list[tuple[tuple, dict[str, Any]]] = dataclasses.field(
@@ -88,8 +104,16 @@ class PlanReport:
         return bool(self.programs) and all(p.compiled for p in self.programs)
 
     @property
+    def growing_programs(self) -> list[ProgramResult]:
+        """The programs whose temporaries grow with the KV cache (copies of it)."""
+        return [p for p in self.programs if p.grows_with_cache]
+
+    @property
     def ok(self) -> bool:
-        return self.fits and self.all_compiled and not self.probe_errors
+        """It fits, every program compiled, and (on TPUs, whose cache layout is meant to
+        be updated in place at every shape, ``kv_layout``) no program copies the cache."""
+        copies = self.platform == "tpu" and bool(self.growing_programs)
+        return self.fits and self.all_compiled and not self.probe_errors and not copies
 
     def max_seqs_at(self, max_model_len: int) -> int:
         """Sequences of ``max_model_len`` tokens that the planned KV cache holds at once."""
@@ -114,7 +138,7 @@ class PlanReport:
             + (f" + {self.temp_bytes_per_block / self.bytes_per_block:.2f} x the KV cache"
                if self.temp_bytes_per_block else ""),
             f"  KV block              {self.bytes_per_block / 2**20:.3f} MiB "
-            f"({self.block_size} tokens, all layers)",
+            f"({self.block_size} tokens, all layers; {self.kv_layout} layout)",
             f"  left for KV at 1.0    {g(max(self.kv_free_bytes_at_full_memory, 0))}"
             + ("" if self.kv_free_bytes_at_full_memory > 0 else
                f" (short by {g(-self.kv_free_bytes_at_full_memory)})"),
@@ -155,6 +179,12 @@ class PlanReport:
                 f"({self.temp_bytes_per_block / self.bytes_per_block:.2f} bytes per byte of "
                 f"cache): XLA copies the cache in each step instead of updating it in place. "
                 f"The sizing above counts the copies; they also cost bandwidth every step.")
+        growing = self.growing_programs
+        if growing:
+            lines.append(
+                f"{'ERROR' if self.platform == 'tpu' else 'WARNING'}: {len(growing)} "
+                f"program(s) hold temporaries that grow with the KV cache (a copy of it): "
+                + ", ".join(p.label for p in growing))
         for error in self.probe_errors:
             lines.append(f"  probe failed: {error}")
         refused = [p for p in self.programs if not p.compiled]

@@ -9,6 +9,10 @@ program, of the largest size, which every move can run padded).
 Index lists are padded to a rung of ``move_sizes`` (1, 4, 16, ... up to the swap chunk);
 padding entries point at the null block 0 (reads of block 0, writes into block 0), which
 is never read unmasked. Longer lists run as several calls of at most the chunk.
+
+The cache is a tuple of arrays in either layout (``pallas_kernels.kv_layout``: split
+``(k, v)`` or fused ``(kv,)``), each with the blocks on axis 1: every operation here
+maps over the tuple and never looks inside a block.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-KVCache = tuple[jax.Array, jax.Array]  # each [num_layers, num_blocks, block_size, kv_heads, head_dim]
+KVCache = tuple  # of arrays [num_layers, num_blocks, block_size, ...] (kv_layout)
 
 # The most K+V bytes one block-move call moves: larger moves run as several calls. A
 # gather or scatter's temporaries grow with its block count (on TPUs, several times the
@@ -32,8 +36,8 @@ MOVE_SIZE_GROWTH = 4
 
 
 def swap_chunk(block_bytes: int) -> int:
-    """Blocks per swap call: the largest power of two whose K+V bytes (``block_bytes``
-    per block, K and V together) fit in ``SWAP_CHUNK_BYTES``, at least 1."""
+    """Blocks per swap call: the largest power of two whose bytes (``block_bytes`` per
+    block, K and V together) fit in ``SWAP_CHUNK_BYTES``, at least 1."""
     most = max(1, SWAP_CHUNK_BYTES // max(1, block_bytes))
     return 1 << (most.bit_length() - 1)
 
@@ -67,26 +71,24 @@ def padded(ids: list[int], sizes: list[int] | None = None) -> np.ndarray:
 
 
 @partial(jax.jit, donate_argnums=(0,))
-def move_blocks(kv: KVCache, src: jax.Array, dst: jax.Array, k_in: jax.Array, v_in: jax.Array,
+def move_blocks(kv: KVCache, src: jax.Array, dst: jax.Array, blocks_in: KVCache,
                 from_input: jax.Array) -> tuple[KVCache, KVCache]:
     """Read blocks ``src`` (int32 [P]) of every layer, then write blocks ``dst`` (int32
-    [P]) with ``k_in`` / ``v_in`` (each [num_layers, P, block_size, kv_heads, head_dim])
-    when ``from_input`` (bool []), else with the blocks just read (a copy ``src[i] ->
+    [P]) with ``blocks_in`` (one [num_layers, P, block_size, ...] per cache array) when
+    ``from_input`` (bool []), else with the blocks just read (a copy ``src[i] ->
     dst[i]``). Returns (the cache, the blocks read, before any write). No conditional:
     the choice is an elementwise select, so no platform waits on it."""
-    k, v = kv
-    k_out, v_out = k[:, src], v[:, src]
-    k_new = jnp.where(from_input, k_in.astype(k.dtype), k_out)
-    v_new = jnp.where(from_input, v_in.astype(v.dtype), v_out)
-    return (k.at[:, dst].set(k_new), v.at[:, dst].set(v_new)), (k_out, v_out)
+    read = tuple(cache[:, src] for cache in kv)
+    written = tuple(jnp.where(from_input, new.astype(cache.dtype), old)
+                    for cache, new, old in zip(kv, blocks_in, read))
+    return tuple(cache.at[:, dst].set(new) for cache, new in zip(kv, written)), read
 
 
 @jax.jit
 def gather_blocks(kv: KVCache, ids: jax.Array) -> KVCache:
-    """(k, v) of blocks ``ids``, each [num_layers, P, block_size, kv_heads, head_dim]; the
-    cache is not donated (a disaggregated prefill offers the pages and keeps its cache)."""
-    k, v = kv
-    return k[:, ids], v[:, ids]
+    """Blocks ``ids`` of each cache array, [num_layers, P, block_size, ...]; the cache is
+    not donated (a disaggregated prefill offers the pages and keeps its cache)."""
+    return tuple(cache[:, ids] for cache in kv)
 
 
 def run_program(programs, function, *args):
@@ -99,14 +101,23 @@ def run_program(programs, function, *args):
 
 
 class HostKVPool:
-    """Host-memory copies of swapped-out blocks: (k, v), each [num_host_blocks, layers, ...]."""
+    """Host-memory copies of swapped-out blocks: one array [num_host_blocks, layers, ...]
+    per cache array (``arrays``, in the cache's order)."""
 
-    def __init__(self, num_blocks: int, block_shape: tuple[int, ...], dtype) -> None:
+    def __init__(self, num_blocks: int, block_shapes: list[tuple[int, ...]], dtype) -> None:
+        """``block_shapes``: each cache array's block, [layers, block_size, ...]."""
         # np.empty only reserves address space; pages are committed when a swap writes them.
-        self.k = np.empty((num_blocks, *block_shape), dtype)
-        self.v = np.empty((num_blocks, *block_shape), dtype)
-        # blocks per swap program call (``swap_chunk``)
-        self.chunk = swap_chunk(2 * int(np.prod(block_shape)) * np.dtype(dtype).itemsize)
+        self.arrays = tuple(np.empty((num_blocks, *shape), dtype) for shape in block_shapes)
+        block_bytes = sum(int(np.prod(shape)) for shape in block_shapes) * np.dtype(dtype).itemsize
+        self.chunk = swap_chunk(block_bytes)  # blocks per swap program call
+
+    @property
+    def num_blocks(self) -> int:
+        return self.arrays[0].shape[0]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.arrays[0].dtype
 
 
 def _chunks(pairs: list[tuple[int, int]], size: int):
@@ -118,7 +129,7 @@ class BlockMover:
     """Runs ``move_blocks`` for swaps and copies, padded to ``move_sizes(chunk)``.
 
     Holds one zero input of each size it used (what a swap-out or a copy passes as
-    ``k_in`` / ``v_in``: put on the device once, no program runs to make it)."""
+    ``blocks_in``: put on the device once, no program runs to make it)."""
 
     def __init__(self, host: "HostKVPool", programs=None, num_blocks: int | None = None) -> None:
         """``num_blocks``: the device cache's blocks (null block included), which bound a
@@ -128,7 +139,7 @@ class BlockMover:
         self.chunk = host.chunk if num_blocks is None else min(
             host.chunk, 1 << max(0, (num_blocks - 1).bit_length()))
         self.sizes = move_sizes(self.chunk)
-        self._zeros: dict[int, jax.Array] = {}
+        self._zeros: dict[int, KVCache] = {}
         # While programs are still being built (``runtime.program_fallback``): whether the
         # move of a size is built; a move then runs in the smallest built size that holds it.
         self.built: "Callable[[int], bool] | None" = None
@@ -142,60 +153,61 @@ class BlockMover:
                 return built[0]
         return fits[0]
 
+    def _block_shapes(self, size: int) -> list[tuple[int, ...]]:
+        """Each cache array's ``size`` blocks: [num_layers, size, block_size, ...]."""
+        return [(host.shape[1], size, *host.shape[2:]) for host in self.host.arrays]
+
     def spec(self, kv: KVCache, size: int) -> tuple:
         """(name, bucket, jitted, args) of the move of ``size`` (``ExecutableCache``'s
         arguments); ``kv`` may be shapes only."""
-        layers, block = self.host.k.shape[1], self.host.k.shape[2:]
-        blocks = jax.ShapeDtypeStruct((layers, size, *block), self.host.k.dtype)
+        blocks = tuple(jax.ShapeDtypeStruct(shape, self.host.dtype)
+                       for shape in self._block_shapes(size))
         index = jax.ShapeDtypeStruct((size,), np.int32)
         return ("move_blocks", (size,), move_blocks,
-                (kv, index, index, blocks, blocks, jax.ShapeDtypeStruct((), np.bool_)))
+                (kv, index, index, blocks, jax.ShapeDtypeStruct((), np.bool_)))
 
-    def _no_input(self, size: int) -> jax.Array:
+    def _no_input(self, size: int) -> KVCache:
         zeros = self._zeros.get(size)
         if zeros is None:
-            shape = (self.host.k.shape[1], size, *self.host.k.shape[2:])
-            zeros = self._zeros[size] = jax.device_put(np.zeros(shape, self.host.k.dtype))
+            zeros = self._zeros[size] = tuple(
+                jax.device_put(np.zeros(shape, self.host.dtype))
+                for shape in self._block_shapes(size))
         return zeros
 
     def call(self, kv: KVCache, src: list[int], dst: list[int],
-             blocks: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[KVCache, KVCache]:
-        """One ``move_blocks`` call (at most ``chunk`` entries): ``blocks`` (each
-        [num_layers, n, ...], host arrays) are written to ``dst`` when given, else the
-        blocks read from ``src``. ``src`` / ``dst`` may be empty (nothing read / written)."""
+             blocks: tuple[np.ndarray, ...] | None = None) -> tuple[KVCache, KVCache]:
+        """One ``move_blocks`` call (at most ``chunk`` entries): ``blocks`` (one per cache
+        array, each [num_layers, n, ...], host arrays) are written to ``dst`` when given,
+        else the blocks read from ``src``. ``src`` / ``dst`` may be empty (nothing read /
+        written)."""
         size = self.size_for(max(len(src), len(dst)))
         if blocks is None:
-            k_in = v_in = self._no_input(size)
+            blocks_in = self._no_input(size)
         else:
-            shape = (blocks[0].shape[0], size, *blocks[0].shape[2:])
-            k_in, v_in = (np.zeros(shape, self.host.k.dtype) for _ in range(2))
-            k_in[:, :blocks[0].shape[1]] = blocks[0]
-            v_in[:, :blocks[1].shape[1]] = blocks[1]
+            blocks_in = tuple(np.zeros(shape, self.host.dtype)
+                              for shape in self._block_shapes(size))
+            for padded_blocks, given in zip(blocks_in, blocks):
+                padded_blocks[:, :given.shape[1]] = given
         # With nothing to write (a swap-out), every write is padding: zeros into the null
         # block, which then holds only zeros, as before any move.
         args = (kv, jax.device_put(padded(src, [size])), jax.device_put(padded(dst, [size])),
-                k_in, v_in, np.bool_(blocks is not None or not dst))
+                blocks_in, np.bool_(blocks is not None or not dst))
         return run_program(self.programs, move_blocks, *args)
 
     def swap_out(self, kv: KVCache, pairs: list[tuple[int, int]]) -> KVCache:
         """Copy device blocks to host slots: pairs of (device block, host block)."""
-        host = self.host
         for part in _chunks(pairs, self.chunk):
             device_ids, host_ids = zip(*part)
-            kv, (k_blocks, v_blocks) = self.call(kv, list(device_ids), [])
-            k_blocks, v_blocks = jax.device_get((k_blocks, v_blocks))
-            n = len(part)
-            host.k[list(host_ids)] = np.moveaxis(k_blocks, 1, 0)[:n]
-            host.v[list(host_ids)] = np.moveaxis(v_blocks, 1, 0)[:n]
+            kv, read = self.call(kv, list(device_ids), [])
+            for host, blocks in zip(self.host.arrays, jax.device_get(read)):
+                host[list(host_ids)] = np.moveaxis(blocks, 1, 0)[:len(part)]
         return kv
 
     def swap_in(self, kv: KVCache, pairs: list[tuple[int, int]]) -> KVCache:
         """Copy host slots back into device blocks: pairs of (host block, device block)."""
-        host = self.host
         for part in _chunks(pairs, self.chunk):
             host_ids, device_ids = zip(*part)
-            blocks = (np.moveaxis(host.k[list(host_ids)], 0, 1),
-                      np.moveaxis(host.v[list(host_ids)], 0, 1))
+            blocks = tuple(np.moveaxis(host[list(host_ids)], 0, 1) for host in self.host.arrays)
             kv, _ = self.call(kv, [], list(device_ids), blocks)
         return kv
 

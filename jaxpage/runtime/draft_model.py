@@ -46,6 +46,7 @@ from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.core.request import Request
 from jaxpage.models.loader import LoadedModel
 from jaxpage.runtime.kv_cache import allocate_kv_cache
+from pallas_kernels import kv_layout
 from jaxpage.runtime.sampler import first_argmax, gumbel_noise
 
 # Keys the draft's random stream apart from the target's for the same request seed.
@@ -98,7 +99,9 @@ class DraftModelProposer:
         graphdef, state = nnx.split(draft.model)
         self.params = nnx.to_pure_dict(state)
         dtype = draft.model.final_norm[...].dtype
-        self.kv_cache = allocate_kv_cache(draft.arch, num_blocks, self.block_size, dtype)
+        self.kv_cache = allocate_kv_cache(  # in the layout of the platform, as the target's
+            draft.arch, num_blocks, self.block_size, dtype,
+            layout=kv_layout.for_platform(jax.devices()[0].platform))
         self._fill = jax.jit(_fill_program(graphdef), donate_argnums=(1,))
         self._propose = jax.jit(_propose_program(graphdef, config.num_speculative_tokens),
                                 donate_argnums=(1,), static_argnums=(6,))

@@ -2,8 +2,10 @@
 (``jax.experimental.transfer``), for disaggregated prefill and decode.
 
 * The sending side (a prefill instance) gathers the request's blocks into one array per
-  K and V (``block_ops.gather_blocks``: ``[layers, P, block_size, kv_heads, head_dim]``, P
-  the block count padded to a power of two) and offers them under a fresh id
+  cache array (``block_ops.gather_blocks``: K and V ``[layers, P, block_size, kv_heads,
+  head_dim]`` in the split layout, one ``[layers, P, block_size, W]`` in the fused one of
+  TPUs, ``pallas_kernels.kv_layout``; P the block count padded to a power of two) and
+  offers them under a fresh id
   (``await_pull``): one transfer per request, never one per block. The gathered copy is
   the transfer server's from then on; the request's KV blocks are free at once.
 * The receiving side (a decode instance) pulls that id into arrays of the same shape
@@ -35,10 +37,11 @@ class TransferTicket:
 
     address: str           # the sending transfer server
     uuid: int              # the transfer's id there
-    shape: tuple[int, ...]  # of K and of V: [layers, P, block_size, kv_heads, head_dim]
-    dtype: str
+    shape: tuple[int, ...]  # of each array: [layers, P, block_size, kv_heads, head_dim]
+    dtype: str             # (split: K and V), or [layers, P, block_size, W] (fused: one)
     num_blocks: int        # real blocks among the P
     kv_shards: int = 1     # devices the sender splits the KV heads over (tensor parallelism)
+    num_arrays: int = 2    # 2: split K and V; 1: fused rows (kv_layout)
 
     def to_dict(self) -> dict:
         return dict(asdict(self), shape=list(self.shape))
@@ -49,11 +52,13 @@ class TransferTicket:
             ticket = cls(address=str(data["address"]), uuid=int(data["uuid"]),
                          shape=tuple(int(x) for x in data["shape"]), dtype=str(data["dtype"]),
                          num_blocks=int(data["num_blocks"]),
-                         kv_shards=int(data.get("kv_shards", 1)))
+                         kv_shards=int(data.get("kv_shards", 1)),
+                         num_arrays=int(data.get("num_arrays", 2)))
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"kv_transfer_params={data!r} is not a KV transfer ticket "
                              f"({error})") from None
-        if (len(ticket.shape) != 5 or not 0 < ticket.num_blocks <= ticket.shape[1]
+        if (ticket.num_arrays not in (1, 2) or len(ticket.shape) != 3 + ticket.num_arrays
+                or not 0 < ticket.num_blocks <= ticket.shape[1]
                 or ticket.kv_shards < 1):
             raise ValueError(f"kv_transfer_params={data!r} has an invalid shape, block count "
                              "or shard count")
@@ -99,12 +104,13 @@ class KVTransfer:
         """Gather ``block_ids`` of ``kv_cache`` and offer them for one pull (tickets older
         than ``max_age_s`` that nobody settled are released first)."""
         self.expire(self.max_age_s)
-        k, v = run_program(programs, gather_blocks, kv_cache, jax.device_put(padded(block_ids)))
+        pages = run_program(programs, gather_blocks, kv_cache,
+                            jax.device_put(padded(block_ids)))
         uuid = next(self._ids)
-        self.server.await_pull(uuid, (k, v))
+        self.server.await_pull(uuid, pages)
         self.num_exported += 1
-        ticket = TransferTicket(self.address, uuid, tuple(k.shape), str(k.dtype),
-                                len(block_ids), self.kv_shards)
+        ticket = TransferTicket(self.address, uuid, tuple(pages[0].shape), str(pages[0].dtype),
+                                len(block_ids), self.kv_shards, len(pages))
         with self._lock:
             self._offered[uuid] = (ticket, time.monotonic())
         return ticket
@@ -140,8 +146,8 @@ class KVTransfer:
         process pulls them itself and drops them (on a daemon thread: were they already
         pulled elsewhere after all, that pull would wait for ever, but never us)."""
         connection = self._connection(self.address)
-        spec = jax.ShapeDtypeStruct(ticket.shape, np.dtype(ticket.dtype), sharding=self.sharding)
-        threading.Thread(target=lambda: connection.pull(ticket.uuid, (spec, spec)),
+        specs = self._specs(ticket)
+        threading.Thread(target=lambda: connection.pull(ticket.uuid, specs),
                          name=f"kv-release-{ticket.uuid}", daemon=True).start()
         self.num_released += 1
 
@@ -152,21 +158,26 @@ class KVTransfer:
                 connection = self._connections[address] = self.server.connect(address)
             return connection
 
-    def pull(self, ticket: TransferTicket, timeout_s: float) -> tuple[np.ndarray, np.ndarray]:
-        """The pages of ``ticket`` on the host, K and V each ``[layers, num_blocks, ...]``.
-        Raises ``TimeoutError`` when they do not arrive within ``timeout_s``."""
+    def _specs(self, ticket: TransferTicket) -> tuple:
+        spec = jax.ShapeDtypeStruct(ticket.shape, np.dtype(ticket.dtype), sharding=self.sharding)
+        return (spec,) * ticket.num_arrays
+
+    def pull(self, ticket: TransferTicket, timeout_s: float) -> tuple[np.ndarray, ...]:
+        """The pages of ``ticket`` on the host, one ``[layers, num_blocks, ...]`` per
+        cache array (K and V, or the fused rows). Raises ``TimeoutError`` when they do
+        not arrive within ``timeout_s``."""
         connection = self._connection(ticket.address)
         if ticket.kv_shards != self.kv_shards:
             raise ValueError(f"the prefill instance splits the KV heads over {ticket.kv_shards} "
                              f"device(s), this decode instance over {self.kv_shards}: start "
                              "both with the same tensor_parallel_size")
-        spec = jax.ShapeDtypeStruct(ticket.shape, np.dtype(ticket.dtype), sharding=self.sharding)
+        specs = self._specs(ticket)
         result: list = []
 
         def pull() -> None:
             try:
-                k, v = connection.pull(ticket.uuid, (spec, spec))
-                result.append((np.asarray(k), np.asarray(v)))
+                pages = connection.pull(ticket.uuid, specs)
+                result.append(tuple(np.asarray(array) for array in pages))
             except Exception as error:  # noqa: BLE001 - reported below
                 result.append(error)
 
@@ -179,9 +190,9 @@ class KVTransfer:
             reason = result[0] if result else f"nothing arrived in {timeout_s:.0f} s"
             raise TimeoutError(f"KV transfer {ticket.uuid} from {ticket.address} failed: "
                                f"{reason}")
-        k, v = result[0]
+        pages = result[0]
         with self._lock:  # pulls run on several pool threads at once
             self.num_imported += 1
             self.num_imported_blocks += ticket.num_blocks
-            self.num_imported_bytes += k.nbytes + v.nbytes
-        return k[:, :ticket.num_blocks], v[:, :ticket.num_blocks]
+            self.num_imported_bytes += sum(array.nbytes for array in pages)
+        return tuple(array[:, :ticket.num_blocks] for array in pages)

@@ -23,6 +23,7 @@ from jaxpage.runtime.pending_calls import PendingMultiStep, PendingStep, StepRes
 from jaxpage.core.penalty_slots import PenaltyFill
 from jaxpage.runtime.step import make_forward_logits, make_penalty_fill
 from jaxpage.runtime.step_programs import StepPrograms
+from pallas_kernels import kv_layout
 from pallas_kernels.dense_matmul import resolve_backend as resolve_dense_backend
 from pallas_kernels.quantized_matmul import resolve_backend as resolve_quantized_backend
 from pallas_kernels.sampling import resolve_backend as resolve_sampling_backend
@@ -44,7 +45,8 @@ class ModelRunner:
 
     def __init__(self, loaded: LoadedModel, *, num_blocks: int, block_size: int,
                  max_num_seqs: int, num_host_blocks: int = 0,
-                 executable_dir: str | None = None) -> None:
+                 executable_dir: str | None = None, layout: str | None = None) -> None:
+        """``layout``: the KV cache's (``pallas_kernels.kv_layout``); None: the platform's."""
         self.arch = loaded.arch
         self.hf_config = loaded.hf_config
         self.quantization = loaded.quantization  # how the weights are stored (None: floats)
@@ -61,10 +63,15 @@ class ModelRunner:
         self.dtype = loaded.model.final_norm[...].dtype
         # a byte KV cache (int8 / fp8, pallas_kernels.kv_quant) is uint8 whatever its format
         dtype = np.uint8 if getattr(loaded, "kv_format", None) else self.dtype
+        if layout is None:
+            devices = (jax.devices() if loaded.mesh is None else loaded.mesh.devices.flat)
+            layout = kv_layout.for_platform(devices[0].platform)
+        self.kv_layout = layout
         self.kv_cache = allocate_kv_cache(self.arch, num_blocks, block_size, dtype,
-                                          self.placement.kv_sharding)
-        block_shape = (self.arch.num_layers,) + self.kv_cache[0].shape[2:]
-        self.host_pool = block_ops.HostKVPool(num_host_blocks, block_shape, np.dtype(dtype))
+                                          self.placement.kv_sharding, layout)
+        self.host_pool = block_ops.HostKVPool(
+            num_host_blocks, [(c.shape[0],) + c.shape[2:] for c in self.kv_cache],
+            np.dtype(dtype))
         self.penalty_table = self.placement.zeros_replicated(
             (max_num_seqs, self.arch.vocab_size), jax.numpy.int32)
         caches_jit = functools.partial(
@@ -122,14 +129,6 @@ class ModelRunner:
         """The platform of the devices the KV cache lives on ("cpu", "gpu", "tpu")."""
         # devices() may be the sharding's own cached set: iterate, never pop.
         return next(iter(self.kv_cache[0].devices())).platform
-
-    def reallocate_kv_cache(self, num_blocks: int) -> None:
-        """Replace the KV cache with a zeroed one of ``num_blocks`` (null block included)."""
-        shape = self.kv_cache[0].shape
-        dtype = self.kv_cache[0].dtype
-        self.kv_cache = None  # free the old one first
-        self.kv_cache = allocate_kv_cache(self.arch, num_blocks, shape[2], dtype,
-                                          self.placement.kv_sharding)
 
     def apply_block_ops(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
                         copies: list[tuple[int, int]]) -> None:

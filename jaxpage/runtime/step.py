@@ -21,7 +21,7 @@ from jaxpage.runtime.sampler import (adjusted_logits, fill_penalty_row, record_t
                                      record_tokens, rejection_sample, sample, sampled_logprobs,
                                      sampling_probs)
 
-KVCache = tuple[jax.Array, jax.Array]
+KVCache = tuple  # of cache arrays in a pallas_kernels.kv_layout layout
 Caches = tuple[KVCache, jax.Array]  # (kv_cache, penalty_table int32 [R, V])
 Packed = tuple[jax.Array, jax.Array, jax.Array]  # BatchMetadata.packed() on the device
 

@@ -32,11 +32,13 @@ def add_kv_routes(app: FastAPI, engine, errors: dict) -> None:
 
     @app.get("/kv_layout")
     async def kv_layout():
-        """How this instance lays out KV pages."""
-        k_cache = core.runner.kv_cache[0]                       # [L, N, B, Hkv, D]
+        """How this instance lays out KV pages (``pallas_kernels.kv_layout``)."""
+        runner = core.runner
+        first = runner.kv_cache[0]             # [L, N, B, Hkv, D] (split) or [L, N, B, W]
         transfer = core.kv_transfer
         return {"kv_role": core.config.cache.kv_role,
                 "kv_shards": transfer.kv_shards if transfer is not None else 1,
-                "num_layers": k_cache.shape[0], "block_size": k_cache.shape[2],
-                "kv_heads": k_cache.shape[3], "head_dim": k_cache.shape[4],
-                "dtype": str(k_cache.dtype)}
+                "layout": runner.kv_layout,
+                "num_layers": first.shape[0], "block_size": first.shape[2],
+                "kv_heads": runner.run_arch.num_kv_heads, "head_dim": runner.run_arch.head_dim,
+                "dtype": str(first.dtype)}

@@ -36,24 +36,29 @@ def check_shapes(k_cache, v_cache, k_new, v_new, slot_mapping) -> None:
 
 def kv_cache_update(k_cache, v_cache, k_new, v_new, slot_mapping, *, backend: str = "auto",
                     interpret: bool = False, layer: int | None = None
-                    ) -> tuple[jax.Array, jax.Array]:
+                    ) -> tuple[jax.Array, jax.Array | None]:
     """Write ``k_new[t]`` / ``v_new[t]`` into flat slot ``slot_mapping[t]`` (-1: skip).
 
     With ``layer`` the caches are every layer's, ``[L, N, B, Hkv, D]``, and the slots
-    are layer ``layer``'s; the cache is updated where it is, never reshaped.
+    are layer ``layer``'s; the cache is updated where it is, never reshaped. With
+    ``v_cache`` None, ``k_cache`` is a fused cache (``kv_layout``) and None comes back
+    in ``v_cache``'s place; the reference and the TPU kernel write it (the GPU kernel
+    writes split caches only, and falls back to the reference).
     """
-    view = _backend.layer_view(k_cache, v_cache, layer)
+    view = _backend.layer_view(k_cache, v_cache, layer, head_dim=k_new.shape[-1])
     check_shapes(view, view, k_new, v_new, slot_mapping)
     resolved = resolve_backend(backend, interpret=interpret)
     args = (k_cache, v_cache, k_new, v_new, slot_mapping)
-    if resolved in ("reference", "cpu") or slot_mapping.shape[0] == 0:  # no C++ version: XLA's
-        # scatter is already one in-place pass
+    if (resolved in ("reference", "cpu") or slot_mapping.shape[0] == 0  # no C++ version:
+            or (resolved == "gpu" and v_cache is None)):  # XLA's scatter is one in-place pass
         return kv_cache_update_reference(*args, layer=layer)
     if resolved == "gpu":
         from pallas_kernels.kv_cache_update.gpu import kv_cache_update_gpu
         return kv_cache_update_gpu(*args, interpret=interpret, layer=layer)
-    from pallas_kernels.kv_cache_update.tpu import kv_cache_update_tpu
-    return kv_cache_update_tpu(*args, interpret=interpret, layer=layer)
+    from pallas_kernels.kv_cache_update import tpu
+    if v_cache is None:
+        return tpu.kv_cache_update_fused_tpu(*args, interpret=interpret, layer=layer)
+    return tpu.kv_cache_update_tpu(*args, interpret=interpret, layer=layer)
 
 
 __all__ = ["check_shapes", "kv_cache_update", "kv_cache_update_reference", "resolve_backend"]

@@ -1,7 +1,9 @@
 """Plain-jnp KV cache update: scatter new keys/values into their flat slots.
 
 The scatter indexes (block, offset), or (layer, block, offset), and never reshapes the
-cache: on a TPU a reshape that merges tiled dimensions is a copy of the whole cache.
+cache: on a TPU a reshape that merges tiled dimensions is a copy of the whole cache. A
+fused cache (``kv_layout``, ``v_cache`` None) takes each token's keys and values as one
+row, fused from ``k_new`` / ``v_new`` (arrays the size of the new tokens, not the cache).
 """
 
 from __future__ import annotations
@@ -9,16 +11,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import kv_layout
+
 
 def kv_cache_update_reference(
         k_cache: jax.Array,       # [N, B, Hkv, D], or [L, N, B, Hkv, D] with ``layer``
-        v_cache: jax.Array,       # likewise
+        v_cache: jax.Array | None,  # likewise; None: k_cache is fused rows [(L,) N, B, W]
         k_new: jax.Array,         # [T, Hkv, D]
         v_new: jax.Array,         # [T, Hkv, D]
         slot_mapping: jax.Array,  # int32 [T]  block_id * B + offset; -1 = skip
         layer: int | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    num_blocks, block_size = k_cache.shape[-4:-2]
+) -> tuple[jax.Array, jax.Array | None]:
+    fused = v_cache is None
+    num_blocks, block_size = k_cache.shape[-3:-1] if fused else k_cache.shape[-4:-2]
     num_slots = num_blocks * block_size
     slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # out of range: dropped
     if slots.shape[0] == 1:
@@ -36,4 +41,6 @@ def kv_cache_update_reference(
     def scatter(cache: jax.Array, new: jax.Array) -> jax.Array:
         return cache.at[index].set(new.astype(cache.dtype), mode="drop")
 
+    if fused:
+        return scatter(k_cache, kv_layout.fuse(k_new, v_new)), None
     return scatter(k_cache, k_new), scatter(v_cache, v_new)

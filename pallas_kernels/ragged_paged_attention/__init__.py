@@ -82,11 +82,13 @@ def check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs
 
 
 def check_kv_format(k_cache, v_cache, kv_format: str | None) -> None:
-    """Byte caches (uint8) go with a ``kv_format`` and float caches without one."""
+    """Byte caches (uint8) go with a ``kv_format`` and float caches without one
+    (``v_cache`` None: a fused cache, ``kv_layout``)."""
     check_format(kv_format)
-    is_bytes = k_cache.dtype == jnp.uint8 and v_cache.dtype == jnp.uint8
+    v_dtype = k_cache.dtype if v_cache is None else v_cache.dtype
+    is_bytes = k_cache.dtype == jnp.uint8 and v_dtype == jnp.uint8
     _check(is_bytes == (kv_format is not None),
-           f"kv_format={kv_format!r} with caches of {k_cache.dtype} / {v_cache.dtype}: int8 and "
+           f"kv_format={kv_format!r} with caches of {k_cache.dtype} / {v_dtype}: int8 and "
            f"fp8 caches are uint8 bytes with their kv_format; float caches take none")
 
 
@@ -106,19 +108,25 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     ``layer``'s pages are read in place (no slice or reshape of the cache, which on a TPU
     would be a copy of it). The C++ CPU kernel takes 4-D caches only; its fused
     per-layer call is ``write_and_attend``.
+
+    ``v_cache`` None: ``k_cache`` is a fused cache (``kv_layout``), ``[(L,) N, B, W]``,
+    which the TPU kernel and the reference read (the others fall back to the reference).
     """
-    page_view = _backend.layer_view(k_cache, v_cache, layer)
+    page_view = _backend.layer_view(k_cache, v_cache, layer, head_dim=q.shape[-1])
     check_shapes(q, page_view, page_view, kv_lens, block_tables, cu_q_lens, num_seqs,
                  sliding_window=sliding_window, soft_cap=soft_cap)
     check_kv_format(k_cache, v_cache, kv_format)
     head_dim = k_cache.shape[-1]
-    same_dtype = (q.dtype == k_cache.dtype == v_cache.dtype if kv_format is None
+    v_dtype = k_cache.dtype if v_cache is None else v_cache.dtype
+    same_dtype = (q.dtype == k_cache.dtype == v_dtype if kv_format is None
                   else True)  # byte caches: the kernels take q's dtype
     resolved = resolve_backend(backend, interpret=interpret,
                                dtype=q.dtype if same_dtype else jnp.float64)  # mixed: not the kernel's
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if resolved == "cpu" and layer is not None:
         resolved = "reference"  # the C++ kernel's per-layer form is write_and_attend's
+    if v_cache is None and resolved in ("cpu", "gpu"):
+        resolved = "reference"  # their kernels read split pages only
     if kv_format is not None:
         kwargs["kv_format"] = kv_format
         if resolved == "cpu" and q.shape[0] > 0:

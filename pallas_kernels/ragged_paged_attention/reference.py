@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import kv_layout
 from pallas_kernels.kv_quant import decode
 from pallas_kernels.precision import dot_precision
 
@@ -33,7 +34,7 @@ def token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array,
 def ragged_paged_attention_reference(
         q: jax.Array,             # [T, Hq, D]
         k_cache: jax.Array,       # [N, B, Hkv, D], or [L, N, B, Hkv, D] with ``layer``
-        v_cache: jax.Array,       # likewise
+        v_cache: jax.Array | None,  # likewise; None: k_cache is fused rows [(L,) N, B, W]
         kv_lens: jax.Array,       # int32 [S]
         block_tables: jax.Array,  # int32 [S, M]
         cu_q_lens: jax.Array,     # int32 [S + 1]
@@ -42,9 +43,13 @@ def ragged_paged_attention_reference(
         soft_cap: float | None = None, layer: int | None = None,
         kv_format: str | None = None) -> jax.Array:  # [T, Hq, D]
     """With ``layer``, the caches hold every layer and layer ``layer``'s pages are read.
-    With ``kv_format`` the caches hold bytes of that format (``kv_quant.decode``)."""
+    With ``kv_format`` the caches hold bytes of that format (``kv_quant.decode``).
+    With ``v_cache`` None the cache is in the fused layout (``kv_layout``)."""
     num_tokens, num_q_heads, head_dim = q.shape
-    block_size, num_kv_heads, _ = k_cache.shape[-3:]
+    fused = v_cache is None
+    block_size = k_cache.shape[-2] if fused else k_cache.shape[-3]
+    num_kv_heads = (kv_layout.heads_in_row(k_cache.shape[-1], head_dim) if fused
+                    else k_cache.shape[-2])
     max_blocks = block_tables.shape[1]
     group = num_q_heads // num_kv_heads
     seq, q_pos, valid = token_layout(cu_q_lens, kv_lens, num_seqs, num_tokens)
@@ -52,8 +57,12 @@ def ragged_paged_attention_reference(
     tables = block_tables[seq]                                          # [T, M]
     span = max_blocks * block_size
     pages = tables if layer is None else (layer, tables)
-    k = k_cache[pages].reshape(num_tokens, span, num_kv_heads, head_dim)  # [T, L, Hkv, D]
-    v = v_cache[pages].reshape(num_tokens, span, num_kv_heads, head_dim)
+    if fused:
+        k, v = kv_layout.unfuse(k_cache[pages], head_dim)               # [T, M, B, Hkv, D]
+    else:
+        k, v = k_cache[pages], v_cache[pages]
+    k = k.reshape(num_tokens, span, num_kv_heads, head_dim)             # [T, L, Hkv, D]
+    v = v.reshape(num_tokens, span, num_kv_heads, head_dim)
     if kv_format is not None:
         k, v = decode(k, kv_format, q.dtype), decode(v, kv_format, q.dtype)
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)           # [T, Hkv, G, D]

@@ -1,18 +1,28 @@
 """Ragged paged attention for TPUs: Pallas Mosaic TPU with scalar prefetch and manual DMA.
 
-Work decomposition (see ``tiling.py``): the grid is ``(kv head, query tile)``. The tile
-table (sequence, first position, token count, kv length per tile) and the flattened
-block tables are *scalar-prefetched* into SMEM, so the kernel knows, before any vector
-work, which pages each tile needs. The query tile arrives through an ordinary BlockSpec
-(VMEM, pipelined by Pallas); the caches stay in HBM (``memory_space=ANY``) and the kernel
-copies pages itself: ``pages_per_block`` pages of one kv head per step into one half of
-a two-slot VMEM buffer, while the previous step's pages are being used from the other
-half (double buffering with one DMA semaphore per slot and per K/V).
+The cache is in the fused layout (``pallas_kernels.kv_layout``): ``kv [N, B, W]`` (or
+``[L, N, B, W]`` with ``layer``), one row of ``W`` lanes per token holding every KV head's
+key and value. Given split ``(k_cache, v_cache)`` pages instead, the wrapper fuses them
+first: a copy of the cache, for tests and explicit calls only (the engine allocates the
+fused layout on TPUs, ``kv_layout.for_platform``).
 
-Each page copy reads ``k_cache[page, :, head, :]``: ``block_size`` rows of ``head_dim``
-elements, strided by ``num_kv_heads * head_dim`` in HBM, and lands contiguously in
-``[slot, rows, head_dim]`` of the buffer. The public cache layout is therefore used as
-is; the buffer holds the internal ``[kv tokens, head_dim]`` layout the MXU wants.
+Work decomposition (see ``tiling.py``): the grid is ``(query tile,)``. The tile table
+(sequence, first position, token count, kv length per tile) and the flattened block
+tables are *scalar-prefetched* into SMEM, so the kernel knows, before any vector work,
+which pages each tile needs. The query tile arrives through an ordinary BlockSpec (VMEM,
+pipelined by Pallas); the cache stays in HBM (``memory_space=ANY``) and the kernel copies
+pages itself: ``pages_per_block`` whole pages ``kv[page]`` (``[B, W]``, contiguous, a
+multiple of the HBM tile) per step into one half of a two-slot VMEM buffer, while the
+previous step's pages are being used from the other half (double buffering with one DMA
+semaphore per slot).
+
+Each head reads its lanes of the buffer at offsets that are multiples of 128. With
+``D > 64`` the key and the value are separate lane ranges of ``Dh`` lanes (q is padded
+to ``Dh``). With ``D <= 64`` a head's key and value share one 128-lane group (key in
+lanes 0-63, value in 64-127); q is padded to 128 lanes with zeros over the value half,
+so ``q . group`` is exactly ``q . k``, and ``p . group`` carries ``p . v`` in lanes
+64-127, which the wrapper keeps. Twice the matmul work for the small heads, and no lane
+shuffles.
 
 Written for TPU interpret mode as well: no ref is reshaped or bitcast (JAX 0.10's TPU
 interpreter cannot follow a reshaped ref), every ref access is a plain index or slice,
@@ -30,28 +40,42 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_kernels.ragged_paged_attention.tiling as tiling
+from pallas_kernels import kv_layout
 from pallas_kernels.kv_quant import decode
+
+
+def q_width(head_dim: int) -> int:
+    """Lanes of a query (and output) row in the kernel: ``Dh``, or 128 when a head's key
+    and value share one 128-lane group (``D <= 64``)."""
+    half = kv_layout.half_width(head_dim)
+    return 2 * half if half < kv_layout.LANES else half
+
+
+def value_lane(head_dim: int) -> int:
+    """The first lane of a head's value within the kernel's [.., q_width] output rows."""
+    return kv_layout.half_width(head_dim) if q_width(head_dim) != kv_layout.half_width(
+        head_dim) else 0
 
 
 def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # SMEM int32 [NT] each (prefetched)
             tables_ref,                                # SMEM int32 [S * M]   (prefetched)
-            q_ref,                                     # VMEM [Hkv, R, D]  one tile, all kv heads
-            k_hbm, v_hbm,                              # HBM [N, B, Hkv, D] ([L, ...] w/ layer)
-            o_ref,                                     # VMEM [Hkv, R, D]
-            k_buf, v_buf,                              # VMEM [2, K, Hkv, D]  double buffer
-            sems,                                      # DMA semaphores [2 (k, v), 2 (slot)]
-            m_ref, l_ref, acc_ref,                     # VMEM f32 [Hkv, R, 1] x2, [Hkv, R, D]
+            q_ref,                                     # VMEM [Hkv, R, Qw]  one tile
+            kv_hbm,                                    # HBM [N, B, W] ([L, ...] w/ layer)
+            o_ref,                                     # VMEM [Hkv, R, Qw]
+            kv_buf,                                    # VMEM [2, K, W]  double buffer
+            sems,                                      # DMA semaphores [2 (slot)]
+            m_ref, l_ref, acc_ref,                     # VMEM f32 [Hkv, R, 1] x2, [Hkv, R, Qw]
             *, sm_scale: float, soft_cap: float | None, sliding_window: int | None,
             group_padded: int, pages_per_block: int, max_blocks_per_seq: int,
-            layer: int | None, kv_format: str | None = None):
+            layer: int | None, half: int, kv_format: str | None = None):
     tile = pl.program_id(0)
-    num_kv_heads, rows, head_dim = q_ref.shape
-    block_size = k_hbm.shape[-3]
-    k_pages = k_hbm if layer is None else k_hbm.at[layer]   # a leading, untiled index
-    v_pages = v_hbm if layer is None else v_hbm.at[layer]
+    num_kv_heads, rows, width = q_ref.shape
+    block_size = kv_hbm.shape[-2]
+    pages = kv_hbm if layer is None else kv_hbm.at[layer]   # a leading, untiled index
     block_kv = pages_per_block * block_size
+    slot_lanes = 2 * half                      # one head's key and value
+    value_offset = 0 if width == slot_lanes else half   # from the key's first lane
 
-    heads_per_group = 8 if num_kv_heads % 8 == 0 else num_kv_heads
     seq = seq_ref[tile]
     pos0 = pos0_ref[tile]
     count = count_ref[tile]
@@ -69,11 +93,9 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # SMEM int32 [NT] each (p
             # every step issues the same number of copies and no junk table entry is used.
             page = tables_ref[seq * max_blocks_per_seq
                               + jnp.minimum(j * pages_per_block + p, last_page)]
-            dst = pl.ds(p * block_size, block_size)
             copies.append(pltpu.make_async_copy(
-                k_pages.at[page], k_buf.at[slot, dst], sems.at[0, slot]))
-            copies.append(pltpu.make_async_copy(
-                v_pages.at[page], v_buf.at[slot, dst], sems.at[1, slot]))
+                pages.at[page], kv_buf.at[slot, pl.ds(p * block_size, block_size)],
+                sems.at[slot]))
         return copies
 
     @pl.when(hi > lo)
@@ -102,9 +124,16 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # SMEM int32 [NT] each (p
         mask = (col <= row_pos) & (col < kv_len) & row_real
         if sliding_window is not None:
             mask &= col > row_pos - sliding_window
-        kv_col = j * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0)
-        def one_head(h, k, v):
-            """Online-softmax update of kv head ``h`` with its K/V rows [K, D]."""
+        kv_col = j * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv, width), 0)
+
+        def one_head(h, carry):
+            """Online-softmax update of kv head ``h`` with its lanes of the pages."""
+            first = pl.multiple_of(h * slot_lanes, KEY_ALIGN)
+            k = kv_buf[slot, :, pl.ds(first, width)]                       # [K, Qw]
+            v = k if value_offset == 0 else kv_buf[
+                slot, :, pl.ds(pl.multiple_of(first + value_offset, KEY_ALIGN), width)]
+            if kv_format is not None:  # byte pages (kv_quant): their values, in q's dtype
+                k, v = decode(k, kv_format, q_ref.dtype), decode(v, kv_format, q_ref.dtype)
             s = lax.dot_general(q_ref[h], k, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32) * sm_scale
             if soft_cap is not None:
@@ -117,28 +146,22 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # SMEM int32 [NT] each (p
             l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
             v = jnp.where(kv_col < kv_len, v.astype(jnp.float32), 0.0).astype(v.dtype)
             pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32)            # [R, D]
+                                 preferred_element_type=jnp.float32)            # [R, Qw]
             acc_ref[h] = acc_ref[h] * alpha + pv
             m_ref[h] = m_next
-
-        def head_group(g, carry):
-            first = pl.multiple_of(g * heads_per_group, heads_per_group)
-            k_group = k_buf[slot, :, pl.ds(first, heads_per_group), :]     # [K, G, D]
-            v_group = v_buf[slot, :, pl.ds(first, heads_per_group), :]
-            for i in range(heads_per_group):
-                k, v = k_group[:, i, :], v_group[:, i, :]
-                if kv_format is not None:  # byte pages (kv_quant): their values, in q's dtype
-                    k, v = decode(k, kv_format, q_ref.dtype), decode(v, kv_format, q_ref.dtype)
-                one_head(first + i, k, v)
             return carry
 
-        lax.fori_loop(0, num_kv_heads // heads_per_group, head_group, 0)
+        lax.fori_loop(0, num_kv_heads, one_head, 0)
         return carry
 
     lax.fori_loop(lo, hi, body, 0)
     l = l_ref[...]
     o_ref[...] = (acc_ref[...] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
 
+
+# Every head's lanes start on a multiple of this (its slot is 2 * Dh lanes, Dh 64 or a
+# multiple of 128): the loads never cross a vreg's lanes unaligned.
+KEY_ALIGN = 128
 
 # Scoped VMEM the kernel may plan for. Mosaic's default scoped limit is 16 MiB on v5e,
 # v6e and v5p; staying under 12 MiB leaves room for Mosaic's own temporaries.
@@ -156,19 +179,21 @@ def vmem_bytes(*, num_kv_heads: int, head_dim: int, rows: int, block_kv: int,
 
     A VMEM array's last two dimensions are stored in (sublane, 128-lane) tiles: the
     second-minor dimension rounds up to 8 rows of 32 bits (16 for bfloat16) and the
-    minor one to 128 lanes. Counted: the two-slot K and V page buffers
-    ``[2, block_kv, Hkv, D]``, the q and output tiles ``[Hkv, rows, D]`` (each
-    double-buffered by the Pallas pipeline), the float32 accumulator ``[Hkv, rows, D]``,
-    the row max and sum ``[Hkv, rows, 1]`` and a few ``[rows, block_kv]`` float32
-    temporaries of the body (logits, probabilities, masks).
+    minor one to 128 lanes. Counted: the two-slot page buffer ``[2, block_kv, W]`` (fused
+    rows, ``kv_layout.row_width``), the q and output tiles ``[Hkv, rows, Qw]`` (each
+    double-buffered by the Pallas pipeline), the float32 accumulator ``[Hkv, rows, Qw]``,
+    the row max and sum ``[Hkv, rows, 1]``, a few ``[rows, block_kv]`` float32
+    temporaries of the body (logits, probabilities, masks) and a head's key and value
+    ``[block_kv, Qw]`` as float32 (masking, byte decoding).
     """
     sublanes = 8 * (4 // itemsize)
-    lanes = _round_up(head_dim, LANES)
-    pages = 2 * 2 * block_kv * _round_up(num_kv_heads, sublanes) * lanes * itemsize
-    tiles = 2 * 2 * num_kv_heads * _round_up(rows, sublanes) * lanes * itemsize
+    width = q_width(head_dim)
+    pages = 2 * _round_up(block_kv, sublanes) * kv_layout.row_width(num_kv_heads, head_dim) \
+        * itemsize
+    tiles = 2 * 2 * num_kv_heads * _round_up(rows, sublanes) * width * itemsize
     rows32 = _round_up(rows, 8)
-    accumulators = num_kv_heads * rows32 * (lanes + 2 * LANES) * 4
-    temporaries = 4 * rows32 * _round_up(block_kv, LANES) * 4
+    accumulators = num_kv_heads * rows32 * (width + 2 * LANES) * 4
+    temporaries = 4 * rows32 * _round_up(block_kv, LANES) * 4 + 2 * block_kv * width * 4
     return pages + tiles + accumulators + temporaries
 
 
@@ -218,8 +243,8 @@ def choose_blocks(*, num_tokens: int, max_num_seqs: int, group: int, block_size:
     "vmem_limit_bytes", "layer", "kv_format"))
 def ragged_paged_attention_tpu(
         q: jax.Array,             # [T, Hq, D]
-        k_cache: jax.Array,       # [N, B, Hkv, D], or [L, N, B, Hkv, D] with ``layer``
-        v_cache: jax.Array,       # likewise
+        k_cache: jax.Array,       # fused [N, B, W] ([L, N, B, W] with ``layer``), or split
+        v_cache: jax.Array | None,  # None when fused; else [N, B, Hkv, D] like k_cache
         kv_lens: jax.Array,       # int32 [S]
         block_tables: jax.Array,  # int32 [S, M]
         cu_q_lens: jax.Array,     # int32 [S + 1]
@@ -235,53 +260,62 @@ def ragged_paged_attention_tpu(
     also fills outputs and scratch buffers with NaN before the kernel runs.
     ``vmem_limit_bytes``: Mosaic's scoped VMEM limit (None: its default, 16 MiB on
     v5e/v6e/v5p); the tiling is sized for ``VMEM_BUDGET`` either way.
-    ``kv_format``: the caches are bytes of that format, converted as pages are used.
+    ``kv_format``: the cache holds bytes of that format, converted as pages are used.
+    Split caches are fused first (a copy of them; see the module docstring).
     """
+    if v_cache is not None:
+        k_cache = kv_layout.fuse(k_cache, v_cache)
     num_tokens, num_q_heads, head_dim = q.shape
-    block_size, num_kv_heads, _ = k_cache.shape[-3:]
+    block_size, width = k_cache.shape[-2:]
+    num_kv_heads = kv_layout.heads_in_row(width, head_dim)
     max_num_seqs, max_blocks = block_tables.shape
     group = num_q_heads // num_kv_heads
+    itemsize = jnp.dtype(k_cache.dtype).itemsize
     block_q, group_padded, pages_per_block = choose_blocks(
         num_tokens=num_tokens, max_num_seqs=max_num_seqs, group=group,
         block_size=block_size, max_blocks_per_seq=max_blocks, num_kv_heads=num_kv_heads,
-        head_dim=head_dim, itemsize=jnp.dtype(k_cache.dtype).itemsize, block_q=block_q,
-        block_kv=block_kv)
+        head_dim=head_dim, itemsize=itemsize, block_q=block_q, block_kv=block_kv)
     num_tiles = tiling.num_tiles_for(num_tokens, max_num_seqs, block_q)
     rows = block_q * group_padded
     block_kv = pages_per_block * block_size
+    lanes = q_width(head_dim)
 
     tiles = tiling.build_tile_table(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens,
                                     block_q=block_q, num_tiles=num_tiles)
     compute_dtype = q.dtype if kv_format is not None else k_cache.dtype
     q_tiles = tiling.tile_queries(q.astype(compute_dtype), tiles, num_kv_heads=num_kv_heads,
                                   group_padded=group_padded, block_q=block_q)
-    tile_spec = pl.BlockSpec((num_kv_heads, None, rows, head_dim), lambda t, *_: (0, t, 0, 0))
+    q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, 0), (0, lanes - head_dim)))
+    tile_spec = pl.BlockSpec((num_kv_heads, None, rows, lanes), lambda t, *_: (0, t, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(
         _kernel, sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window,
         group_padded=group_padded, pages_per_block=pages_per_block,
-        max_blocks_per_seq=max_blocks, layer=layer, kv_format=kv_format)
+        max_blocks_per_seq=max_blocks, layer=layer, half=kv_layout.half_width(head_dim),
+        kv_format=kv_format)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(num_tiles,),
-            in_specs=[tile_spec, hbm, hbm],
+            in_specs=[tile_spec, hbm],
             out_specs=tile_spec,
-            scratch_shapes=[pltpu.VMEM((2, block_kv, num_kv_heads, head_dim), k_cache.dtype),
-                            pltpu.VMEM((2, block_kv, num_kv_heads, head_dim), v_cache.dtype),
-                            pltpu.SemaphoreType.DMA((2, 2)),
+            scratch_shapes=[pltpu.VMEM((2, block_kv, width), k_cache.dtype),
+                            pltpu.SemaphoreType.DMA((2,)),
                             pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
                             pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
-                            pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32)]),
+                            pltpu.VMEM((num_kv_heads, rows, lanes), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct(q_tiles.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
                                              vmem_limit_bytes=vmem_limit_bytes),
-        cost_estimate=tiling.cost_estimate(q.shape, k_cache.shape[-4:], block_tables.shape,
-                                           jnp.dtype(k_cache.dtype).itemsize),
+        cost_estimate=tiling.cost_estimate(
+            q.shape, (k_cache.shape[-3], block_size, num_kv_heads, head_dim),
+            block_tables.shape, itemsize),
         interpret=pltpu.InterpretParams() if interpret else False,
         name=f"ragged_paged_attention_tpu_q{rows}_kv{block_kv}",
     )(tiles.seq, tiles.pos0, tiles.count, tiles.kv_len,
-      block_tables.astype(jnp.int32).reshape(-1), q_tiles, k_cache, v_cache)
+      block_tables.astype(jnp.int32).reshape(-1), q_tiles, k_cache)
+    first = value_lane(head_dim)
+    out = out[..., first:first + head_dim]
     return tiling.untile_outputs(out, tiles, num_q_heads=num_q_heads, block_q=block_q,
                                  dtype=q.dtype)
