@@ -12,8 +12,9 @@ heads (the page buffer's tiled dimension) and the GQA ratio (rows per tile), the
 size (the DMA and gather shapes), and decode- vs prefill-shaped batches (the query tile
 size). Every target compiles every family (decode and prefill, plus the KV update);
 the dtype and the block size rotate over the pairs so that each target and each family
-sees both dtypes, and each target every block size, in 35 cases (~3 min on 2 cores; the
-full product was 70 cases and 5.5 min for little more coverage).
+sees both dtypes, and each target every block size, in 45 cases (the full product was
+twice that for little more coverage). TPU targets compile the fused cache layout the
+engine allocates there (``kv_layout``), including one KV head of 64 and of 256 lanes.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import jax.numpy as jnp
 import pytest
 
 from jaxpage.parallel.targets import compile_on_device, single_device_spec, target_devices
+from pallas_kernels import kv_layout
 from pallas_kernels.kv_cache_update.gpu import kv_cache_update_gpu
-from pallas_kernels.kv_cache_update.tpu import kv_cache_update_tpu
+from pallas_kernels.kv_cache_update.tpu import kv_cache_update_fused_tpu
 from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
 
@@ -36,6 +38,8 @@ FAMILIES = {  # name -> (num_q_heads, num_kv_heads, head_dim, options)
     "llama2_mha": (32, 32, 128, {}),                # GQA 1
     "llama3_70b": (64, 8, 128, {}),                 # GQA 8
     "mistral_window": (32, 8, 128, dict(sliding_window=512, soft_cap=30.0)),
+    "gemma_d256_tp8": (2, 1, 256, dict(soft_cap=50.0)),  # head_dim 256, one KV head
+    "llama32_1b_tp8": (4, 1, 64, {}),               # head_dim 64, one KV head per device
 }
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 BLOCK_SIZES = (16, 32, 64)
@@ -53,10 +57,18 @@ def _cases():
                                id=f"{target}-{family}-{dtype}-b{block_size}")
 
 
-def _attention_specs(num_tokens, num_seqs, hq, hkv, head_dim, block_size, dtype):
+def _caches(on_tpu, hkv, head_dim, block_size, dtype):
+    """(k_cache, v_cache) specs in the target's layout: fused rows and None on TPUs."""
+    if on_tpu:
+        return ((NUM_BLOCKS, block_size, kv_layout.row_width(hkv, head_dim)), dtype), None
     cache = ((NUM_BLOCKS, block_size, hkv, head_dim), dtype)
+    return cache, cache
+
+
+def _attention_specs(num_tokens, num_seqs, hq, hkv, head_dim, block_size, dtype, on_tpu):
     max_blocks = MAX_MODEL_LEN // block_size
-    return [((num_tokens, hq, head_dim), dtype), cache, cache, ((num_seqs,), jnp.int32),
+    return [((num_tokens, hq, head_dim), dtype),
+            *_caches(on_tpu, hkv, head_dim, block_size, dtype), ((num_seqs,), jnp.int32),
             ((num_seqs, max_blocks), jnp.int32), ((num_seqs + 1,), jnp.int32),
             ((1,), jnp.int32)]
 
@@ -71,18 +83,20 @@ def test_kernels_compile_for_target(target, family, dtype_name, block_size):
     for kind, (num_tokens, num_seqs) in BATCHES.items():
         compiled = compile_on_device(
             device, attention,
-            *_attention_specs(num_tokens, num_seqs, hq, hkv, head_dim, block_size, dtype),
+            *_attention_specs(num_tokens, num_seqs, hq, hkv, head_dim, block_size, dtype,
+                              on_tpu),
             static_kwargs=dict(sm_scale=head_dim ** -0.5, **options))
         assert compiled.memory_analysis() is not None, kind
-    update = kv_cache_update_tpu if on_tpu else kv_cache_update_gpu
-    cache = ((NUM_BLOCKS, block_size, hkv, head_dim), dtype)
+    update = kv_cache_update_fused_tpu if on_tpu else kv_cache_update_gpu
     new = ((64, hkv, head_dim), dtype)
-    compile_on_device(device, update, cache, cache, new, new, ((64,), jnp.int32))
+    compile_on_device(device, update, *_caches(on_tpu, hkv, head_dim, block_size, dtype),
+                      new, new, ((64,), jnp.int32))
 
 
 KV_FORMAT_CASES = [("v5e:1x1", "int8", "llama3_8b", 16), ("v6e:1x1", "fp8_e4m3", "smollm2", 32),
                    ("v5p:2x2x1", "fp8_e5m2", "qwen2_7b", 64), ("h100", "fp8_e4m3", "llama3_8b", 16),
-                   ("a100", "int8", "smollm2", 32)]
+                   ("a100", "int8", "smollm2", 32), ("v5e:1x1", "fp8_e4m3", "gemma_d256_tp8", 16),
+                   ("v6e:1x1", "int8", "llama32_1b_tp8", 16)]
 
 
 @pytest.mark.parametrize("target,kv_format,family,block_size", KV_FORMAT_CASES,
@@ -94,15 +108,16 @@ def test_byte_kv_cache_kernels_compile_for_target(target, kv_format, family, blo
     on_tpu = device.platform == "tpu"
     attention = ragged_paged_attention_tpu if on_tpu else ragged_paged_attention_gpu
     for kind, (num_tokens, num_seqs) in BATCHES.items():
-        specs = _attention_specs(num_tokens, num_seqs, hq, hkv, head_dim, block_size, jnp.uint8)
+        specs = _attention_specs(num_tokens, num_seqs, hq, hkv, head_dim, block_size, jnp.uint8,
+                                 on_tpu)
         specs[0] = ((num_tokens, hq, head_dim), jnp.bfloat16)
         compiled = compile_on_device(device, attention, *specs, static_kwargs=dict(
             sm_scale=head_dim ** -0.5, kv_format=kv_format, **options))
         assert compiled.memory_analysis() is not None, kind
-    update = kv_cache_update_tpu if on_tpu else kv_cache_update_gpu
-    cache = ((NUM_BLOCKS, block_size, hkv, head_dim), jnp.uint8)
+    update = kv_cache_update_fused_tpu if on_tpu else kv_cache_update_gpu
     new = ((64, hkv, head_dim), jnp.uint8)
-    compile_on_device(device, update, cache, cache, new, new, ((64,), jnp.int32))
+    compile_on_device(device, update, *_caches(on_tpu, hkv, head_dim, block_size, jnp.uint8),
+                      new, new, ((64,), jnp.int32))
 
 
 @pytest.mark.parametrize("target", ["v5e:1x1", "h100"])
