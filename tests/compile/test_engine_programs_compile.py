@@ -45,6 +45,10 @@ def _assert_compiled_and_fits(report):
     assert {"step", "decode4", "move_blocks", "penalty_fill"} <= names
     # every program's arguments + temporaries fit the device, as the compiler sized them
     assert max(p.device_bytes for p in report.programs) <= report.hbm_bytes
+    # each program compiled again at half the cache: none holds a copy of it
+    assert all(p.temp_bytes_per_block is not None for p in report.programs)
+    assert not report.growing_programs, [p.line() for p in report.growing_programs]
+    assert report.ok
 
 
 @pytest.mark.parametrize("depth", [
@@ -190,3 +194,54 @@ def test_lora_programs_compile(target):
     _assert_compiled_and_fits(report)
     labels = [p.label for p in report.programs]
     assert {"step[2, 2, 8]", "step[16, 2, 8]", "decode4[2, 2, 8]"} <= set(labels), labels
+
+
+def test_a_program_growing_with_the_cache_fails_a_tpu_plan_only():
+    """What ``jaxpage plan`` exits non-zero on: a TPU program that copies the cache."""
+    from jaxpage.planning.report import PlanReport, ProgramResult
+
+    def report(platform, growing):
+        r = PlanReport(model="m", target="t", chip="c", num_devices=1, tensor_parallel_size=1,
+                       dtype="bfloat16", hbm_bytes=GiB, memory_utilization=0.9,
+                       weight_bytes=0, penalty_bytes=0, peak_temp_bytes=0,
+                       temp_bytes_per_block=0.0, bytes_per_block=1000, block_size=16,
+                       num_kv_blocks=10, max_model_len=128, max_num_seqs=2, fits=True,
+                       platform=platform)
+        r.programs = [ProgramResult("step[8, 2, 8]", True, temp_bytes_per_block=2000.0,
+                                    grows_with_cache=growing),
+                      ProgramResult("move_blocks[4]", True, temp_bytes_per_block=0.0)]
+        return r
+
+    assert report("tpu", False).ok and report("cuda", True).ok
+    bad = report("tpu", True)
+    assert not bad.ok
+    assert "ERROR: 1 program(s) hold temporaries that grow with the KV cache" in bad.text()
+    assert "GROW with the KV cache by 2000 bytes per block" in bad.text()
+
+
+FEW_KV_HEADS = {  # one device's share: (target, tensor parallel, overrides, kv_cache_dtype)
+    "d64-1head-tp8-bf16": ("v5e:2x4", 8, dict(hidden_size=2048, num_attention_heads=32,
+                                               num_key_value_heads=8), "auto"),
+    "d256-1head-tp8-fp8": ("v6e:2x2", 4, dict(hidden_size=2048, num_attention_heads=8,
+                                               num_key_value_heads=4), "fp8"),
+    "d128-2heads-tp4-int8": ("v5p:2x2x1", 4, dict(num_key_value_heads=8), "int8"),
+}
+
+
+@pytest.mark.parametrize("case", [  # ~100 s each on 2 cores: one in the default suite
+    "d64-1head-tp8-bf16", *(pytest.param(case, marks=pytest.mark.slow)
+                            for case in list(FEW_KV_HEADS)[1:])])
+def test_few_kv_heads_per_device_update_the_cache_in_place(case):
+    """The shapes whose old layout XLA:TPU copied in every program (1-2 KV heads of 64,
+    128 or 256 lanes per device, float and byte caches): every program's temporaries stay
+    constant as the cache doubles, and the plan passes (``kv_layout``'s fused rows). Four
+    layers: at two, the d64 step's temporaries moved by 629 bytes per block (7.7% of a
+    2-layer block of 8 KiB, not a copy of it, which would be 100%), over the 5% bound."""
+    target, tp, overrides, kv_dtype = FEW_KV_HEADS[case]
+    depth = dict(overrides, num_hidden_layers=4)
+    options = dict(_swap_scaled(SMALL_LADDERS, depth, full_depth=32),
+                   max_num_batched_tokens=SMALL_LADDERS["max_num_seqs"])
+    report = plan("preset:llama3-8b", target, tensor_parallel_size=tp, num_kv_blocks=1024,
+                  hf_overrides=depth, kv_cache_dtype=kv_dtype, **options)
+    _assert_compiled_and_fits(report)
+    assert report.kv_layout == "fused"
