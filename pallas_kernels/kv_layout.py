@@ -90,16 +90,6 @@ def cache_shapes(layout: str, num_layers: int, num_blocks: int, block_size: int,
     raise ValueError(f"kv layout {layout!r} is not one of {LAYOUTS}")
 
 
-def layout_of(caches: KVCache) -> str:
-    """The layout of a cache tuple, from its arity and ranks."""
-    if len(caches) == 2 and caches[0].ndim == 5:
-        return SPLIT
-    if len(caches) == 1 and caches[0].ndim == 4:
-        return FUSED
-    raise ValueError(f"a KV cache is (k, v) of [L, N, B, Hkv, D] or (kv,) of [L, N, B, W]; "
-                     f"got {len(caches)} arrays of shapes {[tuple(c.shape) for c in caches]}")
-
-
 def as_pair(caches: KVCache) -> tuple[jax.Array, jax.Array | None]:
     """``(k_cache, v_cache)`` as the kernels take them; ``v_cache`` is None when fused."""
     return (caches[0], caches[1]) if len(caches) == 2 else (caches[0], None)

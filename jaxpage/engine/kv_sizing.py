@@ -24,11 +24,12 @@ from jaxpage.core.kv_cache_manager import KVCacheManager
 from jaxpage.runtime.kv_cache import (blocks_from_device_memory, bytes_per_block,
                                       device_memory_stats, num_blocks_for_budget)
 from jaxpage.runtime.model_runner import ModelRunner
+from pallas_kernels import kv_layout
 
 
 def choose_num_kv_blocks(config: EngineConfig, loaded: Any, max_model_len: int, dtype: Any,
                          num_shards: int, extra_bytes_per_block: int = 0,
-                         layout: str = "split") -> int:
+                         layout: str = kv_layout.SPLIT) -> int:
     """The cache size in blocks (the null block not counted); KV sizes are per device.
 
     ``extra_bytes_per_block``: another cache with the same blocks shares the budget (a
@@ -53,7 +54,7 @@ def choose_num_kv_blocks(config: EngineConfig, loaded: Any, max_model_len: int, 
 
 def _profile(config: EngineConfig, loaded: Any, max_model_len: int, dtype: Any,
              max_useful: int, num_shards: int, extra_bytes_per_block: int = 0,
-             layout: str = "split") -> int:
+             layout: str = kv_layout.SPLIT) -> int:
     """Run the largest bucket with a 2-block cache, read peak memory, size the cache."""
     sched, block_size = config.scheduler, config.cache.block_size
     probe = ModelRunner(loaded, num_blocks=2, block_size=block_size,

@@ -330,7 +330,7 @@ class LLMEngine(LoRAAdapters, kv_handoff.KVHandoff):
         builder = self.batch_builder
         proposer = DraftModelProposer(
             draft, speculation, self.kv_cache_manager, num_blocks=num_kv_blocks + 1,
-            token_ladder=builder.token_ladder, seq_ladder=builder.seq_ladder,
+            layout=self.runner.kv_layout, token_ladder=builder.token_ladder, seq_ladder=builder.seq_ladder,
             block_ladder=builder.block_ladder)
         self.scheduler.proposer = proposer
         self.runner.use_draft_rows(proposer.q_rows)

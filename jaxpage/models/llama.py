@@ -46,13 +46,13 @@ from jaxpage.models.params import ParamInit, QuantizedWeight, linear
 from jaxpage.models.quantize import QuantFormat
 from jaxpage.parallel.sharding_rules import TP
 from pallas_kernels import kv_layout
+from pallas_kernels.kv_layout import KVCache  # (k, v) split or (kv,) fused
 from pallas_kernels._backend import branches_wait_for_device
 from pallas_kernels.kv_quant import encode
 from pallas_kernels.precision import dot_precision
 from pallas_kernels.quantized_matmul import gather_columns
 from pallas_kernels.write_and_attend import write_and_attend
 
-KVCache = tuple[jax.Array, jax.Array]
 
 
 class DecoderLayer(nnx.Module):

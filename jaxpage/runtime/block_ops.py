@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-KVCache = tuple  # of arrays [num_layers, num_blocks, block_size, ...] (kv_layout)
+from pallas_kernels.kv_layout import KVCache  # arrays [L, N, B, ...], blocks on axis 1
+
 
 # The most K+V bytes one block-move call moves: larger moves run as several calls. A
 # gather or scatter's temporaries grow with its block count (on TPUs, several times the

@@ -88,7 +88,9 @@ class DraftModelProposer:
 
     def __init__(self, draft: LoadedModel, config: SpeculativeConfig, kv: KVCacheManager, *,
                  num_blocks: int, token_ladder: BucketLadder, seq_ladder: BucketLadder,
-                 block_ladder: BucketLadder) -> None:
+                 block_ladder: BucketLadder, layout: str = kv_layout.SPLIT) -> None:
+        """``layout``: the target's cache layout (``pallas_kernels.kv_layout``), which the
+        draft's own cache shares."""
         if draft.mesh is not None:
             raise ValueError("a draft model under tensor parallelism is not supported")
         self.config = config
@@ -99,9 +101,8 @@ class DraftModelProposer:
         graphdef, state = nnx.split(draft.model)
         self.params = nnx.to_pure_dict(state)
         dtype = draft.model.final_norm[...].dtype
-        self.kv_cache = allocate_kv_cache(  # in the layout of the platform, as the target's
-            draft.arch, num_blocks, self.block_size, dtype,
-            layout=kv_layout.for_platform(jax.devices()[0].platform))
+        self.kv_cache = allocate_kv_cache(draft.arch, num_blocks, self.block_size, dtype,
+                                          layout=layout)
         self._fill = jax.jit(_fill_program(graphdef), donate_argnums=(1,))
         self._propose = jax.jit(_propose_program(graphdef, config.num_speculative_tokens),
                                 donate_argnums=(1,), static_argnums=(6,))

@@ -20,8 +20,8 @@ from jaxpage.core.step_features import StepFeatures
 from jaxpage.runtime.sampler import (adjusted_logits, fill_penalty_row, record_token_runs,
                                      record_tokens, rejection_sample, sample, sampled_logprobs,
                                      sampling_probs)
+from pallas_kernels.kv_layout import KVCache  # (k, v) split or (kv,) fused
 
-KVCache = tuple  # of cache arrays in a pallas_kernels.kv_layout layout
 Caches = tuple[KVCache, jax.Array]  # (kv_cache, penalty_table int32 [R, V])
 Packed = tuple[jax.Array, jax.Array, jax.Array]  # BatchMetadata.packed() on the device
 

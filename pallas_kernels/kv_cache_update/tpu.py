@@ -20,6 +20,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import kv_layout
+
 
 def _kernel(slot_ref,                  # SMEM int32 [T]   (prefetched)
             k_new_hbm, v_new_hbm,      # HBM [T, Hkv, D]
@@ -172,8 +174,6 @@ def kv_cache_update_fused_tpu(
         *, interpret: bool = False, tokens_per_step: int = 8,
         layer: int | None = None) -> tuple[jax.Array, None]:
     """The fused-layout update (see ``GROUP_ROWS``); the cache is aliased: in place."""
-    from pallas_kernels import kv_layout
-
     del v_cache
     num_tokens = slot_mapping.shape[0]
     tokens_per_step = max(1, min(tokens_per_step, num_tokens))

@@ -52,9 +52,10 @@ def q_width(head_dim: int) -> int:
 
 
 def value_lane(head_dim: int) -> int:
-    """The first lane of a head's value within the kernel's [.., q_width] output rows."""
-    return kv_layout.half_width(head_dim) if q_width(head_dim) != kv_layout.half_width(
-        head_dim) else 0
+    """The first lane of a head's value within the kernel's [.., q_width] output rows:
+    its group's second half when key and value share one group, else 0."""
+    half = kv_layout.half_width(head_dim)
+    return half if half < kv_layout.LANES else 0
 
 
 def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # SMEM int32 [NT] each (prefetched)
