@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import _backend
 from pallas_kernels.kv_layout import KVCache  # arrays [L, N, B, ...], blocks on axis 1
 
 
@@ -79,7 +80,7 @@ def move_blocks(kv: KVCache, src: jax.Array, dst: jax.Array, blocks_in: KVCache,
     ``from_input`` (bool []), else with the blocks just read (a copy ``src[i] ->
     dst[i]``). Returns (the cache, the blocks read, before any write). No conditional:
     the choice is an elementwise select, so no platform waits on it."""
-    read = tuple(cache[:, src] for cache in kv)
+    read = tuple(read_blocks(cache, src) for cache in kv)
     written = tuple(jnp.where(from_input, new.astype(cache.dtype), old)
                     for cache, new, old in zip(kv, blocks_in, read))
     return tuple(cache.at[:, dst].set(new) for cache, new in zip(kv, written)), read
@@ -89,7 +90,30 @@ def move_blocks(kv: KVCache, src: jax.Array, dst: jax.Array, blocks_in: KVCache,
 def gather_blocks(kv: KVCache, ids: jax.Array) -> KVCache:
     """Blocks ``ids`` of each cache array, [num_layers, P, block_size, ...]; the cache is
     not donated (a disaggregated prefill offers the pages and keeps its cache)."""
-    return tuple(cache[:, ids] for cache in kv)
+    return tuple(read_blocks(cache, ids) for cache in kv)
+
+
+def read_blocks(cache: jax.Array, ids: jax.Array, one_by_one: bool | None = None) -> jax.Array:
+    """Blocks ``ids`` (int32 [P]) of one cache array [L, N, B, ...] -> [L, P, B, ...].
+
+    A gather everywhere but on TPUs, where XLA implements the gather of wide blocks (a
+    fused row of 2,048 lanes: Llama-3-8B's 8 KV heads of 128) by first splitting the
+    whole cache into two lane halves, a copy of the cache in every block move (``jaxpage
+    plan``: 2.2 GB of temporaries for a 2.2 GB cache). There the blocks are read one by
+    one with dynamic slices, whose temporaries are the blocks read, whatever the cache.
+    ``one_by_one``: force either form (None: by the platform).
+    """
+    if one_by_one is None:
+        one_by_one = _backend.current_platform() == "tpu"
+    if not one_by_one:
+        return cache[:, ids]
+    out = jnp.zeros((cache.shape[0], ids.shape[0], *cache.shape[2:]), cache.dtype)
+
+    def read_one(i, out):
+        block = jax.lax.dynamic_slice_in_dim(cache, ids[i], 1, axis=1)
+        return jax.lax.dynamic_update_slice_in_dim(out, block, i, axis=1)
+
+    return jax.lax.fori_loop(0, ids.shape[0], read_one, out)
 
 
 def run_program(programs, function, *args):

@@ -78,3 +78,12 @@ def test_copies_in_chunks_and_a_move_runs_in_the_smallest_built_size_that_holds_
     assert mover.size_for(1) == 4
     kv = mover.copy(kv, [(11, 1)])
     np.testing.assert_array_equal(np.asarray(kv[0])[:, 1], original[0][:, 11])
+
+
+@pytest.mark.parametrize("one_by_one", [False, True])
+def test_both_forms_of_reading_blocks_read_the_same(one_by_one):
+    """The gather (CPUs, GPUs) and the TPU's one-block-at-a-time loop."""
+    kv, _ = _cache("fused")
+    ids = jnp.asarray([3, 0, 11, 3], jnp.int32)
+    got = np.asarray(block_ops.read_blocks(kv[0], ids, one_by_one=one_by_one))
+    np.testing.assert_array_equal(got, np.asarray(kv[0])[:, [3, 0, 11, 3]])
