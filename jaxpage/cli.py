@@ -290,14 +290,14 @@ def _lora_module(text: str) -> tuple[str, str]:
 
 
 def _serve(args) -> int:
-    from jaxpage.server.disaggregated import die_with_parent
+    from jaxpage.server.proxy.disaggregated import die_with_parent
     from jaxpage.server.launch import serve
 
     die_with_parent()  # an instance that `serve --disaggregated` started
     if args.disaggregated and args.lora_modules:
         raise ValueError("--lora-modules is not supported with --disaggregated")
     if args.disaggregated:
-        from jaxpage.server.disaggregated import parse_layout, serve_disaggregated
+        from jaxpage.server.proxy.disaggregated import parse_layout, serve_disaggregated
 
         parse_layout(args.disaggregated)  # a bad layout fails before anything starts
         serve_disaggregated(args.disaggregated, _instance_args(args), host=args.host,
@@ -393,7 +393,7 @@ def _plan(args) -> int:
 
 
 def _proxy(args) -> int:
-    from jaxpage.server.disaggregated import run_proxy
+    from jaxpage.server.proxy.disaggregated import run_proxy
 
     run_proxy(args.prefill, args.decode, host=args.host, port=args.port,
               log_level=args.log_level, max_imbalance=args.max_imbalance)

@@ -42,7 +42,7 @@ class ModelConfig:
     # "auto": the checkpoint's dtype on GPUs and TPUs (bfloat16 when it names none), and
     # float32 on the CPU, which measures fastest there; or float32, bfloat16, float16
     dtype: str = "auto"
-    # Sampling defaults for requests that set none (``engine.generation_config``): "auto"
+    # Sampling defaults for requests that set none (``engine.startup.generation_config``): "auto"
     # the checkpoint's generation_config.json, "vllm" none, or a directory holding one
     generation_config: str = "auto"
     max_model_len: int | None = None  # None: the model's own context length
@@ -50,7 +50,7 @@ class ModelConfig:
     attention_backend: str = "auto"
     compilation_cache: bool = True  # save compiled programs under the jaxpage cache dir
     weight_cache: bool = True  # keep GGUF weights converted under the jaxpage cache dir
-    # Programs built at start-up (``engine.warmup``): True every program; "ready" the few
+    # Programs built at start-up (``engine.startup.warmup``): True every program; "ready" the few
     # that run any batch padded, the rest in the background; "core" a full prefill step
     # and the decode programs, unless saved; False none; None: "ready" on accelerators,
     # "core" on the CPU ($JAXPAGE_WARMUP overrides this default).
@@ -264,7 +264,7 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")
 class SpeculativeConfig:
     """Speculative decoding, under vLLM's ``speculative_config`` names.
 
-    ``method="ngram"``: prompt lookup (``jaxpage.core.ngram_proposer``): the tokens that
+    ``method="ngram"``: prompt lookup (``jaxpage.core.sched.ngram_proposer``): the tokens that
     followed the first earlier occurrence of the sequence's longest recurring suffix of
     ``prompt_lookup_min``..``prompt_lookup_max`` tokens. Up to ``num_speculative_tokens``
     proposals per sequence are verified by the target model in one step. A step with more
@@ -357,11 +357,6 @@ class ParallelConfig:
         _require(self.num_processes == 1 or self.data_parallel_size == 1,
                  f"data_parallel_size={self.data_parallel_size} with num_processes="
                  f"{self.num_processes} is not supported: use tensor parallelism across processes")
-
-    @property
-    def world_size(self) -> int:
-        """Devices used in all: one tensor-parallel group per data-parallel replica."""
-        return self.tensor_parallel_size * self.data_parallel_size
 
 
 SECTIONS = ("model", "cache", "scheduler", "parallel")

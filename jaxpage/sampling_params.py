@@ -34,7 +34,7 @@ class StructuredOutputsParams:
     may separate them (vLLM allows any amount; a small model can then fill
     ``max_tokens`` with blank lines, and the output never parses).
 
-    The grammar engine (llguidance, ``jaxpage.engine.structured_outputs``) compiles it once
+    The grammar engine (llguidance, ``jaxpage.engine.features.structured_outputs``) compiles it once
     per distinct spec; a spec it rejects is a ``ValueError`` when the request is added.
     """
 

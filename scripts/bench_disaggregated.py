@@ -143,9 +143,9 @@ def start(args_list: list[str], role: str | None, cores: str):
 
 
 def run_setup(name: str, args, instance_args: list[str], cores: list[str]) -> dict:
-    from jaxpage.server.disaggregated import wait_healthy
+    from jaxpage.server.proxy.disaggregated import wait_healthy
     from jaxpage.server.launch import BackgroundServer
-    from jaxpage.server.proxy import build_proxy_app
+    from jaxpage.server.proxy.app import build_proxy_app
 
     processes, proxy = [], None
     try:

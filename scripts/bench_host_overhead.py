@@ -79,6 +79,7 @@ def add_requests(engine, count: int, max_tokens: int, rng: np.random.Generator) 
 def all_decoding(engine, running: int) -> bool:
     """Every seat holds a request that is past its prompt (plain decodes only)."""
     scheduler = engine.scheduler
+    scheduler.sync_tokens()  # the steady batch's tokens into the requests
     return (len(scheduler.running) == running
             and all(r.num_output_tokens > 0 and r.num_computed_tokens >= r.num_tokens - 2
                     for r in scheduler.running))
@@ -102,6 +103,7 @@ def measure(engine, running: int, waiting: int, calls: int, max_tokens: int,
     for _ in range(2):
         engine.step()
     before = copy.deepcopy(engine.step_profile)
+    engine.scheduler.sync_tokens()
     tokens_before = sum(r.num_output_tokens for r in engine.scheduler.running)
     start = time.perf_counter()
     if profiler is not None:
@@ -112,6 +114,7 @@ def measure(engine, running: int, waiting: int, calls: int, max_tokens: int,
         profiler.disable()
     wall = time.perf_counter() - start
     after = copy.deepcopy(engine.step_profile)
+    engine.scheduler.sync_tokens()
     tokens = sum(r.num_output_tokens for r in engine.scheduler.running) - tokens_before
     if len(engine.scheduler.running) != running:
         raise RuntimeError(f"{len(engine.scheduler.running)} requests ran instead of {running}: "

@@ -31,11 +31,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jaxpage.config import SchedulerConfig  # noqa: E402
-from jaxpage.core.block_pool import BlockPool  # noqa: E402
-from jaxpage.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from jaxpage.core.kv.block_pool import BlockPool  # noqa: E402
+from jaxpage.core.kv.kv_cache_manager import KVCacheManager  # noqa: E402
 from jaxpage.core.request import Request  # noqa: E402
-from jaxpage.core.scheduler import Scheduler  # noqa: E402
+from jaxpage.core.sched.scheduler import Scheduler  # noqa: E402
 from jaxpage.sampling_params import SamplingParams  # noqa: E402
+from jaxpage.core.batch.step_result import StepResult
 
 
 def sharegpt_like_lengths(rng: np.random.Generator, count: int, max_model_len: int):
@@ -72,7 +73,7 @@ def run(args) -> dict:
     utilization, peak_running, steps = [], 0, 0
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
-        scheduler.update_from_output(out, np.full(len(out.scheduled), 7, np.int32))
+        scheduler.apply(out, StepResult(np.full(len(out.scheduled), 7, np.int32)))
         tokens, blocks = stored_tokens(kv, scheduler.running)
         if blocks:
             utilization.append(tokens / (blocks * args.block_size))

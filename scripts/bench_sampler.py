@@ -20,13 +20,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 def batch_for(rows: int, temperature: float, top_p: float):
     import jax.numpy as jnp
 
-    return dict(sample_index=jnp.zeros(rows, jnp.int32), min_tokens=jnp.zeros(rows, jnp.int32),
-                stop_token_ids=jnp.full((rows, 16), -1, jnp.int32),
-                penalty_slot=jnp.full(rows, -1, jnp.int32),
-                temperature=jnp.full(rows, temperature, jnp.float32),
-                top_k=jnp.zeros(rows, jnp.int32), top_p=jnp.full(rows, top_p, jnp.float32),
-                min_p=jnp.zeros(rows, jnp.float32),
-                sample_seeds=jnp.arange(rows, dtype=jnp.uint32))
+    from jaxpage.runtime.step_batch import StepBatch
+
+    return StepBatch.of_rows(
+        sample_index=jnp.zeros(rows, jnp.int32), min_tokens=jnp.zeros(rows, jnp.int32),
+        stop_token_ids=jnp.full((rows, 16), -1, jnp.int32),
+        penalty_slot=jnp.full(rows, -1, jnp.int32),
+        temperature=jnp.full(rows, temperature, jnp.float32),
+        top_k=jnp.zeros(rows, jnp.int32), top_p=jnp.full(rows, top_p, jnp.float32),
+        min_p=jnp.zeros(rows, jnp.float32), sample_seeds=jnp.arange(rows, dtype=jnp.uint32))
 
 
 def time_ms(fn, *args, repeats: int) -> float:

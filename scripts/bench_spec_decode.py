@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_common import ROOT, environment, markdown_table, resolve_model, write_report  # noqa: E402
 
 # Passages come from these files, in this order (the repository's own prose and code).
-SOURCES = ("README.md", "docs/architecture.md", "jaxpage/core/kv_cache_manager.py",
-           "jaxpage/core/scheduler.py", "jaxpage/config.py", "docs/benchmarks/host_overhead.md")
+SOURCES = ("README.md", "docs/architecture.md", "jaxpage/core/kv/kv_cache_manager.py",
+           "jaxpage/core/sched/scheduler.py", "jaxpage/config.py", "docs/benchmarks/host_overhead.md")
 TASKS = ("Copy the following text exactly, with nothing before or after it:\n\n{}",
          "Rewrite the following text, replacing every occurrence of the word \"the\" with "
          "\"THE\" and changing nothing else:\n\n{}",
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(table)
     payload = {"environment": environment(), "model": model or "SmolLM2-135M-Instruct (GGUF)",
                "dtype": args.dtype,
-               "speculative_config": spec.llm_engine.scheduler.speculation.__dict__,
+               "speculative_config": spec.llm_engine.config.scheduler.speculative.__dict__,
                "max_tokens": args.max_tokens, "rows": rows}
     paths = write_report(args.out, args.stem, title="Speculative decoding (n-gram) vs plain "
                          "decoding", payload=payload, table=table)

@@ -1,6 +1,6 @@
 """How many programs an engine builds before it is ready, and in all, per target and model.
 
-Counts the program set (``jaxpage.core.program_set``) that ``LLM(warmup="ready")`` builds
+Counts the program set (``jaxpage.core.batch.program_set``) that ``LLM(warmup="ready")`` builds
 and ``jaxpage plan --buckets warmup|all`` compiles, without compiling anything; beside it,
 the same set over the product ladders the accelerators used before (every block-table
 width, seats by sequence count), as the baseline. Needs the deviceless compilers for the
@@ -26,8 +26,8 @@ TARGET_SETTINGS = dict(max_num_seqs=256, max_model_len=8192, max_num_batched_tok
 def counts(model: str | None, target: str, tp: int, settings: dict) -> tuple[int, int, int]:
     """(ready, all, all over the product ladders) for one model, target and settings."""
     from jaxpage.config import EngineConfig
-    from jaxpage.core.batch import BatchBuilder
-    from jaxpage.core.program_set import program_set
+    from jaxpage.core.batch.builder import BatchBuilder
+    from jaxpage.core.batch.program_set import program_set
     from jaxpage.parallel.targets import target_devices
     from jaxpage.planning.abstract_engine import AbstractEngine
 

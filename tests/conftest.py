@@ -133,13 +133,13 @@ def _track_llm_instances() -> None:
 
 
 def _check_fast_paths() -> None:
-    """The host loop's shortcuts for steady decoding (``Scheduler.schedule_ahead``'s and
+    """The host loop's shortcuts for steady decoding (``AheadOfHost.schedule_ahead``'s and
     ``BatchBuilder.build``'s) are checked against the paths they shortcut at every step
     of the suite."""
-    from jaxpage.core.batch import BatchBuilder
-    from jaxpage.core.scheduler import Scheduler
+    from jaxpage.core.batch.builder import BatchBuilder
+    from jaxpage.core.sched.ahead_of_host import AheadOfHost
 
-    Scheduler.check_fast_paths = True
+    AheadOfHost.check_fast_paths = True
     BatchBuilder.check_fast_paths = True
 
 

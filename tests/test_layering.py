@@ -225,3 +225,39 @@ def test_checker_finds_an_upward_import_and_a_circle(tmp_path):
         "jaxpage.core.a (core) imports jaxpage.engine.b (engine)",
         "pallas_kernels.k (kernels) imports jaxpage.core.a (core)"]
     assert import_cycles(edges) == [["jaxpage.engine.b", "jaxpage.engine.c"]]
+
+
+def test_core_reaches_no_device_through_an_injected_object(tiny_checkpoints):
+    """``core`` never calls the device through an object handed to it: a draft model's
+    proposals (a device call) are asked for by the engine between scheduling and building
+    the batch, never from inside ``Scheduler.schedule``. The proposer here fails if any
+    frame of ``schedule`` is on the stack when it is called; it must still be called."""
+    import inspect
+
+    from jaxpage import LLM, SamplingParams
+    from jaxpage.core.sched.scheduler import Scheduler
+    from tests.options import TINY
+
+    path = tiny_checkpoints["llama"]
+    llm = LLM(path, speculative_config={"method": "draft_model", "model": path,
+                                        "num_speculative_tokens": 2,
+                                        "disable_by_batch_size": 8}, **TINY)
+    proposer = llm.llm_engine.draft_proposer
+    propose_batch, calls = proposer.propose_batch, []
+    core_functions = {function.__code__ for _, function in inspect.getmembers(
+        Scheduler, inspect.isfunction)}
+
+    def guarded(rows):
+        frames = [frame.f_code for frame in (info.frame for info in inspect.stack())]
+        assert not core_functions & set(frames), "a draft proposal was asked for from core"
+        calls.append(len(rows))
+        return propose_batch(rows)
+
+    proposer.propose_batch = guarded
+    outputs = llm.generate(["one two three", "four five"],
+                           SamplingParams(temperature=0, max_tokens=6))
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outputs)
+    assert calls and llm.get_stats()["spec_num_drafts"] > 0
+    assert not any(isinstance(value, type(proposer)) for part in (
+        llm.llm_engine.scheduler, llm.llm_engine.scheduler.speculation)
+        for value in vars(part).values())

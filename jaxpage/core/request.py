@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
 
 import numpy as np
 
@@ -54,18 +53,18 @@ class Request:
     versus all tokens known); ``all_token_ids == prompt_token_ids + output_token_ids``,
     where only ``all_token_ids`` is stored: ``output_token_ids`` is a copy of its tail
     (``num_output_tokens`` and ``last_token_id`` read it without one), so a decode step
-    appends each token to one list. In steady decoding the tokens wait in a
-    ``TokenLog`` instead (the request is then a ``LoggedRequest``): reading
-    ``all_token_ids`` or ``num_computed_tokens`` takes them first, so their values are
-    always what the per-token appends would have made.
+    appends each token to one list. In steady decoding the newest tokens wait in the
+    scheduler's ``core.sched.steady_batch.SteadyBatch`` instead, which gives them to the
+    request at defined points (see there): code outside the scheduler reads a request only
+    after those.
     ``max_tokens`` is already clipped so that ``num_prompt_tokens + max_tokens <=
     max_model_len``.
     """
 
     # Slots, not a per-object dict: each value lies in the object itself, in this order,
     # so the decode hot loop's attributes (first) share the object's first cache lines and
-    # a step over 1,024 requests touches about half the memory it did with a dict (the
-    # tiny preset's host work at K=1: ~1.7 -> ~1.2-1.4 ms a step at 1,024 running).
+    # a step over many requests touches about half the memory it did with a dict
+    # (``docs/benchmarks/design_measurements.md``).
     __slots__ = (
         "status", "num_computed_tokens", "all_token_ids", "num_prompt_tokens",
         "first_token_time", "has_stop_strings", "has_many_stop_ids", "streams_deltas",
@@ -74,7 +73,7 @@ class Request:
         "priority", "extra_keys", "block_hashes", "num_cached_tokens", "arrival_seq",
         "added_step", "fork_children", "fork_leader", "external_sampling", "grammar",
         "kv_export", "exported_blocks", "kv_transfer_params", "extra_seats", "lora",
-        "lora_slot", "_token_log", "_log_row", "_log_from",
+        "lora_slot",
         "__weakref__")  # (the draft model keeps per-request state in a WeakKeyDictionary)
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
@@ -128,16 +127,9 @@ class Request:
         self.extra_seats = 0  # batch rows held for siblings born later (beam search)
         # Multi-LoRA: the adapter (an engine ``LoadedLoRA``, opaque here; None: the base
         # model) and, while the request runs, the device slot holding it (1..max_loras,
-        # ``core.lora_slots``; 0 = none).
+        # ``core.sched.lora_slots``; 0 = none).
         self.lora = None
         self.lora_slot = 0
-        # Steady decoding logs this request's tokens in a ``core.token_log.TokenLog`` (row
-        # ``_log_row``, taken up to step ``_log_from``); while it does, the request is a
-        # ``LoggedRequest``, whose ``all_token_ids`` and ``num_computed_tokens`` take the
-        # logged tokens when read. (Typed ``Any``: the log's module imports this one.)
-        self._token_log: Any = None
-        self._log_row = 0
-        self._log_from = 0
         # More stop token ids than the device's list holds: vector pre-checks cannot rule
         # out a stop, so every token of this request is checked exactly.
         self.has_many_stop_ids = len(self.stop_token_ids_to_suppress) > MAX_STOP_TOKENS
@@ -157,7 +149,6 @@ class Request:
         child = Request.__new__(Request)
         for name in Request.__slots__[:-1]:  # (not __weakref__)
             setattr(child, name, getattr(self, name))
-        child._token_log = None  # (a logged leader's tokens were taken by the reads above)
         child.request_id = request_id
         child.sample_seed = sample_seed
         child.all_token_ids = list(self.all_token_ids)
@@ -196,12 +187,6 @@ class Request:
         if not self.sampling_params.ignore_eos:
             ids |= self.eos_token_ids
         return tuple(sorted(ids))
-
-    def leave_token_log(self) -> None:
-        """Take any logged tokens and leave the log (the request stops decoding there:
-        finished, preempted or swapped out); its later logged rows are dropped."""
-        if self._token_log is not None:
-            self._token_log.detach(self)
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

@@ -28,7 +28,7 @@ import threading
 from typing import Any, AsyncIterator, Callable
 
 from jaxpage.engine.input_processor import PromptInput
-from jaxpage.engine.kv_handoff import NoRoomForPages
+from jaxpage.engine.features.kv_handoff import NoRoomForPages
 from jaxpage.engine.llm_engine import LLMEngine
 from jaxpage.lora_request import LoRARequest
 from jaxpage.outputs import RequestOutput
@@ -61,11 +61,6 @@ class _Stream:
         except RuntimeError:  # "Event loop is closed"
             return False
         return True
-
-
-def supports_delta_outputs() -> bool:
-    """True when SamplingParams has ``output_kind`` (streaming deltas from the engine)."""
-    return "output_kind" in {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 class AsyncLLMEngine:
@@ -194,7 +189,7 @@ class AsyncLLMEngine:
         the waiting queue is full; in both cases nothing is queued.
 
         ``kv_transfer``: disaggregated serving's ``kv_transfer_params``
-        (``engine.kv_handoff``). On a decode instance the pages are pulled on a pool thread
+        (``engine.features.kv_handoff``). On a decode instance the pages are pulled on a pool thread
         first (``TimeoutError`` when they do not come); a full host pool is a
         ``QueueFullError``.
         """

@@ -6,12 +6,12 @@ One ``DeviceCalls.step()`` takes one device call through its life:
    swaps run first; the batch is built; the runner launches the step without waiting.
    A call is a *single step* (any mix of prefill chunks and decodes, one token each) or a
    *multi-step* decode call (``num_scheduler_steps`` iterations on the device) when
-   ``Scheduler.reserve_multi_step`` allows it.
+   ``AheadOfHost.reserve_multi_step`` allows it.
 2. **overlap** (``async_scheduling``, the default): before the host reads the call's
    tokens, the next call is dispatched behind it. Behind a multi-step call it is the same
    decodes again, continuing each row from the device-side carry
-   (``Scheduler.chain_multi_step``); behind a single step it is the next schedule made
-   from what the host knows (``Scheduler.schedule_ahead``): every row of the running call
+   (``AheadOfHost.chain_multi_step``); behind a single step it is the next schedule made
+   from what the host knows (``AheadOfHost.schedule_ahead``): every row of the running call
    counted as done, its sampled token read on the device (``input_src``); that schedule
    may itself be a multi-step call. The new call is then *in flight*: the next ``step()``
    processes it instead of scheduling, so the host's bookkeeping overlaps the device's work.
@@ -24,7 +24,7 @@ Invariants:
 * At most one call is in flight, always dispatched right behind the call being
   processed (the runner continues its own last call: ``chain=True`` / ``row_map``).
 * A call dispatched ahead never preempts and never fills a penalty row of a request
-  whose token is still on the device (``core.schedule_ahead``). Its rows count the
+  whose token is still on the device (``core.sched.ahead_of_host``). Its rows count the
   previous call's tokens as known; rows the host later finds finished (stop token, stop
   string, abort) are skipped when their tokens are applied, so no request returns a
   token past its stop. When the host's view is needed first (beam search, a fork due,
@@ -39,7 +39,7 @@ Invariants:
   multi-step, ahead and speculative calls: ``Scheduler.has_constrained``). Its rows'
   masks are filled just before dispatch from the grammars' states, and each grammar
   consumes its request's new tokens when the step is processed
-  (``engine.structured_outputs``); a request whose grammar has ended is finished then.
+  (``engine.features.structured_outputs``); a request whose grammar has ended is finished then.
 
 ``step_profile`` splits ``step()``'s wall time (``grammar_s``: the part of the host's
 spent filling grammar masks and advancing grammars): ``device_s`` (waiting for results),
@@ -48,8 +48,8 @@ from the last moment the host saw it busy: when the last results arrived, or aft
 were applied if the call queued behind them was still running then; an upper bound),
 ``chained`` (calls dispatched before the previous call's tokens were processed) and
 ``steady`` (those of them scheduled and built in the steady state of decoding, from the
-call before alone: ``Scheduler.schedule_ahead``, ``BatchBuilder.build``). After each dispatch,
-``compile_ahead`` asks for the programs the batch will drain into (``engine.compile_ahead``).
+call before alone: ``AheadOfHost.schedule_ahead``, ``BatchBuilder.build``). After each dispatch,
+``compile_ahead`` asks for the programs the batch will drain into (``engine.startup.compile_ahead``).
 """
 
 from __future__ import annotations
@@ -61,18 +61,20 @@ from typing import Callable
 import numpy as np
 
 from jaxpage.config import SchedulerConfig
-from jaxpage.core.batch import BatchBuilder
-from jaxpage.core.batch_metadata import BatchMetadata
-from jaxpage.core.block_pool import BlockPool
-from jaxpage.core.kv_cache_manager import KVCacheManager
+from jaxpage.core.batch.builder import BatchBuilder
+from jaxpage.core.batch.batch_metadata import BatchMetadata
+from jaxpage.core.kv.block_pool import BlockPool
+from jaxpage.core.kv.kv_cache_manager import KVCacheManager
 from jaxpage.core.request import Request, RequestStatus
-from jaxpage.core.scheduler import PreemptionCostModel, Scheduler, SchedulerOutput
-from jaxpage.engine.beam_search_driver import BeamSearchDriver
-from jaxpage.engine.compile_ahead import DrainPrograms
-from jaxpage.engine.kv_handoff import offer_pages
-from jaxpage.engine.logprobs import LogprobsRecorder
+from jaxpage.core.sched.preemption import PreemptionCostModel
+from jaxpage.core.sched.scheduler import Scheduler
+from jaxpage.core.sched.schedule_output import SchedulerOutput
+from jaxpage.engine.features.beam_search_driver import BeamSearchDriver
+from jaxpage.engine.startup.compile_ahead import DrainPrograms
+from jaxpage.engine.features.kv_handoff import offer_pages
+from jaxpage.engine.features.logprobs import LogprobsRecorder
 from jaxpage.engine.output_processor import OutputProcessor
-from jaxpage.engine.structured_outputs import GrammarCompiler, advance
+from jaxpage.engine.features.structured_outputs import GrammarCompiler, advance
 from jaxpage.outputs import RequestOutput
 from jaxpage.runtime.model_runner import ModelRunner
 from jaxpage.runtime.pending_calls import PendingMultiStep, PendingStep
@@ -87,13 +89,15 @@ PHASES = ("schedule", "batch", "dispatch", "process", "outputs")
 
 @dataclass
 class DeviceCall:
-    """A device call on its way: what was scheduled, and its pending results."""
+    """A device call on its way: what was scheduled, its batch (and whether it is all
+    decodes, ``BuiltBatch.all_decodes``), and its pending results."""
 
     out: SchedulerOutput
     num_steps: int
     pending: PendingStep | PendingMultiStep
     dispatched_at: float
     batch: BatchMetadata
+    all_decodes: bool
 
 
 class DeviceCalls:
@@ -105,7 +109,8 @@ class DeviceCalls:
                  cost_model: PreemptionCostModel, beam_search: BeamSearchDriver,
                  logprobs: LogprobsRecorder, output_processor: OutputProcessor,
                  collect: Callable[[list[Request]], list[RequestOutput]],
-                 grammars: GrammarCompiler | None = None, kv_transfer=None) -> None:
+                 grammars: GrammarCompiler | None = None, kv_transfer=None,
+                 draft_proposer=None) -> None:
         self.config = config
         self.scheduler = scheduler
         self.kv_cache_manager = kv_cache_manager
@@ -119,6 +124,9 @@ class DeviceCalls:
         self.collect = collect  # touched requests -> the outputs users should see
         self.grammars = grammars  # structured outputs' masks (None: no tokenizer)
         self.kv_transfer = kv_transfer  # a prefill instance's transfer server (else None)
+        # A draft model's proposer (``runtime.draft_model``; None: none), run here between
+        # scheduling and building the batch: the scheduler never calls the device.
+        self.draft_proposer = draft_proposer
         self.step_profile = {"calls": 0, "device_s": 0.0, "host_s": 0.0, "idle_s": 0.0,
                              "chained": 0, "steady": 0, "phases": dict.fromkeys(PHASES, 0.0),
                              "grammar_s": 0.0}
@@ -186,13 +194,25 @@ class DeviceCalls:
             self._check_not_stalled(out)
             return None
         self._empty_steps = 0
-        num_steps = self.scheduler.reserve_multi_step(out, self.config.num_scheduler_steps)
+        if self.draft_proposer is not None and self.scheduler.speculating():
+            self._draft_proposals(out)
+        num_steps = self.scheduler.ahead.reserve_multi_step(out, self.config.num_scheduler_steps)
         return self._launch(out, num_steps, began)
+
+    def _draft_proposals(self, out: SchedulerOutput) -> None:
+        """Run the draft model for the rows of ``out`` that may carry proposals
+        (``Speculation.reserve_draft_rows``) and give them its tokens."""
+        speculation = self.scheduler.speculation
+        wanted = speculation.reserve_draft_rows(out)
+        if wanted:
+            proposals = self.draft_proposer.propose_batch([(item.request, k)
+                                                           for item, k in wanted])
+            speculation.give(out, wanted, proposals)
 
     def _dispatch_chained(self, call: DeviceCall) -> DeviceCall | None:
         """Queue the next multi-step call behind ``call`` before its tokens are known."""
         began = time.perf_counter()
-        out = self.scheduler.chain_multi_step(call.out, call.num_steps)
+        out = self.scheduler.ahead.chain_multi_step(call.out, call.num_steps)
         if out is None:
             return None
         row_of = {id(item.request): row for row, item in enumerate(call.out.scheduled)}
@@ -202,13 +222,13 @@ class DeviceCalls:
 
     def _dispatch_ahead(self, call: DeviceCall) -> DeviceCall | None:
         """Queue the next schedule behind the single step ``call`` before its tokens are
-        known (``Scheduler.schedule_ahead``): rows continuing ``call``'s rows read their
+        known (``AheadOfHost.schedule_ahead``): rows continuing ``call``'s rows read their
         first token on the device. None when the scheduler needs the host's view first."""
         began = time.perf_counter()
-        out = self.scheduler.schedule_ahead(call.out)
+        out = self.scheduler.ahead.schedule_ahead(call.out, call.all_decodes)
         if out is None:
             return None
-        num_steps = self.scheduler.reserve_multi_step(out, self.config.num_scheduler_steps)
+        num_steps = self.scheduler.ahead.reserve_multi_step(out, self.config.num_scheduler_steps)
         if out.continues is not None:  # the steady state: row i continues row i
             self.step_profile["steady"] += 1
             row_map = np.arange(len(out.scheduled), dtype=np.int32)
@@ -226,10 +246,13 @@ class DeviceCalls:
         that many tokens past the host's view (a chained multi-step call)."""
         scheduled = time.perf_counter()
         self.runner.apply_block_ops(*self.kv_cache_manager.take_pending_block_ops())
-        if self.scheduler.lora_slots is not None:  # adapters seated for this call
-            for slot, adapter in self.scheduler.lora_slots.take_loads():
+        if self.scheduler.lora is not None:  # adapters seated for this call
+            for slot, adapter in self.scheduler.lora.slots.take_loads():
                 self.runner.write_lora_slot(slot, adapter.weights)
-        batch = self.batch_builder.build(out, ahead=built_ahead)
+        if self.batch_builder.check_fast_paths:
+            self.scheduler.applier.sync()  # its check builds from the requests' state
+        built = self.batch_builder.build(out, ahead=built_ahead)
+        batch = built.metadata
         # A fill copies the host's tokens: only rows with none on the device get one.
         self.runner.fill_penalty_rows(self.batch_builder.take_penalty_fills())
         dispatched_at = self._mark_dispatch()
@@ -238,16 +261,17 @@ class DeviceCalls:
         if num_steps > 1:
             pending = self.runner.dispatch_multi_step(batch, num_steps, row_map=row_map)
         else:
-            pending = self.runner.dispatch(batch, chain=row_map is not None,
-                                           verify=out.num_draft_tokens > 0,
-                                           draft=self._draft_distributions(out, batch),
-                                           token_mask=self._grammar_masks(out, batch))
+            pending = self.runner.dispatch(
+                batch, "verify" if out.num_draft_tokens > 0 else "step",
+                ModelRunner.StepInputs.of(self._grammar_masks(out, batch),
+                                          self._draft_distributions(out, batch)),
+                chain=row_map is not None)
         self._phases["schedule"] += scheduled - began
         self._phases["batch"] += dispatched_at - scheduled
         self._phases["dispatch"] += time.perf_counter() - dispatched_at
         if self.drain_programs is not None:  # compile_ahead
             self.drain_programs.after_dispatch(batch, self.scheduler, self.runner)
-        return DeviceCall(out, num_steps, pending, dispatched_at, batch)
+        return DeviceCall(out, num_steps, pending, dispatched_at, batch, built.all_decodes)
 
     def _grammar_masks(self, out: SchedulerOutput, batch: BatchMetadata) -> np.ndarray | None:
         """The step's packed grammar masks (int32 [S, ceil(V / 32)]) when some row has a
@@ -266,11 +290,12 @@ class DeviceCalls:
     def _draft_distributions(self, out: SchedulerOutput, batch) -> tuple | None:
         """A verify step's (q, q_src) when a draft model sampled some of its proposals
         (``ModelRunner.dispatch``'s ``draft``), else None."""
-        proposer = self.scheduler.proposer
-        q = getattr(proposer, "last_q", None)
-        if not out.num_draft_tokens or q is None:
+        if not out.num_draft_tokens or self.draft_proposer is None:
             return None
-        k = self.scheduler.speculation.num_speculative_tokens
+        q = self.draft_proposer.last_q
+        if q is None:
+            return None
+        k = self.scheduler.speculation.config.num_speculative_tokens
         q_src = np.full(batch.input_ids.shape[0], -1, np.int32)
         for i, item in enumerate(out.scheduled):
             if item.draft_q_row >= 0 and item.request.sampling_params.temperature > 0:
@@ -296,7 +321,7 @@ class DeviceCalls:
     def _process(self, call: DeviceCall) -> list[Request]:
         """Wait for ``call``'s tokens and apply them to the requests; returns those touched
         (in the steady state of decoding only those ``collect`` reports on: see
-        ``Scheduler.accept_logged_decodes``)."""
+        ``StepApplier.apply``)."""
         touched = self._apply_results(call)
         if self.scheduler.has_constrained:
             began = time.perf_counter()
@@ -308,88 +333,36 @@ class DeviceCalls:
         return touched
 
     def _apply_results(self, call: DeviceCall) -> list[Request]:
-        if call.num_steps > 1:
-            result = call.pending.fetch_result()                            # [K, S]
-            self._results_arrived()
-            return self._accept_multi_step(call.out, result)
-        result = call.pending.fetch()
+        """Wait for ``call``'s results and apply them (``Scheduler.apply``, which picks the
+        steady or the per-row path), with the engine's per-token work as callbacks:
+        log-probabilities, first-token times, stop strings, beam-search distributions."""
+        result = (call.pending.fetch_result() if call.num_steps > 1      # [K, S]
+                  else call.pending.fetch())
         self._results_arrived()
-        if call.out.num_draft_tokens:
-            return self._accept_verified(call, result)
-        if not call.out.all_decodes:
+        if call.num_steps == 1 and not call.all_decodes and not call.out.num_draft_tokens:
             self._observe_step(call.out, self._results_at - call.dispatched_at)
         with_logprobs = result.top_ids is not None
-        if call.out.all_decodes and not with_logprobs:
-            if (result.may_stop is not None and self.kv_transfer is None
-                    and not self.scheduler.has_constrained):
-                # The steady state: tokens into the scheduler's token log, no pass over
-                # the requests; what comes back is only what ``collect`` reports on.
-                report = self.scheduler.accept_logged_decodes(call.out, result.tokens,
-                                                              result.may_stop)
-                if report is not None:
-                    return report
-            # The hot path of decoding: one pass applies the tokens and picks out the
-            # requests that still want a first-token time or stop strings.
-            follow_up: list[Request] = []
-            touched = self.scheduler.accept_decodes(call.out, result.tokens, result.may_stop,
-                                                    follow_up)
-            for request in follow_up:
-                self._after_tokens(request)
-            return touched
-        produced = self.scheduler.update_from_output(call.out, result.tokens, result.may_stop)
-        touched = []
-        for request, row in produced:
-            if request.external_sampling:
-                self.beam_search.on_distribution(request, result.top_ids[row],
-                                                 result.top_logprobs[row])
-                continue
+        record, after_tokens = self.logprobs.record, self._after_tokens
+
+        def on_token(request: Request, index: int, step: int | None) -> None:
             if with_logprobs:
-                self.logprobs.record(request, result, row)
-            if request.first_token_time is None or request.sampling_params.stop:
-                self._after_tokens(request)
-            touched.append(request)
-        return touched
+                record(request, result, index, step)
+            if request.first_token_time is None or request.has_stop_strings:
+                after_tokens(request)  # tokens after a stop string are dropped
+
+        def on_distribution(request: Request, row: int) -> None:
+            self.beam_search.on_distribution(request, result.top_ids[row],
+                                             result.top_logprobs[row])
+
+        return self.scheduler.apply(
+            call.out, result, all_decodes=call.all_decodes,
+            engine_sees_tokens=with_logprobs or self.kv_transfer is not None,
+            cu_q_lens=call.batch.cu_q_lens, on_token=on_token, on_distribution=on_distribution)
 
     def _results_arrived(self) -> None:
         self._results_at = time.perf_counter()
         if self.inflight is None:
             self._idle_since = self._results_at  # nothing queued: the device idles from now
-
-    def _accept_multi_step(self, out: SchedulerOutput, result) -> list[Request]:
-        touched = []
-        for row, item in enumerate(out.scheduled):
-            request = item.request
-            if request.is_finished:
-                continue  # finished (or aborted) while this call was queued or running
-            for k, token in enumerate(result.tokens[:, row].tolist()):
-                if token < 0 or request.is_finished:
-                    break  # the device stopped this row; the host agrees (same rules)
-                self.scheduler.accept_token(request, token)
-                self.logprobs.record(request, result, row, k)
-                self._after_tokens(request)  # tokens after a stop string are dropped
-            touched.append(request)
-        return touched
-
-    def _accept_verified(self, call: DeviceCall, result) -> list[Request]:
-        """Apply a verify step (``ModelRunner.dispatch(verify=True)``): each row's emitted
-        tokens (``Scheduler.accept_verified``), with logprobs and stop strings checked
-        after each one like any token."""
-        touched = []
-        cu_q_lens = call.batch.cu_q_lens.tolist()
-        tokens, emitted = result.tokens.tolist(), result.emitted.tolist()
-        for row, item in enumerate(call.out.scheduled):
-            if item.request.is_finished:
-                continue  # aborted while the step ran
-            start, end = cu_q_lens[row], cu_q_lens[row + 1]
-            count = sum(emitted[start:end])  # a prefix of the row: up to its first rejection
-
-            def on_token(request: Request, index: int, start: int = start) -> None:
-                self.logprobs.record(request, result, start + index)
-                self._after_tokens(request)  # tokens after a stop string are dropped
-
-            self.scheduler.accept_verified(item, tokens[start:start + count], on_token)
-            touched.append(item.request)
-        return touched
 
     def _after_tokens(self, request: Request) -> None:
         if request.first_token_time is None and request.num_output_tokens:

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from jaxpage.engine.async_llm_engine import supports_delta_outputs
 from jaxpage.sampling_params import SamplingParams
 
 
 def stream_generate(llm, prompt: str, params: dict[str, Any], *, chat: bool = False) -> Iterator[str]:
     engine = llm.llm_engine
-    if supports_delta_outputs():
-        params = dict(params, output_kind="delta")
+    params = dict(params, output_kind="delta")
     sampling = SamplingParams(**params)
     if chat:
         tokenizer = llm.get_tokenizer()

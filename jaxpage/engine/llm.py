@@ -11,7 +11,7 @@ from jaxpage.config import EngineConfig
 from jaxpage.engine.llm_engine import PromptInput
 from jaxpage.lora_request import LoRARequest
 from jaxpage.outputs import RequestOutput
-from jaxpage.engine.replicas import build_engine
+from jaxpage.engine.startup.replicas import build_engine
 from jaxpage.sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -63,7 +63,7 @@ class LLM:
         Restoring skips the conversion from safetensors / GGUF and loads every shard
         straight onto its device. Returns the absolute path.
         """
-        from jaxpage.engine.save_checkpoint import save_checkpoint
+        from jaxpage.engine.startup.save_checkpoint import save_checkpoint
 
         return save_checkpoint(self.llm_engine, path)
 

@@ -21,27 +21,28 @@ import numpy as np
 
 from jaxpage.beam_search import BeamSearchParams
 from jaxpage.config import EngineConfig
-from jaxpage.core.batch import BatchBuilder
-from jaxpage.core.batch_shapes import ladder_policy
-from jaxpage.core.block_pool import BlockPool
-from jaxpage.core.kv_cache_manager import KVCacheManager
+from jaxpage.core.batch.builder import BatchBuilder
+from jaxpage.core.batch.batch_shapes import ladder_policy
+from jaxpage.core.kv.block_pool import BlockPool
+from jaxpage.core.kv.kv_cache_manager import KVCacheManager
 from jaxpage.core.request import Request, RequestStatus
-from jaxpage.core.scheduler import PreemptionCostModel, Scheduler
-from jaxpage.engine.beam_search_driver import BeamSearchDriver
+from jaxpage.core.sched.preemption import PreemptionCostModel
+from jaxpage.core.sched.scheduler import Scheduler
+from jaxpage.engine.features.beam_search_driver import BeamSearchDriver
 from jaxpage.engine.device_calls import DeviceCalls
-from jaxpage.engine import kv_handoff
+from jaxpage.engine.features import kv_handoff
 from jaxpage.engine.input_processor import InputProcessor, PromptInput
-from jaxpage.engine.kv_calibration import calibrate_kv_scales
-from jaxpage.engine.generation_config import generation_defaults
-from jaxpage.engine.kv_sizing import choose_num_kv_blocks
-from jaxpage.engine.logprobs import LogprobsRecorder
-from jaxpage.engine.lora_manager import LoRAAdapters
+from jaxpage.engine.startup.kv_calibration import calibrate_kv_scales
+from jaxpage.engine.startup.generation_config import generation_defaults
+from jaxpage.engine.startup.kv_sizing import choose_num_kv_blocks
+from jaxpage.engine.features.logprobs import LogprobsRecorder
+from jaxpage.engine.features.lora_manager import LoRAAdapters
 from jaxpage.engine.output_processor import OutputProcessor
-from jaxpage.engine.prompt_logits import prompt_logits
+from jaxpage.engine.features.prompt_logits import prompt_logits
 from jaxpage.engine.request_groups import RequestGroups
-from jaxpage.engine.structured_outputs import CompiledGrammar, GrammarCompiler
+from jaxpage.engine.features.structured_outputs import CompiledGrammar, GrammarCompiler
 from jaxpage.engine.tokenizer import cache_dir, load_tokenizer
-from jaxpage.engine.warmup import (compile_core_programs, compile_ready_programs,
+from jaxpage.engine.startup.warmup import (compile_core_programs, compile_ready_programs,
                                     resolve_warmup)
 from jaxpage.models.quantize import stored_bytes
 from jaxpage.lora_request import LoRARequest
@@ -98,7 +99,7 @@ class LLMEngine(LoRAAdapters, kv_handoff.KVHandoff):
     """
 
     def __init__(self, config: EngineConfig, *, mesh: Any = None) -> None:
-        """``mesh``: this replica's devices (``jaxpage.engine.replicas.build_engine`` picks
+        """``mesh``: this replica's devices (``jaxpage.engine.startup.replicas.build_engine`` picks
         them); None means replica 0's under ``tensor_parallel_size > 1``, else one device."""
         config = resolve_hub_models(config)  # Hub ids -> local snapshots (models.hub)
         self.config = config
@@ -170,8 +171,8 @@ class LLMEngine(LoRAAdapters, kv_handoff.KVHandoff):
             lower_compute_threads(config.scheduler.cpu_compute_niceness)
         self.cost_model = PreemptionCostModel(
             bytes_per_block=per_block, host_bandwidth=self.runner.measure_host_bandwidth())
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.cost_model)
-        self.scheduler.lora_slots = self._lora_slots()
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.cost_model,
+                                   lora_slots=self._lora_slots())
         self.batch_builder = BatchBuilder(
             self.kv_cache_manager, max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
@@ -189,6 +190,7 @@ class LLMEngine(LoRAAdapters, kv_handoff.KVHandoff):
                     num_kv_blocks, block_size, num_kv_blocks * block_size,
                     num_kv_blocks * self.kv_bytes_per_block / 2**20, self.kv_bytes_per_block)
         self.tokenizer = tokenizer.result()
+        self.draft_proposer = None  # a draft model's (``runtime.draft_model``), else None
         if draft is not None:
             self._attach_draft(loaded, draft, speculation, num_kv_blocks)
         eos_token_ids = self._eos_token_ids(loaded.hf_config)
@@ -222,7 +224,8 @@ class LLMEngine(LoRAAdapters, kv_handoff.KVHandoff):
             beam_search=self.beam_search, logprobs=self.logprobs,
             output_processor=self.output_processor, collect=self.groups.collect,
             grammars=self.grammars,
-            kv_transfer=self.kv_transfer if cc.kv_role == "prefill" else None)
+            kv_transfer=self.kv_transfer if cc.kv_role == "prefill" else None,
+            draft_proposer=self.draft_proposer)
 
     @property
     def runner(self) -> ModelRunner:
@@ -332,13 +335,13 @@ class LLMEngine(LoRAAdapters, kv_handoff.KVHandoff):
             draft, speculation, self.kv_cache_manager, num_blocks=num_kv_blocks + 1,
             layout=self.runner.kv_layout, token_ladder=builder.token_ladder, seq_ladder=builder.seq_ladder,
             block_ladder=builder.block_ladder)
-        self.scheduler.proposer = proposer
+        self.draft_proposer = proposer
         self.runner.use_draft_rows(proposer.q_rows)
 
     def warmup(self) -> int:
         """Compile every program the engine can run, so that no workload compiles later;
-        the number of programs (``engine.warmup``)."""
-        from jaxpage.engine.warmup import compile_every_program
+        the number of programs (``engine.startup.warmup``)."""
+        from jaxpage.engine.startup.warmup import compile_every_program
 
         return compile_every_program(self)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jaxpage.core.request import Request, RequestStatus
-from jaxpage.core.scheduler import Scheduler
+from jaxpage.core.sched.scheduler import Scheduler
 from jaxpage.engine.stop_strings import decode_output, find_stop_string
 from jaxpage.outputs import CompletionOutput
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from jaxpage.core.request import FINISHED_IDS, Request
-from jaxpage.engine.logprobs import LogprobsRecorder
+from jaxpage.engine.features.logprobs import LogprobsRecorder
 from jaxpage.engine.output_processor import OutputProcessor
 from jaxpage.outputs import CompletionOutput, RequestOutput
 

@@ -33,16 +33,15 @@ RopeTable = tuple  # (cos, sin): float32 [T, 1, 2 * len(inv_freq)] each (``rope_
 def rope_table(positions: jax.Array, inv_freq: jax.Array, once: bool = True) -> RopeTable:
     """The cosines and sines RoPE rotates by, for positions int32 [T]. ``once``: computed
     once for the forward pass, every layer (and q and k) reusing them; otherwise XLA fuses
-    them into each rotation and recomputes them per element (~0.3 ms a layer for a
-    512-token step on the CPU), which is cheaper only for small programs (the conditional
-    that keeps them apart costs the host ~60 us a call on the CPU)."""
+    them into each rotation and recomputes them per element, which is cheaper only for
+    small programs (the conditional that keeps them apart costs the host a little per
+    call; numbers in ``docs/benchmarks/design_measurements.md``)."""
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]   # [T, D/2]
     both = jnp.concatenate([angles, angles], axis=-1)                    # [T, D]
     # Computed inside a conditional (both branches alike, the predicate unknown at compile
     # time), so the results are materialized once. As plain ops XLA fuses cos and sin
     # into every consumer, recomputing them per head and per layer (an optimization
-    # barrier does not stop it: XLA drops it before fusing; a no-op sort does, but costs
-    # ~2 ms on a 512-token step).
+    # barrier does not stop it: XLA drops it before fusing; a no-op sort does, at a cost).
     trig = lambda b: (jnp.cos(b), jnp.sin(b))  # noqa: E731
     cos, sin = (jax.lax.cond(positions[0] >= 0, trig, trig, both)
                 if once and positions.shape[0] else trig(both))

@@ -234,14 +234,17 @@ class CausalLM(nnx.Module):
                                       else jnp.ones(shape, jnp.float32))
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
-                 batch: dict[str, jax.Array]) -> tuple[jax.Array, KVCache]:
+                 batch: Any) -> tuple[jax.Array, KVCache]:
         """input_ids, positions: int32 [T] -> hidden [T, hidden_size], updated kv_cache.
 
-        ``batch["live_tokens"]`` (optional int32 scalar): the tokens from it on are padding
-        or finished rows; projections may skip them (their hidden states are unspecified).
+        ``batch``: the runtime's ``StepBatch`` or ``ForwardBatch`` (``runtime.step_batch``;
+        read by attribute): ``slot_mapping``, ``kv_lens``, ``block_tables``, ``cu_q_lens``,
+        ``num_seqs``, ``lora_slot`` (with LoRA slots) and ``live_tokens`` (None, or an int32
+        scalar: the tokens from it on are padding or finished rows; projections may skip
+        them, their hidden states unspecified).
         """
         cfg = self.cfg
-        rows = batch.get("live_tokens")
+        rows = batch.live_tokens
         attention = self._sharded(self._attention)
 
         k_cache, v_cache = kv_layout.as_pair(kv_cache)  # split [L, N, B, Hkv, D] each,
@@ -249,7 +252,7 @@ class CausalLM(nnx.Module):
         h = self.embed_tokens(input_ids)                                   # [T, hidden]
         lora = None
         if getattr(self, "lora_shape", None) is not None:  # each token's adapter slot
-            lora = token_slots(self.lora_shape, batch["lora_slot"], batch["cu_q_lens"],
+            lora = token_slots(self.lora_shape, batch.lora_slot, batch.cu_q_lens,
                                input_ids.shape[0], h.dtype)
         tables = self._rope_tables(positions)
         for index, layer in enumerate(self.layers):
@@ -260,8 +263,8 @@ class CausalLM(nnx.Module):
                 k = encode(k.astype(jnp.float32) / scales[0], self.kv_format)
                 v = encode(v.astype(jnp.float32) / scales[1], self.kv_format)
             attn, k_cache, v_cache = attention(
-                q, k, v, k_cache, v_cache, batch["slot_mapping"], batch["kv_lens"],
-                batch["block_tables"], batch["cu_q_lens"], batch["num_seqs"], *scales,
+                q, k, v, k_cache, v_cache, batch.slot_mapping, batch.kv_lens,
+                batch.block_tables, batch.cu_q_lens, batch.num_seqs, *scales,
                 layer=index)
             h = layer.finish(cfg, h, attn, lora, rows)
         return (rms_norm(h, self.final_norm[...], cfg.rms_norm_eps, cfg.norm_offset),

@@ -4,6 +4,6 @@
 ``placement`` (meshes, loading into shards, sharded jit), ``distributed``
 (``jax.distributed`` start-up, the leader/follower mirror of device calls), ``router``
 (data-parallel front end), ``targets`` (TPU slices and GPUs described in software).
-Below ``models`` and ``engine``: nothing here imports them (``engine.replicas`` builds one
+Below ``models`` and ``engine``: nothing here imports them (``engine.startup.replicas`` builds one
 engine per replica; ``models.orbax_source`` saves and restores converted params).
 """

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from jaxpage.core.prefix_hash import extend_block_hashes
+from jaxpage.core.kv.prefix_hash import extend_block_hashes
 from jaxpage.core.request import Request
 from jaxpage.outputs import RequestOutput
 

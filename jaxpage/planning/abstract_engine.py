@@ -25,12 +25,12 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxpage.config import EngineConfig
-from jaxpage.core.batch import BatchBuilder
-from jaxpage.core.block_pool import BlockPool
-from jaxpage.core.kv_cache_manager import KVCacheManager
-from jaxpage.core.batch_shapes import ladder_policy
-from jaxpage.core.program_set import ProgramKey, ProgramSet, program_set
-from jaxpage.core.step_features import BASE_FEATURES, StepFeatures
+from jaxpage.core.batch.builder import BatchBuilder
+from jaxpage.core.kv.block_pool import BlockPool
+from jaxpage.core.kv.kv_cache_manager import KVCacheManager
+from jaxpage.core.batch.batch_shapes import ladder_policy
+from jaxpage.core.batch.program_set import ProgramKey, ProgramSet, program_set
+from jaxpage.core.batch.step_features import BASE_FEATURES, StepFeatures
 from jaxpage.arch_config import ArchConfig
 from jaxpage.models.loader import DTYPES, auto_dtype
 from jaxpage.models.presets import PREFIX as PRESET_PREFIX
@@ -87,7 +87,7 @@ class Program:
     bucket: tuple       # (T, S, M) for steps and decode loops, (P,) for block moves
     jitted: Callable    # a jax.jit-wrapped function
     args: tuple         # ShapeDtypeStructs with shardings
-    key: ProgramKey | None = None  # the engine's name for it (``core.program_set``)
+    key: ProgramKey | None = None  # the engine's name for it (``core.batch.program_set``)
 
     @property
     def label(self) -> str:
@@ -208,6 +208,14 @@ class AbstractEngine:
         """The features a program variant is made with (None: decided on the device)."""
         return BASE_FEATURES if self.host_decides and not device_decided else None
 
+    def _key(self, kind: str, shape, device_decided: bool) -> ProgramKey:
+        """The engine's key of a model program variant, as ``core.batch.program_set`` makes it
+        (a verify step takes one draft row: point-mass proposals)."""
+        return ProgramKey.of(kind, shape, self._features(device_decided),
+                             host_decides=self.host_decides, steps=self.num_steps,
+                             draft_rows=1,
+                             fixed_length=branches_wait_for_device(self.platform))
+
     def step_program(self, shape, num_blocks: int | None = None,
                      device_decided: bool = False) -> Program:
         features = self._features(device_decided)
@@ -217,7 +225,7 @@ class AbstractEngine:
         if features is None and self.platform != "cpu":  # it takes the grammar mask
             args += (self._replicated((shape[1], -(-self.arch.vocab_size // 32)), jnp.int32),)
         return Program("step", tuple(shape), run.jitted, args,
-                       ProgramKey("step", tuple(shape), 1, device_decided))
+                       self._key("step", shape, device_decided))
 
     def verify_program(self, shape, num_blocks: int | None = None,
                        device_decided: bool = False) -> Program:
@@ -229,7 +237,7 @@ class AbstractEngine:
                         self._replicated((self.max_num_seqs,), jnp.int32),
                         self._replicated((1, self.arch.vocab_size), jnp.float32),
                         self._replicated((shape[0],), jnp.int32)),
-                       ProgramKey("verify", tuple(shape), 1, device_decided))
+                       self._key("verify", shape, device_decided))
 
     def decode_program(self, shape, num_blocks: int | None = None,
                        device_decided: bool = False) -> Program:
@@ -242,18 +250,19 @@ class AbstractEngine:
                 self._replicated((rows,), jnp.int32), self._replicated((rows,), jnp.bool_),
                 self._replicated((shape[1],), jnp.int32))
         return Program(f"decode{self.num_steps}", tuple(shape), run.jitted, args,
-                       ProgramKey("decode", tuple(shape), self.num_steps, device_decided))
+                       self._key("decode", shape, device_decided))
 
     def program_set(self) -> ProgramSet:
-        """The engine's program set on this target (``core.program_set``), as
-        ``engine.warmup.engine_program_set`` makes it for a live engine."""
+        """The engine's program set on this target (``core.batch.program_set``), as
+        ``engine.startup.warmup.engine_program_set`` makes it for a live engine."""
         speculation = self.config.scheduler.speculative
         verifies = (self.builder.verify_shapes(speculation.disable_by_batch_size,
                                                speculation.num_speculative_tokens)
                     if speculation is not None else None)
         return program_set(self.builder, num_steps=self.num_steps,
                            host_decides=self.host_decides, move_sizes=self.move_sizes,
-                           penalty_width=PENALTY_FILL_WIDTH, verify_shapes=verifies)
+                           penalty_width=PENALTY_FILL_WIDTH, verify_shapes=verifies,
+                           fixed_decode=branches_wait_for_device(self.platform))
 
     def program(self, key: ProgramKey, num_blocks: int | None = None) -> Program:
         """The program ``key`` names, with abstract arguments."""
@@ -292,7 +301,7 @@ class AbstractEngine:
         elif buckets == "largest":
             decodes = self.builder.decode_shapes()
             keys = list(programs.ready)
-            largest_decode = ProgramKey("step", decodes[-1], 1, False)
+            largest_decode = self._key("step", decodes[-1], False)
             if largest_decode not in keys:
                 keys.insert(1, largest_decode)
         else:

@@ -79,8 +79,8 @@ def plan(model: str | None = None, target: str = "v5e:1x1", *, buckets: str = "l
     ...). ``model`` may be a Hub id (only its config is fetched with the weights' files). ``buckets``: ``"largest"``
     (the ready set and the largest all-decode step, which bound the memory; the default),
     ``"warmup"`` (exactly the ready set: what ``LLM(...)`` builds on this target before it
-    takes requests, ``engine.warmup``) or ``"all"`` (every program it builds eventually,
-    the rest in the background: ``core.program_set``).
+    takes requests, ``engine.startup.warmup``) or ``"all"`` (every program it builds eventually,
+    the rest in the background: ``core.batch.program_set``).
     ``context``: tokens per sequence for the roofline (default ``max_model_len``).
     """
     if buckets not in ("all", "warmup", "largest"):

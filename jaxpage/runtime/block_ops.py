@@ -3,7 +3,7 @@
 One program, ``move_blocks``, does all three: it reads blocks ``src`` (returned, for a
 swap-out) and writes blocks ``dst`` with either what it read (a copy) or blocks from the
 host (a swap-in). One program kind instead of three keeps the engine's program set small
-(``jaxpage.core.program_set``: the set compiled before an engine is ready holds one block
+(``jaxpage.core.batch.program_set``: the set compiled before an engine is ready holds one block
 program, of the largest size, which every move can run padded).
 
 Index lists are padded to a rung of ``move_sizes`` (1, 4, 16, ... up to the swap chunk);
@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpage.core.batch.program_set import ProgramKey
 from pallas_kernels import _backend
 from pallas_kernels.kv_layout import KVCache  # arrays [L, N, B, ...], blocks on axis 1
 
@@ -117,12 +118,13 @@ def read_blocks(cache: jax.Array, ids: jax.Array, one_by_one: bool | None = None
 
 
 def run_program(programs, function, *args):
-    """``function(*args)``, through the executable cache when one is given (keyed by the
-    padded index count, the only shape that varies)."""
+    """``function(*args)``, through the executable cache when one is given (its key: the
+    function's name as the kind, the padded index count, the only shape that varies, as
+    the bucket)."""
     if programs is None:
         return function(*args)
-    bucket = tuple(args[1].shape)
-    return programs.get(function.__name__, bucket, function, args)(*args)
+    key = ProgramKey(function.__name__, tuple(args[1].shape))
+    return programs.get(key, function, args)(*args)
 
 
 class HostKVPool:
@@ -183,12 +185,12 @@ class BlockMover:
         return [(host.shape[1], size, *host.shape[2:]) for host in self.host.arrays]
 
     def spec(self, kv: KVCache, size: int) -> tuple:
-        """(name, bucket, jitted, args) of the move of ``size`` (``ExecutableCache``'s
-        arguments); ``kv`` may be shapes only."""
+        """(key, jitted, args) of the move of ``size`` (``ExecutableCache``'s arguments);
+        ``kv`` may be shapes only."""
         blocks = tuple(jax.ShapeDtypeStruct(shape, self.host.dtype)
                        for shape in self._block_shapes(size))
         index = jax.ShapeDtypeStruct((size,), np.int32)
-        return ("move_blocks", (size,), move_blocks,
+        return (ProgramKey("move_blocks", (size,)), move_blocks,
                 (kv, index, index, blocks, jax.ShapeDtypeStruct((), np.bool_)))
 
     def _no_input(self, size: int) -> KVCache:

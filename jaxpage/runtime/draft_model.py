@@ -41,13 +41,14 @@ import numpy as np
 from flax import nnx
 
 from jaxpage.config import SpeculativeConfig
-from jaxpage.core.bucket_ladder import BucketLadder
-from jaxpage.core.kv_cache_manager import KVCacheManager
+from jaxpage.core.batch.bucket_ladder import BucketLadder
+from jaxpage.core.kv.kv_cache_manager import KVCacheManager
 from jaxpage.core.request import Request
 from jaxpage.models.loader import LoadedModel
 from jaxpage.runtime.kv_cache import allocate_kv_cache
 from pallas_kernels import kv_layout
 from jaxpage.runtime.sampler import first_argmax, gumbel_noise
+from jaxpage.runtime.step_batch import ForwardBatch
 
 # Keys the draft's random stream apart from the target's for the same request seed.
 DRAFT_STREAM = 0x0D4AF7ED
@@ -80,7 +81,7 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel, target_tokeni
 
 
 class DraftModelProposer:
-    """``propose_batch`` for ``SpeculativeScheduling``: greedy proposals of a draft model.
+    """``propose_batch`` (called by ``DeviceCalls`` for ``Speculation.reserve_draft_rows``'s rows): greedy proposals of a draft model.
 
     Shapes come from the target's ladders: ``fill`` takes (T tokens, M blocks) for one
     request, ``propose`` (S rows, M blocks); ``warmup`` compiles them all.
@@ -239,8 +240,8 @@ def _fill_program(graphdef: Any):
     request's tokens, for their KV only."""
     def fill(params, kv_cache, tokens, block_tables, kv_lens, cu_q_lens, num_seqs):
         model = nnx.merge(graphdef, params)
-        batch = {"slot_mapping": tokens[2], "kv_lens": kv_lens, "block_tables": block_tables,
-                 "cu_q_lens": cu_q_lens, "num_seqs": num_seqs}
+        batch = ForwardBatch(slot_mapping=tokens[2], kv_lens=kv_lens, block_tables=block_tables,
+                             cu_q_lens=cu_q_lens, num_seqs=num_seqs)
         _, kv_cache = model(tokens[0], tokens[1], kv_cache, batch)
         return kv_cache
 
@@ -274,8 +275,9 @@ def _propose_program(graphdef: Any, k: int):
             pos = jnp.where(writes, rows[1] + j, rows[1])                    # [S]
             block = block_tables[seat, jnp.clip(pos // block_size, 0, M - 1)]
             slots = jnp.where(writes, block * block_size + pos % block_size, -1)
-            batch = {"slot_mapping": slots, "kv_lens": jnp.where(real, pos + 1, 0),
-                     "block_tables": block_tables, "cu_q_lens": cu_q_lens, "num_seqs": num_seqs}
+            batch = ForwardBatch(slot_mapping=slots, kv_lens=jnp.where(real, pos + 1, 0),
+                                 block_tables=block_tables, cu_q_lens=cu_q_lens,
+                                 num_seqs=num_seqs)
             hidden, kv_cache = model(ids, jnp.where(real, pos, 0), kv_cache, batch)
             logits = model.compute_logits(hidden)                            # [S, V]
             sampled = temperature > 0

@@ -3,7 +3,8 @@
 JAX's persistent compilation cache skips XLA compilation but still traces and lowers
 every program (about a second each for a model step). This cache stores the compiled
 executables themselves (``jax.experimental.serialize_executable``), one file per program
-and bucket, under a directory whose name fingerprints everything the programs depend on:
+(``core.batch.program_set.ProgramKey``: its ``file_name`` tells every variant and the bucket),
+under a directory whose name fingerprints everything the programs depend on:
 jax and jaxlib versions, the platform and its devices, the source code of ``jaxpage`` and
 ``pallas_kernels``, and the avals of the fixed arguments (params, KV cache). A changed
 model, option or code gets a fresh directory; nothing stale is ever loaded. Files are
@@ -33,6 +34,7 @@ from typing import Any
 
 import jax
 
+from jaxpage.core.batch.program_set import ProgramKey
 from jaxpage.runtime import background_compile
 
 logger = logging.getLogger("jaxpage")
@@ -41,7 +43,7 @@ _PACKAGES = ("jaxpage", "pallas_kernels")
 
 _persistent_cache_hits = [0]  # programs JAX's persistent compilation cache supplied
 
-# (fingerprint, device ids, name, bucket) -> compiled program, for every cache of the process
+# (fingerprint, device ids, program key) -> compiled program, for every cache of the process
 _SHARED_PROGRAMS: dict[tuple, Callable] = {}
 
 
@@ -89,11 +91,12 @@ def fingerprint(*fixed_args: Any, extra: str = "") -> str:
 
 
 class ExecutableCache:
-    """``get(name, bucket, jitted, args)`` returns a compiled program for those arguments.
+    """``get(key, jitted, args)`` returns the compiled program ``key`` names, built for
+    those arguments.
 
     Lookup order: this cache, the programs shared in memory by the process's other
-    caches of the same fingerprint and devices, then ``directory/<fingerprint>/<name>-
-    <bucket>.bin``, then compiling (and saving). ``directory=None`` keeps programs in
+    caches of the same fingerprint and devices, then ``directory/<fingerprint>/`` and the
+    key's ``file_name``, then compiling (and saving). ``directory=None`` keeps programs in
     memory only.
     """
 
@@ -104,19 +107,18 @@ class ExecutableCache:
         # The devices the programs run on; a loaded program would otherwise be placed on
         # every device of the backend.
         self.devices = devices
-        self._programs: dict[tuple[str, tuple], Callable] = {}
+        self._programs: dict[ProgramKey, Callable] = {}
         self.num_loaded = 0      # programs read from disk
         self.num_compiled = 0    # programs traced and compiled in this process
         self.num_shared = 0      # programs another cache of the process had compiled
         self.num_prefetched = 0  # programs built on the background thread (``prefetch``)
-        self._pending: dict[tuple[str, tuple], Future] = {}  # queued background builds
-        # Every compile here: ((name, bucket), the thread that compiled it, seconds).
-        self.compiles: list[tuple[tuple[str, tuple], str, float]] = []
+        self._pending: dict[ProgramKey, Future] = {}  # queued background builds
+        # Every compile here: (key, the thread that compiled it, seconds).
+        self.compiles: list[tuple[ProgramKey, str, float]] = []
         self._platform = (devices[0].platform if devices else jax.default_backend())
         self._lock = threading.Lock()
 
-    def get(self, name: str, bucket: tuple, jitted: Any, args: tuple) -> Callable:
-        key = (name, bucket)
+    def get(self, key: ProgramKey, jitted: Any, args: tuple) -> Callable:
         program = self._programs.get(key)
         if program is None:
             with self._lock:
@@ -126,13 +128,13 @@ class ExecutableCache:
                     program = future.result()
                 except Exception as error:  # noqa: BLE001 - build it here instead
                     logger.info("background build of %s failed (%s); building it now",
-                                key, error)
+                                key.file_name, error)
             if program is None:
                 program = self._find_or_build(key, jitted, args)
             self._programs[key] = program
         return program
 
-    def prefetch(self, name: str, bucket: tuple, jitted: Any, args: tuple,
+    def prefetch(self, key: ProgramKey, jitted: Any, args: tuple,
                  urgent: bool = False) -> bool:
         """Build the program for ``args`` on the background thread (``background_compile``)
         unless it is held or already on its way; ``get`` then waits for it instead of
@@ -140,7 +142,6 @@ class ExecutableCache:
         dtypes and shardings count). ``urgent``: before the queued builds that are not
         (a program queued already is queued again, urgently: whichever runs second finds it
         built). True when a build was queued."""
-        key = (name, bucket)
         with self._lock:
             if key in self._programs or (key in self._pending and not urgent):
                 return False
@@ -151,22 +152,21 @@ class ExecutableCache:
             self._pending[key] = future
         return True
 
-    def ensure(self, name: str, bucket: tuple, jitted: Any, args: tuple) -> bool:
+    def ensure(self, key: ProgramKey, jitted: Any, args: tuple) -> bool:
         """Make the program for ``args`` exist without running it: nothing to do when it is
         held, being built, shared by another cache of the process or saved on disk (a
         later ``get`` loads it); otherwise it is compiled now, saved and held. ``args``
         may be ``jax.ShapeDtypeStruct``s. True when it was compiled."""
-        key = (name, bucket)
         with self._lock:
             if key in self._programs or key in self._pending:
                 return False
         path = self._path(key)
-        if (*self._shared_key, *key) in _SHARED_PROGRAMS or (path is not None and path.exists()):
+        if (*self._shared_key, key) in _SHARED_PROGRAMS or (path is not None and path.exists()):
             return False
         self._programs[key] = self._find_or_build(key, jitted, args)
         return True
 
-    def _background_build(self, key: tuple[str, tuple], jitted: Any, args: tuple,
+    def _background_build(self, key: ProgramKey, jitted: Any, args: tuple,
                           mine: list[Future]) -> Callable:
         """A queued build (``mine``: its own future, once queued); it leaves ``_pending``
         unless a later request for the same program queued another build."""
@@ -180,9 +180,9 @@ class ExecutableCache:
                 if key in self._programs or self._pending.get(key) in mine:
                     self._pending.pop(key, None)
 
-    def _find_or_build(self, key: tuple[str, tuple], jitted: Any, args: tuple) -> Callable:
+    def _find_or_build(self, key: ProgramKey, jitted: Any, args: tuple) -> Callable:
         """The program shared in memory, else loaded from disk, else compiled (and saved)."""
-        shared_key = (*self._shared_key, *key)
+        shared_key = (*self._shared_key, key)
         program = _SHARED_PROGRAMS.get(shared_key)
         if program is not None:
             self.num_shared += 1
@@ -190,21 +190,18 @@ class ExecutableCache:
         program = self._load(key) or self._compile(key, jitted, args)
         return _SHARED_PROGRAMS.setdefault(shared_key, program)
 
-    def holds(self, name: str, bucket: tuple) -> bool:
+    def holds(self, key: ProgramKey) -> bool:
         """The program is built and held here (a call of it neither loads nor compiles)."""
-        return (name, bucket) in self._programs
+        return key in self._programs
 
-    def programs(self) -> dict[tuple[str, tuple], Callable]:
-        """The programs held in memory, by (name, bucket): for inspection."""
+    def programs(self) -> dict[ProgramKey, Callable]:
+        """The programs held in memory, by key: for inspection."""
         return dict(self._programs)
 
-    def _path(self, key: tuple[str, tuple]) -> Path | None:
-        if self.directory is None:
-            return None
-        name, bucket = key
-        return self.directory / f"{name}-{'x'.join(str(b) for b in bucket)}.bin"
+    def _path(self, key: ProgramKey) -> Path | None:
+        return None if self.directory is None else self.directory / key.file_name
 
-    def _load(self, key: tuple[str, tuple]) -> Callable | None:
+    def _load(self, key: ProgramKey) -> Callable | None:
         path = self._path(key)
         if path is None or not path.exists():
             return None
@@ -220,7 +217,7 @@ class ExecutableCache:
         self.num_loaded += 1
         return program
 
-    def _compile(self, key: tuple[str, tuple], jitted: Any, args: tuple) -> Callable:
+    def _compile(self, key: ProgramKey, jitted: Any, args: tuple) -> Callable:
         hits = _persistent_cache_hits[0]
         began = time.perf_counter()
         compiled = jitted.lower(*args).compile()
@@ -251,3 +248,18 @@ class ExecutableCache:
         temporary = path.with_suffix(f".tmp{os.getpid()}")
         temporary.write_bytes(payload)
         os.replace(temporary, path)
+
+
+class JitPrograms:
+    """Stands in for ``ExecutableCache`` on a mesh (``parallel.placement.JitDispatch``'s
+    role, keyed by ``ProgramKey``): ``get`` returns the jitted function itself, so every
+    call goes through ``jax.jit`` dispatch, which places host-made inputs on the mesh and
+    caches the compiled program per shape. It holds nothing, so it has no ``holds``,
+    ``prefetch`` or ``ensure``: a program is built by running it."""
+
+    directory = None
+    num_loaded = 0
+    num_compiled = 0
+
+    def get(self, key: ProgramKey, jitted: Callable, args: tuple) -> Callable:
+        return jitted

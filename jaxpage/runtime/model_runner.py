@@ -12,16 +12,18 @@ import numpy as np
 from flax import nnx
 
 from jaxpage.runtime import block_ops
-from jaxpage.core.batch_metadata import BatchMetadata
-from jaxpage.core.program_set import ProgramKey
+from jaxpage.core.batch.batch_metadata import BatchMetadata
+from jaxpage.core.batch.program_set import MODEL_KINDS, ProgramKey
 from jaxpage.runtime.program_fallback import ProgramFallback
 from jaxpage.models.loader import LoadedModel
-from jaxpage.parallel.placement import JitDispatch, Placement
-from jaxpage.runtime.executable_cache import ExecutableCache, fingerprint
+from jaxpage.parallel.placement import Placement
+from jaxpage.runtime.executable_cache import ExecutableCache, JitPrograms, fingerprint
 from jaxpage.runtime.kv_cache import allocate_kv_cache
-from jaxpage.runtime.pending_calls import PendingMultiStep, PendingStep, StepResult
-from jaxpage.core.penalty_slots import PenaltyFill
+from jaxpage.core.batch.step_result import StepResult
+from jaxpage.runtime.pending_calls import PendingMultiStep, PendingStep
+from jaxpage.core.batch.penalty_slots import PenaltyFill
 from jaxpage.runtime.step import make_forward_logits, make_penalty_fill
+from jaxpage.runtime.step_inputs import StepInputs
 from jaxpage.runtime.step_programs import StepPrograms
 from pallas_kernels import kv_layout
 from pallas_kernels.dense_matmul import resolve_backend as resolve_dense_backend
@@ -30,18 +32,22 @@ from pallas_kernels.sampling import resolve_backend as resolve_sampling_backend
 
 # Tokens per call of the penalty-fill program (one compiled shape; long rows take several).
 PENALTY_FILL_WIDTH = 512
+PENALTY_FILL_KEY = ProgramKey("penalty_fill", (PENALTY_FILL_WIDTH,))
 
 
 class ModelRunner:
     """Executes BatchMetadata on the device. ``num_blocks`` includes the null block.
 
-    The penalty table (int32 [max_num_seqs, vocab], see ``jaxpage.core.penalty_slots``)
+    The penalty table (int32 [max_num_seqs, vocab], see ``jaxpage.core.batch.penalty_slots``)
     travels with the KV cache through every step and decode loop, donated both ways.
 
     With ``loaded.mesh`` (tensor parallelism) the params are already sharded, the KV cache
     is allocated split by KV head, and every program is jitted by the replica's
     ``Placement`` (the cache keeps its sharding; small outputs come back replicated).
     """
+
+    # ``dispatch``'s extra inputs, reachable wherever the runner's class is
+    StepInputs = StepInputs
 
     def __init__(self, loaded: LoadedModel, *, num_blocks: int, block_size: int,
                  max_num_seqs: int, num_host_blocks: int = 0,
@@ -85,7 +91,6 @@ class ModelRunner:
             self.placement.jit, carry_sharding=self.placement.replicated
             if self.placement.mesh is not None else None))
         self._forward_logits = make_forward_logits(graphdef, jit=self.placement.jit)
-        self.compiled_shapes: set[tuple[int, int, int]] = set()
         # The carry of a multi-step call that continues nothing: one row per possible sequence.
         self._no_carry = (jax.numpy.zeros(max_num_seqs, jax.numpy.int32),
                           jax.numpy.ones(max_num_seqs, bool))
@@ -103,7 +108,7 @@ class ModelRunner:
         # cost the dispatching thread time (~50 us a call) for nothing.
         self._copy_outputs_early = self.placement_platform() != "cpu"
         if self.placement.mesh is not None:  # sharded programs: plain jit dispatch
-            self.executables = JitDispatch()
+            self.executables = JitPrograms()
         else:
             # Resolving the C++ CPU kernels builds and registers them (before any saved
             # program that calls them is loaded); whether they could be is part of what the
@@ -174,8 +179,7 @@ class ModelRunner:
     def _run_penalty_fill(self, slot: int, ids: np.ndarray, values: np.ndarray,
                           reset: bool) -> None:
         args = ((), self.penalty_table, np.int32(slot), ids, values, np.bool_(reset))
-        program = self.executables.get("penalty_fill", (PENALTY_FILL_WIDTH,),
-                                       self._fill_penalties, args)
+        program = self.executables.get(PENALTY_FILL_KEY, self._fill_penalties, args)
         self.penalty_table, = program(*args)
 
     def compile_penalty_fill(self) -> int:
@@ -205,76 +209,103 @@ class ModelRunner:
         output, ``[rows, V]``); 1 means point-mass proposals only."""
         self._no_draft = jax.numpy.zeros((rows, self.arch.vocab_size), jax.numpy.float32)
 
-    def dispatch(self, batch: BatchMetadata, chain: bool = False, verify: bool = False,
-                 draft: "tuple[jax.Array, np.ndarray] | None" = None,
-                 token_mask: np.ndarray | None = None,
-                 device_decided: bool = False) -> "PendingStep":
+    @property
+    def draft_rows(self) -> int:
+        """Q of this runner's verify steps: the rows of draft distributions they take."""
+        return self._no_draft.shape[0]
+
+    def dispatch(self, batch: BatchMetadata, kind: str = "step",
+                 inputs: StepInputs | None = None, chain: bool = False) -> PendingStep:
         """Launch one step without waiting; its outputs start moving to the host at once.
+
+        ``kind``: "step", or "verify": the batch carries speculative proposals; every
+        token is sampled and checked (``step.verify_tokens``), and the result is per
+        token, with ``emitted``. ``inputs`` (``StepInputs``): a step's structured-output
+        grammar masks (the device-decided step takes them on accelerators, a program of
+        its own on the CPU: "step-masked"), a verify step's draft distributions.
 
         ``chain``: the batch continues the call dispatched just before (not yet fetched):
         tokens whose ``input_src`` names one of its rows read that row's sampled token on
         the device. The runner keeps its last call itself, so a mirrored runner on another
         process continues its own (``parallel.distributed``).
-
-        ``verify``: the batch carries speculative proposals; every token is sampled and
-        checked (``step.verify_tokens``), and the result is per token, with ``emitted``.
-        ``draft``: (draft distributions float32 [Q, V] on the device, ``q_src`` int32 [T])
-        for proposals a draft model sampled (``make_step``'s verify arguments).
-        ``token_mask``: int32 [S, ceil(V / 32)], structured outputs' packed grammar masks
-        (a separate program, ``step-masked``; see ``mask_words``).
-        ``device_decided``: run the program that decides the sampling features on the
-        device even where the batch's own would do (warm-up builds both).
         """
-        if verify and chain:
+        if kind not in ("step", "verify"):
+            raise ValueError(f"dispatch runs a 'step' or a 'verify' step, not {kind!r}")
+        if kind == "verify" and chain:
             raise ValueError("a verify step cannot continue a call on the device")
-        if token_mask is not None and verify:
-            raise ValueError("a verify step takes no grammar mask")
-        features = self.programs.features(batch, device_decided)
-        in_step = self.programs.mask_in_device_step and not verify  # the mask rides along
-        if token_mask is not None:
-            expected = (batch.block_tables.shape[0], self.mask_words)
-            if token_mask.shape != expected or token_mask.dtype != np.int32:
-                raise ValueError(f"token_mask has shape {token_mask.shape} "
-                                 f"({token_mask.dtype}); expected int32 {expected}")
-            if in_step:
-                features = None  # only the device-decided step takes a mask there
-        if verify:
-            name = self._verify_name(draft)  # the program depends on Q
-        else:
-            name = "step-masked" if token_mask is not None and not in_step else "step"
+        if inputs is not None:
+            inputs.check(kind, batch.block_tables.shape[0], self.mask_words)
+        key = self._call_key(batch, kind, inputs)
         if self.fallback is not None:  # not every program built yet
-            batch, features = self.fallback.fit("verify" if verify else name, batch,
-                                                features, 1, name)
-        step = self.programs.step(verify, features)
-        rows = batch.block_tables.shape[0]
-        if token_mask is not None and token_mask.shape[0] != rows:  # padded: allow all
-            token_mask = np.pad(token_mask, ((0, rows - token_mask.shape[0]), (0, 0)),
-                                constant_values=-1)
-        if in_step and features is None and token_mask is None:
-            token_mask = self._all_allowed(rows)
-        self.compiled_shapes.add(batch.shape_key + ((name,) if name != "step" else ()))
+            batch, key = self.fallback.fit(batch, key)
+        return self._launch_step(batch, key, inputs, chain)
+
+    def _call_key(self, batch: BatchMetadata, kind: str, inputs: StepInputs | None = None,
+                  num_steps: int = 1) -> ProgramKey:
+        """The key of the program a call of ``batch`` runs (before any fallback): ``kind``
+        "step", "verify" or "decode" (``num_steps`` iterations), with the batch's sampling
+        features. A step with grammar masks runs the device-decided step where that takes
+        the mask (``StepPrograms.mask_in_device_step``), else "step-masked"; a verify
+        step's program depends on Q, its draft distributions' rows."""
+        programs = self.programs
+        features = programs.features(batch)
+        if kind == "decode":
+            return programs.key(kind, batch.shape_key, features, steps=num_steps)
+        if kind == "verify":
+            draft = self._no_draft if inputs is None or inputs.draft_probs is None \
+                else inputs.draft_probs
+            return programs.key(kind, batch.shape_key, features, draft_rows=draft.shape[0])
+        if inputs is not None and inputs.token_mask is not None:
+            if programs.mask_in_device_step:
+                features = None  # only the device-decided step takes a mask there
+            else:
+                kind = "step-masked"
+        return programs.key(kind, batch.shape_key, features)
+
+    def _launch_step(self, batch: BatchMetadata, key: ProgramKey, inputs: StepInputs | None,
+                     chain: bool) -> PendingStep:
+        """Run the single or verify step ``key`` names on ``batch`` (of its bucket)."""
         prev_tokens = self._carry_of_last_call()[0] if chain else self._no_carry[0]
         # Numpy goes straight to the program: its C++ call path transfers the arrays for
         # less than half what a separate jax.device_put of them costs (~0.3 ms a step).
-        args = (self.params, (self.kv_cache, self.penalty_table), batch.packed(), prev_tokens)
-        if verify:
-            draft_probs, q_src = draft if draft is not None else (
-                self._no_draft, np.full(batch.input_ids.shape[0], -1, np.int32))
-            if q_src.shape[0] != batch.input_ids.shape[0]:  # padded into a larger bucket
-                q_src = np.pad(q_src, (0, batch.input_ids.shape[0] - q_src.shape[0]),
-                               constant_values=-1)
-            args += (draft_probs, q_src)
-        elif token_mask is not None:
-            args += (token_mask,)
-        program = self.executables.get(self.programs.name(name, features), batch.shape_key,
-                                       step, args)
-        (self.kv_cache, self.penalty_table), (sampled, *logprobs), last_tokens = program(*args)
-        outputs = (sampled, *logprobs) if batch.want_logprobs.any() else (sampled,)
+        args = (self.params, (self.kv_cache, self.penalty_table), batch.packed(), prev_tokens,
+                *self._extra_args(key, batch, inputs))
+        program = self.executables.get(key, self.programs.jitted(key), args)
+        (self.kv_cache, self.penalty_table), outputs, last_tokens = program(*args)
+        if not batch.want_logprobs.any():
+            outputs = outputs.without_logprobs()
         if self._copy_outputs_early:
-            for array in outputs:
+            for array in outputs.arrays():
                 array.copy_to_host_async()
-        self._last_call = PendingStep(last_tokens, *outputs)
+        self._last_call = PendingStep(last_tokens, outputs)
         return self._last_call
+
+    def _extra_args(self, key: ProgramKey, batch: BatchMetadata, inputs: StepInputs | None,
+                    abstract: bool = False) -> tuple:
+        """The arguments ``key``'s single or verify step takes after ``prev_tokens``, for
+        ``batch`` (``inputs`` padded to its bucket): a verify step's draft distributions and
+        ``q_src`` (none: point-mass proposals); a masked step's grammar masks (none: every
+        token allowed; ``abstract``: then shapes only)."""
+        rows, tokens = batch.block_tables.shape[0], batch.input_ids.shape[0]
+        if key.kind == "verify":
+            draft_probs, q_src = self._no_draft, np.full(tokens, -1, np.int32)
+            if inputs is not None and inputs.draft_probs is not None:
+                draft_probs, q_src = inputs.draft_probs, inputs.q_src
+            if draft_probs.shape[0] != key.draft_rows:
+                raise ValueError(f"{key.name} takes {key.draft_rows} draft rows, "
+                                 f"not {draft_probs.shape[0]}")
+            if q_src.shape[0] != tokens:  # padded into a larger bucket
+                q_src = np.pad(q_src, (0, tokens - q_src.shape[0]), constant_values=-1)
+            return draft_probs, q_src
+        if not self.programs.takes_mask(key):
+            return ()
+        mask = inputs.token_mask if inputs is not None else None
+        if mask is None:
+            return (jax.ShapeDtypeStruct((rows, self.mask_words), np.int32) if abstract
+                    else self._all_allowed(rows),)
+        if mask.shape[0] != rows:  # padded: allow all
+            mask = np.pad(mask, ((0, rows - mask.shape[0]), (0, 0)), constant_values=-1)
+        return (mask,)
 
     def _all_allowed(self, rows: int) -> jax.Array:
         """int32 [rows, mask_words] of set bits, on the device (put there once per size:
@@ -285,10 +316,6 @@ class ModelRunner:
                 np.full((rows, self.mask_words), -1, np.int32))
         return mask
 
-    def _verify_name(self, draft: "tuple[jax.Array, np.ndarray] | None") -> str:
-        """The verify program's base name: it depends on Q, the draft distributions' rows."""
-        return f"verify-q{(self._no_draft if draft is None else draft[0]).shape[0]}"
-
     def _carry_of_last_call(self) -> tuple[jax.Array, jax.Array]:
         """(last tokens int32 [R], done bool [R]) of the call dispatched last; after a
         single step every row is live (a stop is the host's to find)."""
@@ -298,23 +325,27 @@ class ModelRunner:
         return last.last_tokens, self._all_live
 
     def execute(self, batch: BatchMetadata, token_mask: np.ndarray | None = None) -> StepResult:
-        """Run one step and wait for it. Rows past ``num_seqs`` are junk."""
-        return self.dispatch(batch, token_mask=token_mask).fetch()
+        """Run one step (with grammar masks when given) and wait for it. Rows past
+        ``num_seqs`` are junk."""
+        return self.dispatch(batch, "step", StepInputs.of(token_mask)).fetch()
 
     def dispatch_multi_step(self, batch: BatchMetadata, num_steps: int,
-                            row_map: np.ndarray | None = None,
-                            device_decided: bool = False) -> "PendingMultiStep":
+                            row_map: np.ndarray | None = None) -> PendingMultiStep:
         """Launch up to ``num_steps`` decode iterations without waiting.
 
         With ``row_map`` the batch continues the call dispatched just before (not yet
         fetched): row ``i`` continues its row ``row_map[i]`` (-1: none), taking its first
         input token and done flag from the device; the host built ``batch`` as far ahead
-        as that call goes. ``device_decided``: as in ``dispatch``.
+        as that call goes.
         """
-        features = self.programs.features(batch, device_decided)
+        key = self._call_key(batch, "decode", num_steps=num_steps)
         if self.fallback is not None:  # not every program built yet
-            batch, features = self.fallback.fit("decode", batch, features, num_steps)
-        name, loop = self.programs.decode(num_steps, features)
+            batch, key = self.fallback.fit(batch, key)
+        return self._launch_decode(batch, key, row_map)
+
+    def _launch_decode(self, batch: BatchMetadata, key: ProgramKey,
+                       row_map: np.ndarray | None) -> PendingMultiStep:
+        """Run the decode loop ``key`` names on ``batch`` (of its bucket)."""
         num_rows = batch.block_tables.shape[0]
         if row_map is None:
             prev_tokens, prev_done = self._no_carry
@@ -323,21 +354,31 @@ class ModelRunner:
             prev_tokens, prev_done = self._carry_of_last_call()
             row_map = np.pad(np.asarray(row_map, np.int32), (0, num_rows - len(row_map)),
                              constant_values=-1)
-        self.compiled_shapes.add(batch.shape_key + (num_steps,))
         args = (self.params, (self.kv_cache, self.penalty_table), batch.packed(),
                 prev_tokens, prev_done, row_map)
-        program = self.executables.get(name, batch.shape_key, loop, args)
-        (self.kv_cache, self.penalty_table), tokens, carry, logprobs = program(*args)
-        if self._copy_outputs_early:
-            tokens.copy_to_host_async()
+        program = self.executables.get(key, self.programs.jitted(key), args)
+        (self.kv_cache, self.penalty_table), outputs, carry = program(*args)
         if not batch.want_logprobs.any():
-            logprobs = None
-        else:
-            for array in logprobs:
-                if self._copy_outputs_early:
-                    array.copy_to_host_async()
-        self._last_call = PendingMultiStep(tokens, carry, logprobs)
+            outputs = outputs.without_logprobs()
+        if self._copy_outputs_early:
+            for array in outputs.arrays():
+                array.copy_to_host_async()
+        self._last_call = PendingMultiStep(outputs, carry)
         return self._last_call
+
+    def run_program(self, key: ProgramKey, batch: BatchMetadata | None = None) -> None:
+        """Run the program ``key`` names once and wait: how a runner that holds no programs
+        itself (a mesh's plain jit dispatch) builds one. ``batch``: for the model's kinds,
+        a batch of the key's bucket holding nothing (``BatchBuilder.empty``); a
+        "step-masked" step allows every token, a verify step has point-mass proposals."""
+        if key.kind == "move_blocks":
+            self.compile_block_ops([key.bucket[0]])
+        elif key.kind == "penalty_fill":
+            self.compile_penalty_fill()
+        elif key.kind == "decode":
+            self._launch_decode(batch, key, None).fetch()
+        else:
+            self._launch_step(batch, key, None, chain=False).fetch()
 
     def prefetch(self, batch: BatchMetadata, num_steps: int) -> bool:
         """Start building, in the background, the program a plain step (``num_steps`` 1) or
@@ -346,7 +387,7 @@ class ModelRunner:
         prefetch = getattr(self.executables, "prefetch", None)
         if prefetch is None:  # plain jit dispatch on a mesh: nothing to build ahead
             return False
-        return prefetch(*self._program_of(batch, num_steps))
+        return prefetch(*self._spec(self._shape_key(batch, num_steps), batch))
 
     def ensure_program(self, batch: BatchMetadata, num_steps: int) -> bool:
         """Compile now, without running it, the program of ``batch``'s shape (a plain step
@@ -356,59 +397,48 @@ class ModelRunner:
         ensure = getattr(self.executables, "ensure", None)
         if ensure is None:  # plain jit dispatch on a mesh: programs are built when run
             return False
-        return ensure(*self._program_of(batch, num_steps))
+        return ensure(*self._spec(self._shape_key(batch, num_steps), batch))
+
+    def _shape_key(self, batch: BatchMetadata, num_steps: int) -> ProgramKey:
+        """The key a plain step (``num_steps`` 1) or a decode call of ``batch`` runs."""
+        return self._call_key(batch, "step" if num_steps == 1 else "decode",
+                              num_steps=num_steps)
 
     def _fixed_args(self) -> tuple:
         """The params and caches as shapes only (the live caches are donated by every call)."""
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                             (self.params, (self.kv_cache, self.penalty_table)))
 
-    def _program_of(self, batch: BatchMetadata, num_steps: int,
-                    device_decided: bool = False, masked: bool = False) -> tuple:
-        """(name, bucket, jitted, args) of the program a call of ``batch``'s shape runs
-        (``num_steps`` 0: a verify step; ``masked``: the CPU's grammar-masked step), with
-        the params and caches as shapes only."""
+    def _spec(self, key: ProgramKey, batch: BatchMetadata) -> tuple:
+        """(key, jitted, args) of the model program ``key`` names for ``batch`` (of its
+        bucket), with the params and caches as shapes only."""
         fixed = self._fixed_args()
-        features = self.programs.features(batch, device_decided)
-        if num_steps == 0:
-            args = (*fixed, batch.packed(), self._no_carry[0], self._no_draft,
-                    np.full(batch.input_ids.shape[0], -1, np.int32))
-            return (self.programs.name(self._verify_name(None), features), batch.shape_key,
-                    self.programs.step(True, features), args)
-        if num_steps == 1:
-            args = (*fixed, batch.packed(), self._no_carry[0])
-            if masked or (features is None and self.programs.mask_in_device_step):
-                args += (jax.ShapeDtypeStruct((batch.block_tables.shape[0], self.mask_words),
-                                              np.int32),)
-            name = "step-masked" if masked else "step"
-            return (self.programs.name(name, features), batch.shape_key,
-                    self.programs.step(False, features), args)
-        name, loop = self.programs.decode(num_steps, features)
-        row_map = np.full(batch.block_tables.shape[0], -1, np.int32)
-        args = (*fixed, batch.packed(), *self._no_carry, row_map)
-        return name, batch.shape_key, loop, args
+        if key.kind == "decode":
+            row_map = np.full(batch.block_tables.shape[0], -1, np.int32)
+            args = (*fixed, batch.packed(), *self._no_carry, row_map)
+        else:
+            args = (*fixed, batch.packed(), self._no_carry[0],
+                    *self._extra_args(key, batch, None, abstract=True))
+        return key, self.programs.jitted(key), args
 
     def program_spec(self, key: ProgramKey, empty: Callable[..., BatchMetadata]) -> tuple:
-        """(name, bucket, jitted, args) of the program ``key`` names (``core.program_set``);
-        ``empty(T, S, M)`` makes a batch of a bucket (``BatchBuilder.empty``)."""
-        if key.kind in ("step", "step-masked", "decode", "verify"):
-            steps = {"step": 1, "step-masked": 1, "verify": 0}.get(key.kind, key.steps)
-            return self._program_of(empty(*key.bucket), steps, key.device_decided,
-                                    masked=key.kind == "step-masked")
+        """(key, jitted, args) of the program ``key`` names (``core.batch.program_set``;
+        ``ExecutableCache``'s arguments); ``empty(T, S, M)`` makes a batch of a bucket
+        (``BatchBuilder.empty``)."""
+        if key.kind in MODEL_KINDS:
+            return self._spec(key, empty(*key.bucket))
         if key.kind == "move_blocks":
             return self.block_mover.spec(self._fixed_args()[1][0], key.bucket[0])
         if key.kind == "penalty_fill":
             width = key.bucket[0]
             args = ((), self._fixed_args()[1][1], np.int32(0), np.full(width, -1, np.int32),
                     np.zeros(width, np.int32), np.bool_(False))
-            return "penalty_fill", (width,), self._fill_penalties, args
+            return key, self._fill_penalties, args
         raise ValueError(f"unknown program kind {key.kind!r}")
 
-    def execute_multi_step(self, batch: BatchMetadata, num_steps: int,
-                           device_decided: bool = False) -> np.ndarray:
+    def execute_multi_step(self, batch: BatchMetadata, num_steps: int) -> np.ndarray:
         """Run ``num_steps`` decode iterations; int32 [num_steps, S], -1 after a row stops."""
-        return self.dispatch_multi_step(batch, num_steps,
-                                        device_decided=device_decided).fetch()
+        return self.dispatch_multi_step(batch, num_steps).fetch()
 
     def logits(self, batch: BatchMetadata) -> np.ndarray:
         """Run one step and return float32 logits [T, V] for every token (the cache is updated)."""

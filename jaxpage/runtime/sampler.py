@@ -13,7 +13,7 @@ distribution (before penalties and temperature), over the whole vocabulary.
 
 Optional work (the sort for top-k / top-p, penalties, log-probabilities, the noise of
 sampled rows) is skipped by a conditional on the device when no row needs it, or, given
-``features`` (``jaxpage.core.step_features``: the host decided), left out of the
+``features`` (``jaxpage.core.batch.step_features``: the host decided), left out of the
 program or done for every row, with no conditional.
 """
 
@@ -22,8 +22,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxpage.core.penalty_slots import SEEN
-from jaxpage.core.step_features import StepFeatures
+from jaxpage.core.batch.penalty_slots import SEEN
+from jaxpage.core.batch.step_features import StepFeatures
+from jaxpage.runtime.step_batch import StepBatch
 from pallas_kernels.sampling import first_argmax, gumbel_noise, sample_rows
 from pallas_kernels.sampling.reference import kept_scaled
 
@@ -95,31 +96,31 @@ def _filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array
     return kept_scaled(logits, temperature, threshold, min_p)
 
 
-def penalize(logits: jax.Array, penalty_table: jax.Array, batch: dict[str, jax.Array],
+def penalize(logits: jax.Array, penalty_table: jax.Array, batch: StepBatch,
              features: StepFeatures | None = None) -> jax.Array:
     """vLLM's repetition, frequency and presence penalties for rows with a penalty slot.
 
-    logits float32 [S, V]; penalty_table int32 [R, V] (``jaxpage.core.penalty_slots``: a
+    logits float32 [S, V]; penalty_table int32 [R, V] (``jaxpage.core.batch.penalty_slots``: a
     value is count_in_output | SEEN). Rows with ``penalty_slot == -1`` are unchanged, and
     when no row has a slot (``features.penalties`` False, when given) the table is not
     read at all.
     """
-    slots = batch["penalty_slot"]                                            # [S]
+    slots = batch.penalty_slot                                               # [S]
 
     def apply(logits: jax.Array) -> jax.Array:
         values = penalty_table[jnp.maximum(slots, 0)]                        # [S, V]
-        if "proposal_ids" in batch:  # a verify step: count the proposals before each token
-            extra = proposals_before(batch["proposal_ids"], batch["row_start"],
+        if batch.proposal_ids is not None:  # a verify step: count the proposals before each
+            extra = proposals_before(batch.proposal_ids, batch.row_start,
                                      logits.shape[-1])
             values = jnp.where(extra > 0, (values | SEEN) + extra, values)
         values = jnp.where((slots >= 0)[:, None], values, 0)
         seen = values != 0
         counts = (values & (SEEN - 1)).astype(logits.dtype)
-        rep = batch["repetition_penalty"][:, None]                           # [S, 1]
+        rep = batch.repetition_penalty[:, None]                              # [S, 1]
         penalized = jnp.where(logits > 0, logits / rep, logits * rep)
         logits = jnp.where(seen, penalized, logits)
-        logits = logits - batch["frequency_penalty"][:, None] * counts
-        return logits - batch["presence_penalty"][:, None] * (counts > 0).astype(logits.dtype)
+        logits = logits - batch.frequency_penalty[:, None] * counts
+        return logits - batch.presence_penalty[:, None] * (counts > 0).astype(logits.dtype)
 
     if features is not None:
         return apply(logits) if features.penalties else logits
@@ -182,30 +183,30 @@ def add_logit_bias(logits: jax.Array, ids: jax.Array, values: jax.Array) -> jax.
     return logits.at[rows, jnp.maximum(token, 0)].add(jnp.where(token >= 0, values, 0.0))
 
 
-def adjusted_logits(logits: jax.Array, batch: dict[str, jax.Array],
+def adjusted_logits(logits: jax.Array, batch: StepBatch,
                     penalty_table: jax.Array | None = None,
                     features: StepFeatures | None = None) -> jax.Array:
-    """logits float32 [S, V] with the grammar mask (when ``batch`` has ``token_mask``),
-    the logit biases (when it has ``bias_ids``), ``min_tokens``' suppressed stop ids and the penalties applied: what temperature and
-    top-k/p / min-p filtering start from."""
-    if "token_mask" in batch:
-        logits = apply_token_mask(logits, batch["token_mask"])
-    if "bias_ids" in batch and (features is None or features.bias):
-        logits = add_logit_bias(logits, batch["bias_ids"], batch["bias_values"])
+    """logits float32 [S, V] with the grammar mask (when ``batch.token_mask`` is set), the
+    logit biases (unless ``features`` leave them out), ``min_tokens``' suppressed stop ids
+    and the penalties applied: what temperature and top-k/p / min-p filtering start from."""
+    if batch.token_mask is not None:
+        logits = apply_token_mask(logits, batch.token_mask)
+    if features is None or features.bias:
+        logits = add_logit_bias(logits, batch.bias_ids, batch.bias_values)
     if features is None or features.min_tokens:
-        too_early = (batch["sample_index"] < batch["min_tokens"])[:, None]
-        logits = suppress_tokens(logits, jnp.where(too_early, batch["stop_token_ids"], -1))
+        too_early = (batch.sample_index < batch.min_tokens)[:, None]
+        logits = suppress_tokens(logits, jnp.where(too_early, batch.stop_token_ids, -1))
     if penalty_table is not None:
         logits = penalize(logits, penalty_table, batch, features)
     return logits
 
 
-def sampling_probs(adjusted: jax.Array, batch: dict[str, jax.Array],
+def sampling_probs(adjusted: jax.Array, batch: StepBatch,
                    features: StepFeatures | None = None) -> jax.Array:
     """float32 [S, V]: the distribution a sampled row (temperature > 0) draws from, after
     temperature and top-k / top-p / min-p (``adjusted`` from ``adjusted_logits``)."""
-    filtered = _filtered_logits(adjusted, batch["temperature"], batch["top_k"],
-                                batch["top_p"], batch["min_p"], features)
+    filtered = _filtered_logits(adjusted, batch.temperature, batch.top_k,
+                                batch.top_p, batch.min_p, features)
     return jax.nn.softmax(filtered, axis=-1)
 
 
@@ -232,20 +233,21 @@ def rejection_sample(target_probs: jax.Array, draft_probs: jax.Array, proposal: 
     return jnp.where(keep, proposal, replacement).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, batch: dict[str, jax.Array],
+def sample(logits: jax.Array, batch: StepBatch,
            penalty_table: jax.Array | None = None,
            features: StepFeatures | None = None) -> jax.Array:
     """logits float32 [S, V] -> token ids int32 [S]. ``penalty_table``: see ``penalize``
-    (None: no penalties). In a verify step (``jaxpage.runtime.step``) the rows are tokens,
-    and ``batch`` also has ``proposal_ids`` and ``row_start`` (see ``proposals_before``).
+    (None: no penalties). In a verify step (``jaxpage.runtime.step``) the rows are tokens
+    (``step_batch.per_token``: ``proposal_ids`` and ``row_start`` set, see
+    ``proposals_before``).
 
     The last step (greedy, or Gumbel-max after temperature, top-k / top-p and min-p) is
     ``pallas_kernels.sampling.sample_rows``: on the CPU a C++ kernel, one pass per row."""
     logits = adjusted_logits(logits, batch, penalty_table, features)
-    temperature = batch["temperature"]
-    threshold = _sort_threshold(logits, temperature, batch["top_k"], batch["top_p"], features)
-    return sample_rows(logits, temperature, threshold, batch["min_p"],
-                       batch["sample_seeds"], batch["sample_index"],
+    temperature = batch.temperature
+    threshold = _sort_threshold(logits, temperature, batch.top_k, batch.top_p, features)
+    return sample_rows(logits, temperature, threshold, batch.min_p,
+                       batch.sample_seeds, batch.sample_index,
                        stochastic=None if features is None else features.sampled)
 
 
@@ -253,10 +255,11 @@ def sampled_logprobs(logits: jax.Array, tokens: jax.Array, want: jax.Array, k: i
                      features: StepFeatures | None = None
                      ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Log-probabilities of the raw distribution (logits float32 [S, V]) for rows that want
-    them (int32 [S]; all zeros when none does):
+    them (int32 [S]; all zeros when none does), in ``StepOutputs``' field order
+    (``step_outputs.LOGPROB_FIELDS``):
 
-    (logprob of ``tokens`` float32 [S], its 1-based rank int32 [S],
-     top-``k`` ids int32 [S, k], top-``k`` logprobs float32 [S, k]).
+    (top-``k`` ids int32 [S, k], top-``k`` logprobs float32 [S, k], logprob of ``tokens``
+     float32 [S], its 1-based rank int32 [S]).
     """
     rows = logits.shape[0]
 
@@ -265,11 +268,11 @@ def sampled_logprobs(logits: jax.Array, tokens: jax.Array, want: jax.Array, k: i
         chosen = jnp.take_along_axis(logp, jnp.maximum(tokens, 0)[:, None], axis=-1)[:, 0]
         rank = jnp.sum(logp > chosen[:, None], axis=-1).astype(jnp.int32) + 1
         values, ids = jax.lax.top_k(logp, k)
-        return chosen, rank, ids.astype(jnp.int32), values
+        return ids.astype(jnp.int32), values, chosen, rank
 
     def skip():
-        return (jnp.zeros(rows, jnp.float32), jnp.zeros(rows, jnp.int32),
-                jnp.zeros((rows, k), jnp.int32), jnp.zeros((rows, k), jnp.float32))
+        return (jnp.zeros((rows, k), jnp.int32), jnp.zeros((rows, k), jnp.float32),
+                jnp.zeros(rows, jnp.float32), jnp.zeros(rows, jnp.int32))
 
     if features is not None:
         return compute() if features.logprobs else skip()

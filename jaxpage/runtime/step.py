@@ -1,58 +1,52 @@
-"""The pure jitted model step: (params, caches, batch) -> (caches, sampled tokens).
+"""The pure jitted model step: (params, caches, batch) -> (caches, ``StepOutputs``).
 
 ``caches`` is ``(kv_cache, penalty_table)``: the paged KV cache and the penalty table of
-seen tokens and output counts (``jaxpage.core.penalty_slots``). Both are donated: they go
+seen tokens and output counts (``jaxpage.core.batch.penalty_slots``). Both are donated: they go
 in and come back updated, with no hidden device state.
 The model is rebuilt from its graph definition and state with ``nnx.merge`` inside the
-traced function, so the step stays a pure function of arrays.
+traced function, so the step stays a pure function of arrays. Inside, the batch is a
+``step_batch.StepBatch``.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpage.core.batch_metadata import MAX_TOP_LOGPROBS, unpack_batch
-from jaxpage.core.step_features import StepFeatures
+from jaxpage.core.batch.batch_metadata import MAX_TOP_LOGPROBS
+from jaxpage.core.batch.step_features import StepFeatures
 from jaxpage.runtime.sampler import (adjusted_logits, fill_penalty_row, record_token_runs,
                                      record_tokens, rejection_sample, sample, sampled_logprobs,
                                      sampling_probs)
+from jaxpage.runtime.step_batch import Packed, StepBatch, per_token, unpack
+from jaxpage.runtime.step_outputs import StepOutputs
 from pallas_kernels.kv_layout import KVCache  # (k, v) split or (kv,) fused
 
 Caches = tuple[KVCache, jax.Array]  # (kv_cache, penalty_table int32 [R, V])
-Packed = tuple[jax.Array, jax.Array, jax.Array]  # BatchMetadata.packed() on the device
-
-
-def unpack(packed: Packed) -> dict[str, jax.Array]:
-    """The batch's fields inside a program, from ``BatchMetadata.packed`` (free slicing);
-    the seeds get their uint32 type back."""
-    batch = unpack_batch(*packed)
-    batch["sample_seeds"] = jax.lax.bitcast_convert_type(batch["sample_seeds"], jax.numpy.uint32)
-    return batch
 
 
 def make_step(graphdef: Any, jit: Callable = jax.jit, verify: bool = False,
               features: StepFeatures | None = None) -> Callable:
-    """Jitted ``step(params, caches, packed, prev_tokens) -> (caches, (sampled, top_ids,
-    top_logprobs, token_logprobs, token_ranks), last_tokens)``.
+    """Jitted ``step(params, caches, packed, prev_tokens) -> (caches, outputs,
+    last_tokens)``, ``outputs`` a ``StepOutputs``.
 
     ``packed`` is ``BatchMetadata.packed()``. A token whose ``input_src`` is ``i >= 0``
     takes ``prev_tokens[i]`` (int32 [R]: the previous call's ``last_tokens``, still on the
     device) instead of its ``input_ids``: that is how a step scheduled ahead of the host
-    continues the previous one. sampled: int32 [2, S], the tokens and their ``may_stop``
-    flags (one array: one transfer); top_ids, top_logprobs: [S,
-    MAX_TOP_LOGPROBS]; token_logprobs float32 [S] and token_ranks int32 [S] of the sampled
-    tokens (all zeros unless some row has ``want_logprobs``); last_tokens int32 [R]: tokens
-    padded to R rows, for the next call.
+    continues the previous one. outputs: the tokens int32 [S] and their ``may_stop``
+    flags, top_ids / top_logprobs [S, MAX_TOP_LOGPROBS], token_logprobs float32 [S] and
+    token_ranks int32 [S] of the sampled tokens (all zeros unless some row has
+    ``want_logprobs``); last_tokens int32 [R]: tokens padded to R rows, for the next call.
 
     ``verify``: the step checks speculative proposals (``verify_tokens``): every token
-    of the batch is sampled, and ``sampled`` is int32 [3, T] (tokens, may-stop flags,
-    emitted flags); the logprob outputs are per token too. A verify step takes two more
-    arguments, ``draft_probs`` float32 [Q, V] (a draft model's proposal distributions, on
-    the device) and ``q_src`` int32 [T]: for a token whose next token is a proposal drawn
+    of the batch is sampled, and the outputs are per token ([T]), with ``emitted`` flags.
+    A verify step takes two more arguments, ``draft_probs`` float32 [Q, V] (a draft
+    model's proposal distributions, on the device) and ``q_src`` int32 [T]: for a token
+    whose next token is a proposal drawn
     from ``draft_probs[q_src]``, that row (-1: a point-mass proposal, checked by drawing
     from the target and comparing); see ``rejection_sample``.
 
@@ -60,7 +54,7 @@ def make_step(graphdef: Any, jit: Callable = jax.jit, verify: bool = False,
     structured outputs' packed grammar masks (all ones for a row without a grammar),
     applied before everything else the sampler does (``sampler.apply_token_mask``).
 
-    ``features`` (``jaxpage.core.step_features``): the optional sampling work this
+    ``features`` (``jaxpage.core.batch.step_features``): the optional sampling work this
     program does, decided by the host for every batch it runs (no conditional in the
     program); None: decided on the device, one program for every batch.
     """
@@ -71,38 +65,38 @@ def make_step(graphdef: Any, jit: Callable = jax.jit, verify: bool = False,
              *token_mask: jax.Array):
         batch = unpack(packed)
         if token_mask:
-            batch["token_mask"] = token_mask[0]
+            batch = replace(batch, token_mask=token_mask[0])
         kv_cache, penalty_table = caches
         model = nnx.merge(graphdef, state)
         rows = prev_tokens.shape[0]
-        source = batch["input_src"]                                          # [T]
+        source = batch.input_src                                             # [T]
         input_ids = jax.numpy.where(source >= 0, prev_tokens[jax.numpy.clip(source, 0, rows - 1)],
-                                    batch["input_ids"])
+                                    batch.input_ids)
         # the tokens past cu_q_lens[-1] and the rows past num_seqs are padding: the
         # projections skip them
-        live = dict(batch, live_tokens=batch["cu_q_lens"][-1])
-        hidden, kv_cache = model(input_ids, batch["positions"], kv_cache, live)
-        logits = model.compute_logits(hidden[batch["logits_indices"]],  # [S, V]
-                                      batch["num_seqs"][0])
+        live = replace(batch, live_tokens=batch.cu_q_lens[-1])
+        hidden, kv_cache = model(input_ids, batch.positions, kv_cache, live)
+        logits = model.compute_logits(hidden[batch.logits_indices],  # [S, V]
+                                      batch.num_seqs[0])
         tokens = sample(logits, batch, penalty_table, features)
-        penalty_table = record_tokens(penalty_table, batch["penalty_slot"], tokens)
-        chosen, rank, top_ids, top_values = sampled_logprobs(
-            logits, tokens, batch["want_logprobs"], MAX_TOP_LOGPROBS, features)
+        penalty_table = record_tokens(penalty_table, batch.penalty_slot, tokens)
+        logprobs = sampled_logprobs(logits, tokens, batch.want_logprobs, MAX_TOP_LOGPROBS,
+                                    features)
         kept = min(rows, tokens.shape[0])
         last_tokens = jax.numpy.zeros(rows, jax.numpy.int32).at[:kept].set(tokens[:kept])
-        sampled = jax.numpy.stack([tokens, may_stop(tokens, batch)])         # [2, S]
-        return (kv_cache, penalty_table), (sampled, top_ids, top_values, chosen, rank), last_tokens
+        outputs = StepOutputs.of(tokens, may_stop(tokens, batch), None, *logprobs)
+        return (kv_cache, penalty_table), outputs, last_tokens
 
     return jit(step, donate_argnums=(1,))  # jit: a Placement.jit under tensor parallelism
 
 
-def may_stop(tokens: jax.Array, batch: dict) -> jax.Array:
+def may_stop(tokens: jax.Array, batch: StepBatch) -> jax.Array:
     """int32 [S]: 1 where a row's token could end its request (one of its stop ids, or
     its ``max_tokens``-th token), else 0. A superset of the rows that stop (``min_tokens``
     and stop ids past the batch's list are left to the host's exact check): the host
     checks only these rows."""
-    hit = jax.numpy.any(tokens[:, None] == batch["stop_token_ids"], axis=1)       # [S]
-    last = batch["sample_index"] + 1 >= batch["max_output"]                       # [S]
+    hit = jax.numpy.any(tokens[:, None] == batch.stop_token_ids, axis=1)          # [S]
+    last = batch.sample_index + 1 >= batch.max_output                             # [S]
     return (hit | last).astype(jax.numpy.int32)
 
 
@@ -125,17 +119,10 @@ def make_forward_logits(graphdef: Any, jit: Callable = jax.jit) -> Callable:
     def forward(state: Any, kv_cache: KVCache, packed: Packed):
         batch = unpack(packed)
         model = nnx.merge(graphdef, state)
-        hidden, kv_cache = model(batch["input_ids"], batch["positions"], kv_cache, batch)
+        hidden, kv_cache = model(batch.input_ids, batch.positions, kv_cache, batch)
         return kv_cache, model.compute_logits(hidden)
 
     return jit(forward, donate_argnums=(1,))
-
-
-# The per-row fields the sampler and ``may_stop`` read: a verify step gathers them per token.
-_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "sample_seeds", "sample_index",
-                    "min_tokens", "stop_token_ids", "max_output", "want_logprobs",
-                    "penalty_slot", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "bias_ids", "bias_values")
 
 
 def verify_tokens(tokens: jax.Array, input_ids: jax.Array, cu_q_lens: jax.Array,
@@ -171,50 +158,50 @@ def _verify_step(graphdef: Any, features: StepFeatures | None = None) -> Callabl
         batch = unpack(packed)
         kv_cache, penalty_table = caches
         model = nnx.merge(graphdef, state)
-        input_ids = batch["input_ids"]                                       # [T]
-        hidden, kv_cache = model(input_ids, batch["positions"], kv_cache, batch)
+        input_ids = batch.input_ids                                          # [T]
+        hidden, kv_cache = model(input_ids, batch.positions, kv_cache, batch)
         logits = model.compute_logits(hidden)                                # [T, V]
-        T, S = input_ids.shape[0], batch["kv_lens"].shape[0]
-        cu_q_lens = batch["cu_q_lens"]                                       # [S + 1]
+        T, S = input_ids.shape[0], batch.kv_lens.shape[0]
+        cu_q_lens = batch.cu_q_lens                                          # [S + 1]
         index = jnp.arange(T, dtype=jnp.int32)
         token_row = jnp.clip(jnp.searchsorted(cu_q_lens[1:], index, side="right"),
                              0, S - 1).astype(jnp.int32)                     # [T]
-        per_token = {name: batch[name][token_row] for name in _SAMPLING_FIELDS}
-        # The j-th token of a row samples that row's output number sample_index + j.
-        per_token["sample_index"] = per_token["sample_index"] + index - cu_q_lens[token_row]
         real = index < cu_q_lens[-1]
-        per_token["penalty_slot"] = jnp.where(real, per_token["penalty_slot"], -1)
         # Penalties at a row's j-th token count the row's proposals 1..j as output tokens.
         start = cu_q_lens[token_row]
-        per_token["row_start"] = start
-        per_token["proposal_ids"] = jnp.where(real & (index > start), input_ids, -1)
-        tokens = sample(logits, per_token, penalty_table, features)          # [T]
+        tokens_of = per_token(batch, token_row, start,
+                              jnp.where(real & (index > start), input_ids, -1))
+        # The j-th token of a row samples that row's output number sample_index + j.
+        tokens_of = replace(tokens_of,
+                            sample_index=tokens_of.sample_index + index - start,
+                            penalty_slot=jnp.where(real, tokens_of.penalty_slot, -1))
+        tokens = sample(logits, tokens_of, penalty_table, features)          # [T]
         if draft_probs.shape[0] > 1:  # a draft model's proposals: min(1, p/q) acceptance
-            has_q = (q_src >= 0) & (per_token["temperature"] > 0) & real     # [T]
+            has_q = (q_src >= 0) & (tokens_of.temperature > 0) & real        # [T]
             proposal = jnp.concatenate([input_ids[1:], jnp.zeros(1, input_ids.dtype)])
 
             def rejection() -> jax.Array:
-                p = sampling_probs(adjusted_logits(logits, per_token, penalty_table, features),
-                                   per_token, features)
+                p = sampling_probs(adjusted_logits(logits, tokens_of, penalty_table, features),
+                                   tokens_of, features)
                 drawn = rejection_sample(p, draft_probs[jnp.maximum(q_src, 0)], proposal,
-                                         per_token["sample_seeds"], per_token["sample_index"])
+                                         tokens_of.sample_seeds, tokens_of.sample_index)
                 return jnp.where(has_q, drawn, tokens)
 
             if features is None:
                 tokens = jax.lax.cond(jnp.any(has_q), rejection, lambda: tokens)
             elif features.sampled:  # no sampled row: no row has a draft distribution
                 tokens = rejection()
-        last = tokens[batch["logits_indices"]]                               # [S]
-        chosen, rank, top_ids, top_values = sampled_logprobs(
-            logits, tokens, per_token["want_logprobs"], MAX_TOP_LOGPROBS, features)
+        last = tokens[batch.logits_indices]                                  # [S]
+        logprobs = sampled_logprobs(logits, tokens, tokens_of.want_logprobs, MAX_TOP_LOGPROBS,
+                                    features)
         emitted = verify_tokens(tokens, input_ids, cu_q_lens, token_row)
         # The device keeps the penalty rows current: every emitted token is counted.
         penalty_table = record_token_runs(
-            penalty_table, jnp.where(emitted > 0, per_token["penalty_slot"], -1), tokens)
-        sampled = jnp.stack([tokens, may_stop(tokens, per_token), emitted])  # [3, T]
+            penalty_table, jnp.where(emitted > 0, tokens_of.penalty_slot, -1), tokens)
+        outputs = StepOutputs.of(tokens, may_stop(tokens, tokens_of), emitted, *logprobs)
         rows = prev_tokens.shape[0]
         kept = min(rows, S)
         last_tokens = jnp.zeros(rows, jnp.int32).at[:kept].set(last[:kept])
-        return (kv_cache, penalty_table), (sampled, top_ids, top_values, chosen, rank), last_tokens
+        return (kv_cache, penalty_table), outputs, last_tokens
 
     return step

@@ -1,7 +1,7 @@
-"""Which jitted function runs a batch, and the name its compiled program is saved and
-shared under (``ExecutableCache`` keys programs by name and bucket).
+"""Which jitted function runs a batch, and the key its compiled program is saved and
+shared under (``core.batch.program_set.ProgramKey``, which ``ExecutableCache`` keys programs by).
 
-The host picks a batch's sampling program (``core.step_features.features_of``) on a GPU,
+The host picks a batch's sampling program (``core.batch.step_features.features_of``) on a GPU,
 where a conditional inside a program makes the launch wait for the device, and on the
 CPU, where the conditionals' results are fresh copies of the [S, V] logits (the tiny
 preset's 1,024-row decode step: 18 -> 8.4 ms). A TPU runs the program that decides with
@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from jaxpage.core.batch_metadata import BatchMetadata
-from jaxpage.core.step_features import StepFeatures, features_of
+from jaxpage.core.batch.batch_metadata import BatchMetadata
+from jaxpage.core.batch.program_set import ProgramKey
+from jaxpage.core.batch.step_features import StepFeatures, features_of
 from jaxpage.runtime.decode_loop import make_decode_loop
 from jaxpage.runtime.step import make_step
 from pallas_kernels._backend import branches_wait_for_device
@@ -36,34 +37,41 @@ class StepPrograms:
         self.decode_loops: dict[tuple[int, StepFeatures | None, bool], Any] = {}
         self._graphdef, self._block_size, self._jit = graphdef, block_size, jit
 
-    def features(self, batch: BatchMetadata, device_decided: bool = False
-                 ) -> StepFeatures | None:
-        """The features of the program that runs ``batch`` (``device_decided``: the
-        program that decides on the device, whatever the batch needs)."""
-        return features_of(batch, self.host_decides_branches and not device_decided)
+    def features(self, batch: BatchMetadata) -> StepFeatures | None:
+        """The features of the program that runs ``batch`` (None: the program that decides
+        on the device, which runs any batch)."""
+        return features_of(batch, self.host_decides_branches)
 
-    @staticmethod
-    def name(base: str, features: StepFeatures | None) -> str:
-        """A single step's program name: ``base`` ("step", "step-masked", "verify-q4")
-        and the features' suffix."""
-        return base + (features.suffix if features is not None else "")
+    def key(self, kind: str, bucket: tuple[int, ...], features: StepFeatures | None,
+            steps: int = 1, draft_rows: int = 0) -> ProgramKey:
+        """The key of the ``kind`` program ("step", "step-masked", "verify", "decode") of
+        ``bucket`` with ``features`` on this platform (a decode loop's length fixed or not;
+        ``steps``: a decode call's iterations; ``draft_rows``: a verify step's Q)."""
+        return ProgramKey.of(kind, bucket, features, host_decides=self.host_decides_branches,
+                             steps=steps, draft_rows=draft_rows,
+                             fixed_length=self.fixed_decode_length)
 
-    def step(self, verify: bool, features: StepFeatures | None) -> Any:
-        """The jitted single step (``verify``: the speculative verify step)."""
-        step = self.steps.get((verify, features))
+    def takes_mask(self, key: ProgramKey) -> bool:
+        """The program takes a grammar mask (``make_step``'s ``token_mask``): the CPU's
+        "step-masked", and on accelerators every device-decided single step."""
+        return key.kind == "step-masked" or (key.kind == "step" and key.features is None
+                                             and self.mask_in_device_step)
+
+    def jitted(self, key: ProgramKey) -> Any:
+        """The jitted function of ``key``'s program (any bucket): the single step ("step"
+        and "step-masked" share it: the mask is an argument), the verify step, or the
+        decode loop of ``key.steps`` iterations; each made once."""
+        if key.kind == "decode":
+            loop_key = (key.steps, key.features, key.fixed_length)
+            loop = self.decode_loops.get(loop_key)
+            if loop is None:
+                loop = self.decode_loops[loop_key] = make_decode_loop(
+                    self._graphdef, key.steps, self._block_size, jit=self._jit,
+                    features=key.features, fixed_length=key.fixed_length)
+            return loop
+        step_key = (key.kind == "verify", key.features)
+        step = self.steps.get(step_key)
         if step is None:
-            step = self.steps[verify, features] = make_step(
-                self._graphdef, jit=self._jit, verify=verify, features=features)
+            step = self.steps[step_key] = make_step(self._graphdef, jit=self._jit,
+                                                    verify=step_key[0], features=key.features)
         return step
-
-    def decode(self, num_steps: int, features: StepFeatures | None) -> tuple[str, Any]:
-        """(name, jitted loop) of the multi-step decode call: the name tells its
-        iterations, its features and whether its length is fixed (each its own program)."""
-        key = (num_steps, features, self.fixed_decode_length)
-        loop = self.decode_loops.get(key)
-        if loop is None:
-            loop = self.decode_loops[key] = make_decode_loop(
-                self._graphdef, num_steps, self._block_size, jit=self._jit,
-                features=features, fixed_length=self.fixed_decode_length)
-        name = self.name(f"decode{num_steps}", features)
-        return name + ("+fixed" if self.fixed_decode_length else ""), loop

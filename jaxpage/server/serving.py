@@ -14,7 +14,7 @@ import time
 from typing import Any, AsyncIterator
 
 from jaxpage.engine.async_llm_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError,
-                                             RequestStream, supports_delta_outputs)
+                                             RequestStream)
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxpage.server.errors import APIError, bad_request_from
@@ -29,7 +29,7 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, *, max_toke
                     structured_outputs: StructuredOutputsParams | None = None,
                     defaults: dict | None = None) -> SamplingParams:
     """SamplingParams from the request's fields: where a field is null, ``defaults`` (the
-    checkpoint's generation config: ``engine.generation_config``), else OpenAI's."""
+    checkpoint's generation config: ``engine.startup.generation_config``), else OpenAI's."""
     defaults = defaults or {}
 
     def pick(value, default, name=None):
@@ -47,9 +47,7 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, *, max_toke
     if max_tokens is None and "max_tokens" in defaults:
         max_tokens = defaults["max_tokens"]
 
-    extra = {}
-    if stream and supports_delta_outputs():
-        extra["output_kind"] = "delta"
+    extra = {"output_kind": "delta"} if stream else {}
     try:
         return SamplingParams(
             n=body.n, temperature=pick(body.temperature, 1.0, "temperature"),

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 
 def first_argmax(values: jax.Array) -> jax.Array:
     """int32 [S]: the first index of each row's maximum of ``values`` [S, V], as
-    ``jnp.argmax`` (NaN aside). XLA's CPU argmax is a variadic reduce, ~5x slower than a
-    max followed by the smallest index holding it (indices as float32: exact below 2**24,
+    ``jnp.argmax`` (NaN aside). XLA's CPU argmax is a variadic reduce, several times slower
+    than a max followed by the smallest index holding it (indices as float32: exact below 2**24,
     and float reductions vectorize where int32 ones did not)."""
     vocab = values.shape[-1]
     top = jnp.max(values, axis=-1, keepdims=True)                           # [S, 1]
@@ -35,8 +35,8 @@ def gumbel_noise(seeds: jax.Array, index: jax.Array, vocab: int) -> jax.Array:
 
     A counter-based hash (splitmix's pattern: a per-draw key plus the token id times the
     golden ratio, then a strong mixer) in a few integer operations per entry, where
-    ``jax.random``'s threefry takes dozens: on the CPU the noise for 256 rows of a 4k
-    vocabulary took ~3 ms a step with threefry, most of sampling's cost.
+    ``jax.random``'s threefry takes dozens, which made the noise most of sampling's cost
+    on the CPU (``docs/benchmarks/design_measurements.md``).
     """
     golden = jnp.uint32(0x9E3779B9)
     key = _mix32(_mix32(seeds.astype(jnp.uint32)) ^ (index.astype(jnp.uint32) * golden

@@ -3,7 +3,7 @@
 XLA:GPU runs a conditional by reading its predicate back to the host (the launching
 thread blocks on the stream), and a while loop of unknown length does so every
 iteration (``pallas_kernels._backend.branches_wait_for_device``). With the sampling
-features decided on the host (``jaxpage.core.step_features``), the single step, the
+features decided on the host (``jaxpage.core.batch.step_features``), the single step, the
 verify step and the multi-step decode loop compiled for an H100 without the hardware
 have no conditional, and their only loops have a known trip count. The programs that
 decide on the device (``features=None``, what the CPU and the TPU run) are compiled too,
@@ -20,14 +20,14 @@ import pytest
 from flax import nnx
 
 from jaxpage.arch_config import ArchConfig
-from jaxpage.core.batch import BatchBuilder
-from jaxpage.core.block_pool import BlockPool
-from jaxpage.core.kv_cache_manager import KVCacheManager
+from jaxpage.core.batch.builder import BatchBuilder
+from jaxpage.core.kv.block_pool import BlockPool
+from jaxpage.core.kv.kv_cache_manager import KVCacheManager
 from jaxpage.models.llama import CausalLM
 from jaxpage.parallel.targets import single_device_spec, target_devices
 from jaxpage.runtime.decode_loop import make_decode_loop
 from jaxpage.runtime.step import make_step
-from jaxpage.core.step_features import ALL_FEATURES, NO_FEATURES
+from jaxpage.core.batch.step_features import ALL_FEATURES, NO_FEATURES
 
 # Enough layers and tokens that RoPE's table would be computed once behind a conditional
 # on the CPU (``CausalLM._rope_tables``).

@@ -11,9 +11,9 @@ import pytest
 from flax import nnx
 
 from jaxpage.arch_config import ArchConfig
-from jaxpage.core.batch import BatchBuilder
-from jaxpage.core.block_pool import BlockPool
-from jaxpage.core.kv_cache_manager import KVCacheManager
+from jaxpage.core.batch.builder import BatchBuilder
+from jaxpage.core.kv.block_pool import BlockPool
+from jaxpage.core.kv.kv_cache_manager import KVCacheManager
 from jaxpage.models.llama import CausalLM
 from jaxpage.parallel.targets import single_device_spec, target_devices
 from jaxpage.runtime.step import make_step

@@ -3,7 +3,7 @@
 
 Counted, not compiled: ``AbstractEngine.program_set()`` is what ``jaxpage plan --buckets
 warmup|all`` compiles and what ``LLM(warmup="ready")`` (the accelerator default) builds,
-from the same ``core.program_set``. The targets are tpu-inference's CI settings for
+from the same ``core.batch.program_set``. The targets are tpu-inference's CI settings for
 Llama-3.1-8B.
 """
 

@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from jaxpage.core.batch import BatchBuilder, BucketLadder
+from jaxpage.core.batch.builder import BatchBuilder, BucketLadder
+from jaxpage.core.batch.step_result import StepResult
 from tests.core.helpers import make_request, make_scheduler
 
 
@@ -37,9 +38,9 @@ def test_mixed_prefill_and_decode_batch_layout():
     a = make_request("a", 5, temperature=0.5, top_k=7, top_p=0.9, min_p=0.1, seed=3)
     s.add_request(a)
     first = s.schedule()
-    s.update_from_output(first, np.array([60], np.int32))
+    s.apply(first, StepResult(np.array([60], np.int32)))
     s.add_request(make_request("b", 3, min_tokens=2, stop_token_ids=[9]))
-    batch = builder.build(s.schedule())
+    batch = builder.build(s.schedule()).metadata
     assert batch.shape_key == (16, 2, 8)
     np.testing.assert_array_equal(batch.input_ids[:4], [60] + make_request("b", 3).prompt_token_ids)
     np.testing.assert_array_equal(batch.positions[:4], [5, 0, 1, 2])
@@ -72,7 +73,7 @@ def test_steps_with_prefill_seat_at_least_one_sequence_per_8_tokens():
     assert builder.seats(16, 3, decodes_only=False) == 4
     assert builder.seats(128, 1, decodes_only=True) == 1
     s.add_request(make_request("long", 40, max_tokens=2))        # 40 tokens: rung 64
-    batch = builder.build(s.schedule())
+    batch = builder.build(s.schedule()).metadata
     assert batch.shape_key == (64, 8, 16)
     np.testing.assert_array_equal(batch.num_seqs, [1])
     np.testing.assert_array_equal(batch.kv_lens, [40] + [0] * 7)
@@ -88,7 +89,7 @@ def test_padding_sequences_repeat_the_last_offset():
     builder = BatchBuilder(s.kv, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64)
     for name in "abc":
         s.add_request(make_request(name, 2))
-    batch = builder.build(s.schedule())
+    batch = builder.build(s.schedule()).metadata
     assert batch.block_tables.shape[0] == 4
     np.testing.assert_array_equal(batch.cu_q_lens, [0, 2, 4, 6, 6])
     np.testing.assert_array_equal(batch.kv_lens, [2, 2, 2, 0])
@@ -108,7 +109,7 @@ def test_enumerated_shapes_cover_every_batch_the_builder_makes():
         builder = BatchBuilder(s.kv, max_num_batched_tokens=40, max_num_seqs=6, max_model_len=64)
         for i in range(n):
             s.add_request(make_request(f"r{i}", 1 + (extra if i == 0 else 0), max_tokens=3))
-        batch = builder.build(s.schedule())
+        batch = builder.build(s.schedule()).metadata
         seen.add(batch.shape_key)
         assert batch.shape_key in shapes
         empty = builder.empty(*batch.shape_key)
@@ -120,7 +121,7 @@ def test_enumerated_shapes_cover_every_batch_the_builder_makes():
 def test_decode_seats_have_three_quarter_rungs_from_32():
     """Power-of-two decode rungs from 32 seats up have a rung at 3/4 below them (24, 48,
     96); a top rung that is not a power of two (100) gets none; decode_shapes lists them."""
-    from jaxpage.core.batch_shapes import BatchShapes
+    from jaxpage.core.batch.batch_shapes import BatchShapes
 
     shapes = BatchShapes(max_num_batched_tokens=512, max_num_seqs=64, max_blocks=8)
     seats = {n: shapes.decode_seats(n) for n in range(1, 65)}
@@ -145,9 +146,9 @@ def test_decode_only_batches_pad_tokens_like_sequences(n, tokens):
     for i in range(n):
         s.add_request(make_request(f"r{i}", 3, max_tokens=5))
     prefill = s.schedule()
-    assert builder.build(prefill).shape_key[0] == builder.token_ladder.fit(3 * n) >= 16
-    s.update_from_output(prefill, np.full(n, 7, np.int32))
-    batch = builder.build(s.schedule())
+    assert builder.build(prefill).metadata.shape_key[0] == builder.token_ladder.fit(3 * n) >= 16
+    s.apply(prefill, StepResult(np.full(n, 7, np.int32)))
+    batch = builder.build(s.schedule()).metadata
     assert batch.shape_key == (tokens, tokens, 8)
     assert batch.shape_key in set(builder.decode_shapes()) <= set(builder.step_shapes())
     np.testing.assert_array_equal(batch.input_ids[:n], [7] * n)

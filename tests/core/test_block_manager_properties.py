@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from jaxpage.core.request import RequestStatus
+from jaxpage.core.batch.step_result import StepResult
 from tests.core.helpers import make_request, make_scheduler
 
 PREFIXES = [list(range(100, 108)), list(range(200, 206)), []]
@@ -45,7 +46,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.s.kv.take_pending_block_ops()
         tokens = data.draw(st.lists(st.sampled_from([2, 7, 8, 9]), min_size=len(out.scheduled),
                                     max_size=len(out.scheduled)))
-        self.s.update_from_output(out, np.asarray(tokens, np.int32))
+        self.s.apply(out, StepResult(np.asarray(tokens, np.int32)))
 
     @rule(data=st.data())
     def abort(self, data):
@@ -80,7 +81,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def apply_drain_step(self, out):
         """``drain``'s step: every row samples token 7."""
-        self.s.update_from_output(out, np.full(len(out.scheduled), 7, np.int32))
+        self.s.apply(out, StepResult(np.full(len(out.scheduled), 7, np.int32)))
 
     @invariant()
     def blocks_are_accounted_for(self):

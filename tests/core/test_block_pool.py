@@ -1,7 +1,7 @@
 import pytest
 
-from jaxpage.core.block_pool import BlockPool
-from jaxpage.core.kv_cache_manager import KVCacheManager
+from jaxpage.core.kv.block_pool import BlockPool
+from jaxpage.core.kv.kv_cache_manager import KVCacheManager
 from tests.core.helpers import make_request
 
 

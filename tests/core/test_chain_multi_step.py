@@ -1,18 +1,19 @@
-"""Scheduler.chain_multi_step: when a multi-step call may be queued behind a running one."""
+"""AheadOfHost.chain_multi_step: when a multi-step call may be queued behind a running one."""
 
 import numpy as np
 
-from jaxpage.core.batch import BatchBuilder
+from jaxpage.core.batch.builder import BatchBuilder
 from jaxpage.core.request import RequestStatus
+from jaxpage.core.batch.step_result import StepResult
 from tests.core.helpers import make_request, make_scheduler
 
 
 def decode_window(s, num_steps=4):
     """Prefill every request, then schedule one all-decode window of ``num_steps``."""
     out = s.schedule()
-    s.update_from_output(out, np.full(len(out.scheduled), 50, np.int32))  # prefill + 1 token
+    s.apply(out, StepResult(np.full(len(out.scheduled), 50, np.int32)))  # prefill + 1 token
     out = s.schedule()
-    assert s.reserve_multi_step(out, num_steps) == num_steps
+    assert s.ahead.reserve_multi_step(out, num_steps) == num_steps
     return out
 
 
@@ -28,11 +29,11 @@ def test_chain_reserves_the_next_window_and_builds_ahead():
     # prefill: a takes blocks 1-2 (6 tokens), b block 3; the window (slots to 10 and 7)
     # adds one block each
     assert block_ids(s, "a") == [1, 2, 4] and block_ids(s, "b") == [3, 5]
-    chained = s.chain_multi_step(out, 4)
+    chained = s.ahead.chain_multi_step(out, 4)
     assert [(i.request.request_id, i.num_new_tokens) for i in chained.scheduled] == [("a", 1), ("b", 1)]
     assert block_ids(s, "a") == [1, 2, 4, 6] and block_ids(s, "b") == [3, 5, 7]  # to 14 / 11
     builder = BatchBuilder(s.kv, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=1024)
-    batch = builder.build(chained, ahead=4)
+    batch = builder.build(chained, ahead=4).metadata
     assert batch.positions[:2].tolist() == [10, 7]      # 4 ahead of the host's 6 and 3
     assert batch.kv_lens[:2].tolist() == [11, 8]
     assert batch.sample_index[:2].tolist() == [5, 5]
@@ -44,17 +45,17 @@ def test_no_chain_when_the_next_batch_depends_on_the_host():
     s.add_request(make_request("a", 6, max_tokens=20))
     out = decode_window(s)
     s.add_request(make_request("late", 3))
-    assert s.chain_multi_step(out, 4) is None           # a new request must be admitted
+    assert s.ahead.chain_multi_step(out, 4) is None           # a new request must be admitted
     s = make_scheduler(num_blocks=32, block_size=4)
     s.add_request(make_request("short", 6, max_tokens=5))
     out = decode_window(s)
-    assert s.chain_multi_step(out, 4) is None           # nothing can outlive the window
-    assert s.chain_multi_step(out, 1) is None           # single steps never chain
+    assert s.ahead.chain_multi_step(out, 4) is None           # nothing can outlive the window
+    assert s.ahead.chain_multi_step(out, 1) is None           # single steps never chain
     s = make_scheduler(num_blocks=5, block_size=4)      # null block + 4 blocks: 16 slots
     s.add_request(make_request("a", 6, max_tokens=40))
     out = decode_window(s, 8)                           # slots 6..13: blocks 1-4, all of them
     assert block_ids(s, "a") == [1, 2, 3, 4]
-    assert s.chain_multi_step(out, 8) is None           # slots to 21 do not fit: no chain
+    assert s.ahead.chain_multi_step(out, 8) is None           # slots to 21 do not fit: no chain
 
 
 def test_chain_skips_finished_requests():
@@ -63,7 +64,7 @@ def test_chain_skips_finished_requests():
         s.add_request(make_request(name, 5, max_tokens=30))
     out = decode_window(s)
     s.finish_request("b", RequestStatus.FINISHED_ABORTED)
-    chained = s.chain_multi_step(out, 4)
+    chained = s.ahead.chain_multi_step(out, 4)
     assert [i.request.request_id for i in chained.scheduled] == ["a", "c"]
 
 
@@ -76,6 +77,6 @@ def test_chain_leaves_out_requests_the_running_window_finishes():
     s.add_request(make_request("past", 5, max_tokens=6))   # 1 out + 4: one more to go
     out = decode_window(s)
     edge_blocks = block_ids(s, "edge")
-    chained = s.chain_multi_step(out, 4)
+    chained = s.ahead.chain_multi_step(out, 4)
     assert [i.request.request_id for i in chained.scheduled] == ["long", "past"]
     assert block_ids(s, "edge") == edge_blocks

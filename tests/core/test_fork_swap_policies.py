@@ -4,13 +4,14 @@ import numpy as np
 import pytest
 
 from jaxpage.core.request import RequestStatus
+from jaxpage.core.batch.step_result import StepResult
 from tests.core.helpers import make_request, make_scheduler
 
 
 def step(s, tokens=None):
     out = s.schedule()
     n = len(out.scheduled)
-    s.update_from_output(out, np.asarray(tokens if tokens is not None else [50] * n, np.int32))
+    s.apply(out, StepResult(np.asarray(tokens if tokens is not None else [50] * n, np.int32)))
     return [(x.request.request_id, x.num_new_tokens) for x in out.scheduled], out
 
 

@@ -7,8 +7,9 @@ import numpy as np
 
 import pytest
 
-from jaxpage.core.lora_slots import LoRASlots
+from jaxpage.core.sched.lora_slots import LoRASlots
 from jaxpage.core.request import RequestStatus
+from jaxpage.core.batch.step_result import StepResult
 
 from tests.core.helpers import make_request, make_scheduler
 
@@ -57,8 +58,7 @@ def _with_adapter(request, key):
 
 
 def test_scheduler_runs_at_most_max_loras_adapters_and_passes_over_the_rest():
-    scheduler = make_scheduler(num_blocks=64, max_num_seqs=8)
-    scheduler.lora_slots = LoRASlots(2)
+    scheduler = make_scheduler(num_blocks=64, max_num_seqs=8, lora_slots=LoRASlots(2))
     a1 = _with_adapter(make_request("a1", 5), "A")
     b1 = _with_adapter(make_request("b1", 5), "B")
     c1 = _with_adapter(make_request("c1", 5), "C")
@@ -70,40 +70,38 @@ def test_scheduler_runs_at_most_max_loras_adapters_and_passes_over_the_rest():
     assert [item.request.request_id for item in out.scheduled] == ["a1", "b1", "base", "a2"]
     assert [r.lora_slot for r in (a1, b1, base, a2)] == [1, 2, 0, 1]
     assert c1.status is RequestStatus.WAITING and c1.lora_slot == 0
-    assert scheduler.lora_slots.take_loads() == [(1, a1.lora), (2, b1.lora)]
+    assert scheduler.lora.slots.take_loads() == [(1, a1.lora), (2, b1.lora)]
     # b1 finishes: its adapter's slot is the one C takes, A's stays (a1, a2 run)
     scheduler.finish_request("b1", RequestStatus.FINISHED_ABORTED)
-    scheduler.update_from_output(out, np.zeros(len(out.scheduled), np.int32))
+    scheduler.apply(out, StepResult(np.zeros(len(out.scheduled), np.int32)))
     scheduler.schedule()
     assert c1.status is RequestStatus.RUNNING and c1.lora_slot == 2
-    assert scheduler.lora_slots.take_loads() == [(2, c1.lora)]
-    assert scheduler.lora_slots.resident() == {"A": 1, "C": 2}
+    assert scheduler.lora.slots.take_loads() == [(2, c1.lora)]
+    assert scheduler.lora.slots.resident() == {"A": 1, "C": 2}
 
 
 def test_with_one_slot_the_next_adapter_waits_for_the_running_one_to_finish():
-    scheduler = make_scheduler(num_blocks=64, max_num_seqs=1)
-    scheduler.lora_slots = LoRASlots(1)
+    scheduler = make_scheduler(num_blocks=64, max_num_seqs=1, lora_slots=LoRASlots(1))
     a = _with_adapter(make_request("a", 5), "A")
     b = _with_adapter(make_request("b", 5), "B")
     scheduler.add_request(a)
     scheduler.add_request(b)
     out = scheduler.schedule()
     assert [item.request.request_id for item in out.scheduled] == ["a"]
-    scheduler.update_from_output(out, np.zeros(1, np.int32))
+    scheduler.apply(out, StepResult(np.zeros(1, np.int32)))
     assert scheduler.schedule().requests == [a]      # b waits: its adapter has no slot
     scheduler.finish_request("a", RequestStatus.FINISHED_ABORTED)
-    scheduler.update_from_output(out, np.zeros(1, np.int32))
+    scheduler.apply(out, StepResult(np.zeros(1, np.int32)))
     out = scheduler.schedule()
     assert [item.request.request_id for item in out.scheduled] == ["b"] and b.lora_slot == 1
-    assert scheduler.lora_slots.take_loads() == [(1, a.lora), (1, b.lora)]
+    assert scheduler.lora.slots.take_loads() == [(1, a.lora), (1, b.lora)]
 
 
 def test_a_request_passed_over_for_its_adapter_does_not_wait_for_ever():
     """With one slot held by adapter A, requests of A keep arriving; B's request is passed
     over only for ``priority_aging_steps`` steps, then nothing is admitted past it until
     A's requests drain and B gets the slot."""
-    scheduler = make_scheduler(num_blocks=256, max_num_seqs=8, priority_aging_steps=3)
-    scheduler.lora_slots = LoRASlots(1)
+    scheduler = make_scheduler(num_blocks=256, max_num_seqs=8, priority_aging_steps=3, lora_slots=LoRASlots(1))
     first = _with_adapter(make_request("a0", 5, max_tokens=3), "A")
     scheduler.add_request(first)
     blocked = _with_adapter(make_request("b", 5, max_tokens=3), "B")
@@ -114,7 +112,7 @@ def test_a_request_passed_over_for_its_adapter_does_not_wait_for_ever():
         out = scheduler.schedule()
         admitted += [i.request.request_id for i in out.scheduled
                      if i.request.num_computed_tokens == 0]
-        scheduler.update_from_output(out, np.full(len(out.scheduled), 7, np.int32))
+        scheduler.apply(out, StepResult(np.full(len(out.scheduled), 7, np.int32)))
         if blocked.status is RequestStatus.RUNNING:
             break
     assert blocked.status is RequestStatus.RUNNING and blocked.lora_slot == 1
@@ -127,14 +125,13 @@ def test_a_swapped_request_waiting_for_its_adapter_holds_new_work_back():
     """A request swapped out while its adapter lost its slot comes back before new work:
     no waiting request is admitted until the swapped one gets a slot."""
     scheduler = make_scheduler(num_blocks=64, max_num_seqs=8, num_host_blocks=16,
-                               preemption_mode="swap")
-    scheduler.lora_slots = LoRASlots(2)
+                               preemption_mode="swap", lora_slots=LoRASlots(2))
     a0 = _with_adapter(make_request("a0", 5, max_tokens=50), "A")
     b = _with_adapter(make_request("b", 5, max_tokens=50), "B")
     for request in (a0, b):
         scheduler.add_request(request)
     out = scheduler.schedule()
-    scheduler.update_from_output(out, np.full(2, 7, np.int32))
+    scheduler.apply(out, StepResult(np.full(2, 7, np.int32)))
     scheduler.running.remove(b)
     scheduler._preempt(b)                             # swapped out, as under memory pressure
     assert b.status is RequestStatus.SWAPPED
@@ -144,12 +141,12 @@ def test_a_swapped_request_waiting_for_its_adapter_holds_new_work_back():
     scheduler.kv.can_swap_in = lambda request: False  # one step without room to swap b in
     scheduler.schedule()                              # C takes B's slot (B runs nowhere)
     scheduler.kv.can_swap_in = can_swap_in
-    assert c.status is RequestStatus.RUNNING and scheduler.lora_slots.slot_of("B") is None
+    assert c.status is RequestStatus.RUNNING and scheduler.lora.slots.slot_of("B") is None
     a1 = _with_adapter(make_request("a1", 5), "A")   # its adapter is seated, but...
     scheduler.add_request(a1)
     out = scheduler.schedule()
     assert a1.status is RequestStatus.WAITING and b.status is RequestStatus.SWAPPED
     scheduler.finish_request("c", RequestStatus.FINISHED_ABORTED)
     scheduler.schedule()
-    assert b.status is RequestStatus.RUNNING and b.lora_slot == scheduler.lora_slots.slot_of("B")
+    assert b.status is RequestStatus.RUNNING and b.lora_slot == scheduler.lora.slots.slot_of("B")
     assert a1.status is RequestStatus.RUNNING

@@ -1,10 +1,10 @@
-"""Prompt-lookup proposals (``jaxpage.core.ngram_proposer``): exact tokens on hand-made
+"""Prompt-lookup proposals (``jaxpage.core.sched.ngram_proposer``): exact tokens on hand-made
 sequences, and agreement with a plain Python search on random ones."""
 
 import numpy as np
 import pytest
 
-from jaxpage.core.ngram_proposer import propose_ngram
+from jaxpage.core.sched.ngram_proposer import propose_ngram
 
 
 def test_the_tokens_after_the_first_occurrence_of_the_suffix():

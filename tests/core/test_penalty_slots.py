@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 
-from jaxpage.core.batch import BatchBuilder
-from jaxpage.core.penalty_slots import SEEN, PenaltySlots, penalty_fill
+from jaxpage.core.batch.builder import BatchBuilder
+from jaxpage.core.batch.penalty_slots import SEEN, PenaltySlots, penalty_fill
 from jaxpage.core.request import RequestStatus
+from jaxpage.core.batch.step_result import StepResult
 from tests.core.helpers import make_request, make_scheduler
 
 
@@ -71,13 +72,13 @@ def test_batch_gives_slots_only_to_penalized_rows_whose_token_is_kept():
     out = s.schedule()                     # plain: whole prompt; pen: first 5 of 10 tokens
     assert [(i.request.request_id, i.num_new_tokens) for i in out.scheduled] == [
         ("plain", 3), ("pen", 5)]
-    batch = builder.build(out)
+    batch = builder.build(out).metadata
     assert batch.penalty_slot.tolist() == [-1, -1]         # pen's chunk samples nothing kept
     assert batch.repetition_penalty.tolist() == [1.0, 1.0]
     assert builder.take_penalty_fills() == []
-    s.update_from_output(out, np.array([50, 51], np.int32))
+    s.apply(out, StepResult(np.array([50, 51], np.int32)))
     out = s.schedule()                     # plain decodes; pen's last chunk emits a token
-    batch = builder.build(out)
+    batch = builder.build(out).metadata
     assert batch.penalty_slot.tolist() == [-1, 0]
     np.testing.assert_allclose(batch.repetition_penalty, [1.0, 1.2])
     np.testing.assert_allclose(batch.presence_penalty, [0.0, 0.5])

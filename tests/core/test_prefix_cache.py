@@ -2,8 +2,9 @@
 
 import numpy as np
 
-from jaxpage.core.block_pool import BlockPool
-from jaxpage.core.prefix_hash import ROOT_HASH, extend_block_hashes, hash_block
+from jaxpage.core.kv.block_pool import BlockPool
+from jaxpage.core.kv.prefix_hash import ROOT_HASH, extend_block_hashes, hash_block
+from jaxpage.core.batch.step_result import StepResult
 from tests.core.helpers import make_request, make_scheduler
 
 SHARED = list(range(100, 112))  # 3 full blocks of 4 tokens
@@ -11,7 +12,7 @@ SHARED = list(range(100, 112))  # 3 full blocks of 4 tokens
 
 def finish_prefill(s, token=50):
     out = s.schedule()
-    s.update_from_output(out, np.full(len(out.scheduled), token, np.int32))
+    s.apply(out, StepResult(np.full(len(out.scheduled), token, np.int32)))
     return out
 
 

@@ -1,17 +1,17 @@
 """The program set: additive ladders, the ready set, and padding a batch into a larger
-program (``core.batch_shapes`` additive mode, ``core.program_set``)."""
+program (``core.batch.batch_shapes`` additive mode, ``core.batch.program_set``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from jaxpage.core.batch_metadata import BatchMetadata
-from jaxpage.core.batch_shapes import BatchShapes, ladder_policy
-from jaxpage.core.block_pool import BlockPool
-from jaxpage.core.kv_cache_manager import KVCacheManager
-from jaxpage.core.batch import BatchBuilder
-from jaxpage.core.program_set import ProgramKey, pad_batch, program_set, smallest_holding
+from jaxpage.core.batch.batch_metadata import BatchMetadata
+from jaxpage.core.batch.batch_shapes import BatchShapes, ladder_policy
+from jaxpage.core.kv.block_pool import BlockPool
+from jaxpage.core.kv.kv_cache_manager import KVCacheManager
+from jaxpage.core.batch.builder import BatchBuilder
+from jaxpage.core.batch.program_set import ProgramKey, pad_batch, program_set, smallest_holding
 
 
 def _shapes(**overrides):
@@ -69,6 +69,37 @@ def test_smallest_holding_picks_the_smallest_built_program_that_runs_the_batch()
     assert smallest_holding(device, built) == built[2]  # (256, 64) is host-decided only
     assert smallest_holding(ProgramKey("step", (2048, 1, 8), 1, True), built) is None
     assert smallest_holding(ProgramKey("decode", (16, 16, 8), 4), built) is None  # other K
+
+
+def test_a_key_names_every_variant_fact():
+    """``ProgramKey.of`` keeps the invariants; ``name`` / ``file_name`` tell every fact
+    apart (what the executable cache saves programs under), ``label`` stays short."""
+    from jaxpage.core.batch.step_features import BASE_FEATURES
+
+    host = ProgramKey.of("decode", (8, 8, 4), BASE_FEATURES, host_decides=True, steps=4,
+                         draft_rows=3, fixed_length=True)
+    assert (host.steps, host.device_decided, host.draft_rows, host.fixed_length) == (
+        4, False, 0, True)
+    assert host.name == "decode4+sampled+fixed"
+    assert host.file_name == "decode4+sampled+fixed-8x8x4.bin"
+    device = ProgramKey.of("decode", (8, 8, 4), None, host_decides=True, steps=4,
+                           fixed_length=True)
+    assert device.device_decided and device.name == "decode4+fixed" and device.holds(host)
+    assert not ProgramKey.of("decode", (8, 8, 4), None, host_decides=True, steps=4).holds(host)
+    assert not host.holds(device) and host.label == "decode4[8, 8, 4]"
+    verify = ProgramKey.of("verify", (16, 4, 4), None, host_decides=False, steps=4, draft_rows=8)
+    assert (verify.steps, verify.draft_rows, verify.device_decided) == (1, 8, False)
+    assert verify.name == "verify-q8" and verify.label == "verify[16, 4, 4]"
+    assert not verify.holds(ProgramKey.of("verify", (16, 4, 4), None, host_decides=False,
+                                          draft_rows=1))  # another Q: another program
+    assert ProgramKey("move_blocks", (32,)).file_name == "move_blocks-32.bin"
+    # the engine's set: the variants' features and the loops' length in every key
+    programs = program_set(_shapes(), num_steps=8, host_decides=True, move_sizes=[1],
+                           penalty_width=512, fixed_decode=True)
+    decodes = [k for k in programs.all if k.kind == "decode"]
+    assert decodes and all(k.fixed_length and k.steps == 8 for k in decodes)
+    assert {k.features for k in decodes} == {BASE_FEATURES, None}
+    assert all((k.features is None) == k.device_decided for k in decodes)
 
 
 def _builder():

@@ -2,13 +2,14 @@ import numpy as np
 import pytest
 
 from jaxpage.core.request import RequestStatus
+from jaxpage.core.batch.step_result import StepResult
 from tests.core.helpers import make_request, make_scheduler
 
 
 def run_step(scheduler, token=50):
     out = scheduler.schedule()
     tokens = np.full(max(1, len(out.scheduled)), token, np.int32)
-    scheduler.update_from_output(out, tokens)
+    scheduler.apply(out, StepResult(tokens))
     return out
 
 
@@ -54,7 +55,7 @@ def test_eos_and_stop_token_finish_with_their_reasons():
     s.add_request(make_request("eos", 4))
     s.add_request(make_request("stop", 4, stop_token_ids=[77]))
     out = s.schedule()
-    s.update_from_output(out, np.array([2, 77], np.int32))
+    s.apply(out, StepResult(np.array([2, 77], np.int32)))
     assert not s.has_unfinished_requests()
     assert s.kv.block_pool.num_free_blocks == 31
 
@@ -63,9 +64,11 @@ def test_min_tokens_defers_eos():
     s = make_scheduler(num_blocks=32)
     req = make_request("a", 4, min_tokens=2)
     s.add_request(req)
-    s.update_from_output(s.schedule(), np.array([2], np.int32))
+    out = s.schedule()
+    s.apply(out, StepResult(np.array([2], np.int32)))
     assert req.status is RequestStatus.RUNNING
-    s.update_from_output(s.schedule(), np.array([2], np.int32))
+    out = s.schedule()
+    s.apply(out, StepResult(np.array([2], np.int32)))
     assert req.status is RequestStatus.FINISHED_STOPPED
 
 
@@ -144,7 +147,7 @@ def test_duplicate_request_id_is_rejected():
 
 
 def test_decode_positions_find_the_rows_starting_a_block_without_a_pass():
-    from jaxpage.core.schedule_ahead import DecodePositions
+    from jaxpage.core.sched.ahead_of_host import DecodePositions
 
     positions = DecodePositions.of([15, 16, 31, 1, 32], block_size=16)
     assert positions.starting_block() == [1, 4]  # 16 and 32 start blocks

@@ -9,11 +9,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import rule
 
-from jaxpage.core.prefix_hash import extend_block_hashes
+from jaxpage.core.kv.prefix_hash import extend_block_hashes
 from jaxpage.core.request import RequestStatus
-from jaxpage.core.speculation import NgramProposer, SpecDecodeStats
+from jaxpage.core.sched.speculation import NgramProposer, SpecDecodeStats
 from jaxpage.config import SpeculativeConfig
-from tests.core.helpers import make_request, make_scheduler
+from jaxpage.core.batch.step_result import StepResult
+from tests.core.helpers import make_request, make_scheduler, verify
 from tests.core.test_block_manager_properties import BlockManagerMachine
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
@@ -34,7 +35,7 @@ def decode_ready(scheduler, request):
     """Admit ``request`` and run its prefill on the host: it then decodes."""
     scheduler.add_request(request)
     out = scheduler.schedule()
-    scheduler.update_from_output(out, np.full(len(out.scheduled), 50, np.int32))
+    scheduler.apply(out, StepResult(np.full(len(out.scheduled), 50, np.int32)))
     return out
 
 
@@ -50,7 +51,7 @@ def test_ngram_proposer_reads_prompt_and_output():
 
 def test_decodes_get_proposals_and_their_slots():
     s = make_scheduler(num_blocks=20, block_size=4, speculative_config=SPEC)
-    s.proposer = Fixed([7, 8, 9])
+    s.speculation.proposer = Fixed([7, 8, 9])
     request = make_request("a", 6, max_tokens=10)
     decode_ready(s, request)
     assert request.num_computed_tokens == 6 and request.num_tokens == 7
@@ -60,32 +61,31 @@ def test_decodes_get_proposals_and_their_slots():
     assert out.num_draft_tokens == 3
     # positions 6..9 are written: blocks 1 and 2 (block size 4)
     assert len(s.kv.req_to_blocks["a"]) == 3
-    assert s.reserve_multi_step(out, 8) == 1
+    assert s.ahead.reserve_multi_step(out, 8) == 1
 
 
 def test_no_proposals_in_prefill_steps_big_batches_or_for_the_last_token():
     s = make_scheduler(num_blocks=60, block_size=4, speculative_config=SPEC)
-    s.proposer = Fixed([7, 8, 9])
+    s.speculation.proposer = Fixed([7, 8, 9])
     penalized = make_request("p", 5, presence_penalty=0.5)  # penalties speculate too
     decode_ready(s, penalized)
     out = s.schedule()
     assert out.num_draft_tokens == 3
-    s.accept_verified(out.scheduled[0], [51])
+    verify(s, out, [[51]])
     s.add_request(make_request("q", 9))  # its prefill shares the next step
     out = s.schedule()
     assert [i.num_new_tokens for i in out.scheduled] == [1, 9] and out.num_draft_tokens == 0
-    s.update_from_output(out, np.array([52, 53], np.int32))
+    s.apply(out, StepResult(np.array([52, 53], np.int32)))
     out = s.schedule()
     assert out.num_draft_tokens == 6  # both decode now
     assert [len(i.draft_token_ids) for i in out.scheduled] == [3, 3]
-    s.accept_verified(out.scheduled[0], [60])
-    s.accept_verified(out.scheduled[1], [61])
+    verify(s, out, [[60], [61]])
     last = make_request("l", 3, max_tokens=2)  # one token from prefill, then its last
     s.add_request(last)
     s.add_request(make_request("m", 3))
     s.add_request(make_request("n", 3))
     out = s.schedule()
-    s.update_from_output(out, np.full(len(out.scheduled), 54, np.int32))
+    s.apply(out, StepResult(np.full(len(out.scheduled), 54, np.int32)))
     out = s.schedule()  # 5 running > disable_by_batch_size=4
     assert len(s.running) == 5 and out.num_draft_tokens == 0
     assert not s.speculating()
@@ -93,7 +93,7 @@ def test_no_proposals_in_prefill_steps_big_batches_or_for_the_last_token():
 
 def test_a_verified_row_keeps_accepted_tokens_and_frees_rejected_blocks():
     s = make_scheduler(num_blocks=20, block_size=4, speculative_config=SPEC)
-    s.proposer = Fixed([7, 8, 9])
+    s.speculation.proposer = Fixed([7, 8, 9])
     request = make_request("a", 7, max_tokens=10)  # positions 0..6; first output at 7
     decode_ready(s, request)
     out = s.schedule()
@@ -101,7 +101,7 @@ def test_a_verified_row_keeps_accepted_tokens_and_frees_rejected_blocks():
     blocks = list(s.kv.block_ids("a"))
     assert len(blocks) == 3
     # The target agreed with 7 only, then said 40: emitted [7, 40]
-    assert s.accept_verified(item, [7, 40]) == 2
+    assert verify(s, out, [[7, 40]]) == [request]
     assert request.output_token_ids == [50, 7, 40]
     assert request.num_computed_tokens == 9 and request.num_tokens == 10
     assert s.kv.block_ids("a") == blocks[:3]  # 10 tokens need 3 blocks: nothing to free
@@ -109,16 +109,16 @@ def test_a_verified_row_keeps_accepted_tokens_and_frees_rejected_blocks():
     item = out.scheduled[0]  # positions 9..12: a fourth block
     assert len(s.kv.block_ids("a")) == 4
     fourth = s.kv.block_ids("a")[3]
-    s.accept_verified(item, [41])  # every proposal rejected
+    verify(s, out, [[41]])  # every proposal rejected
     assert s.kv.block_ids("a") == blocks[:3]
     assert fourth in s.kv.block_pool.free_queue.block_ids()
-    stats = s.spec_stats.as_dict()
+    stats = s.speculation.stats.as_dict()
     assert stats["spec_num_draft_tokens"] == 6 and stats["spec_num_accepted_tokens"] == 1
 
 
 def test_rejected_proposals_never_reach_the_prefix_cache():
     s = make_scheduler(num_blocks=30, block_size=4, speculative_config=SPEC)
-    s.proposer = Fixed([90, 91, 92])
+    s.speculation.proposer = Fixed([90, 91, 92])
     request = make_request("a", 6, max_tokens=20)
     decode_ready(s, request)
     rng = np.random.default_rng(0)
@@ -126,7 +126,7 @@ def test_rejected_proposals_never_reach_the_prefix_cache():
         out = s.schedule()
         item = out.scheduled[0]
         accepted = int(rng.integers(0, len(item.draft_token_ids) + 1))
-        s.accept_verified(item, list(item.draft_token_ids[:accepted]) + [int(rng.integers(20, 30))])
+        verify(s, out, [list(item.draft_token_ids[:accepted]) + [int(rng.integers(20, 30))]])
         hashes = []
         extend_block_hashes(hashes, request.all_token_ids, 4, ())
         cached = set(s.kv.block_pool.cached_blocks)
@@ -156,7 +156,7 @@ class SpeculatingMachine(BlockManagerMachine):
                            preemption_mode="auto", speculative_config={**SPEC,
                                                                        "disable_by_batch_size": 6})
         s.cost_model.bytes_per_block = 1
-        s.proposer = Fixed([7, 8, 9])
+        s.speculation.proposer = Fixed([7, 8, 9])
         self.s = s
 
     @rule(data=st.data())
@@ -166,29 +166,27 @@ class SpeculatingMachine(BlockManagerMachine):
         if not out.num_draft_tokens:
             tokens = data.draw(st.lists(st.sampled_from([2, 7, 8, 9]),
                                         min_size=len(out.scheduled), max_size=len(out.scheduled)))
-            self.s.update_from_output(out, np.asarray(tokens, np.int32))
+            self.s.apply(out, StepResult(np.asarray(tokens, np.int32)))
             return
+        rows = []
         for item in out.scheduled:
-            if item.request.is_finished:
-                continue
             drafts = list(item.draft_token_ids)
             accepted = data.draw(st.integers(0, len(drafts)))
             last = data.draw(st.sampled_from([2, 7, 8, 9, 10]))
-            self.s.accept_verified(item, drafts[:accepted] + [last])
+            rows.append(drafts[:accepted] + [last])
+        verify(self.s, out, rows)
 
     def apply_drain_step(self, out):
         """A verify step accepts the first proposal of each row, then says 10."""
         if not out.num_draft_tokens:
             return super().apply_drain_step(out)
-        for item in out.scheduled:
-            if not item.request.is_finished:
-                self.s.accept_verified(item, list(item.draft_token_ids[:1]) + [10])
+        verify(self.s, out, [list(item.draft_token_ids[:1]) + [10] for item in out.scheduled])
 
     def teardown(self):
         counts = Counter()
         for request in self.s.requests.values():
             counts[request.status] += 1
-        assert self.s.spec_stats.num_accepted_tokens <= self.s.spec_stats.num_draft_tokens
+        assert self.s.speculation.stats.num_accepted_tokens <= self.s.speculation.stats.num_draft_tokens
 
 
 SpeculatingMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40,

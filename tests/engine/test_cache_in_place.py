@@ -28,11 +28,11 @@ def test_step_and_decode_programs_copy_no_cache(backend, tiny_checkpoints):
     tiny_llm.generate(prompts, params, use_tqdm=False)                     # three
     cache_shape = tuple(engine.runner.kv_cache[0].shape)
     programs = {key: program for key, program in engine.runner.executables.programs().items()
-                if key[0].startswith(("step", "decode"))}
-    names = {name for name, _ in programs}
+                if key.kind in ("step", "step-masked", "decode")}
+    names = {key.name for key in programs}
     assert any(name.startswith("step") for name in names), names
     assert any(name.startswith("decode") for name in names), names
-    buckets = {bucket[:2] for name, bucket in programs if name.startswith("decode")}
+    buckets = {key.bucket[:2] for key in programs if key.kind == "decode"}
     seats = engine.batch_builder.decode_seats(4)                 # 8 (4 rows pad to 8)
     assert (1, 1) in buckets and (seats, seats) in buckets, buckets   # decodes at T = S
     for key, program in programs.items():

@@ -3,8 +3,8 @@
 from types import SimpleNamespace
 
 from jaxpage.config import SchedulerConfig
-from jaxpage.core.batch import BatchBuilder
-from jaxpage.engine.compile_ahead import DrainPrograms
+from jaxpage.core.batch.builder import BatchBuilder
+from jaxpage.engine.startup.compile_ahead import DrainPrograms
 from tests.core.helpers import make_scheduler
 
 

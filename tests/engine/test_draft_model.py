@@ -79,7 +79,7 @@ def test_noisy_draft_outputs_equal_plain_decoding(tiny_checkpoints, noisy_llama,
                              outcomes(plain_llama, prompts, params), params) == 4
     stats = spec.get_stats()
     assert 0.1 < stats["spec_acceptance_rate"] < 0.9, stats  # accepts and rejects both happen
-    shapes = spec.llm_engine.scheduler.proposer.compiled_shapes
+    shapes = spec.llm_engine.draft_proposer.compiled_shapes
     assert any(name == "fill" for name, *_ in shapes)  # prompts were caught up in chunks
 
 
@@ -104,7 +104,7 @@ def test_preemption_with_a_draft_model_matches_plain(tiny_checkpoints, noisy_lla
 def test_draft_programs_are_compiled_by_warmup(tiny_checkpoints, noisy_llama):
     spec = LLM(tiny_checkpoints["llama"], speculative_config=draft_config(noisy_llama),
                warmup=True, **TINY)
-    proposer = spec.llm_engine.scheduler.proposer
+    proposer = spec.llm_engine.draft_proposer
     warmed = set(proposer.compiled_shapes)
     programs = spec.llm_engine.runner.executables
     built, compiled = set(programs.programs()), len(programs.compiles)

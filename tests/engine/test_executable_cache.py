@@ -96,33 +96,37 @@ def test_a_prefetched_program_is_built_once_in_the_background(tmp_path):
     import jax.numpy as jnp
     import numpy as np
 
+    from jaxpage.core.batch.program_set import ProgramKey
     from jaxpage.runtime.executable_cache import ExecutableCache
 
     cache = ExecutableCache(tmp_path, "prefetch-test")
+    key = ProgramKey("f", (2, 3, 4))
     jitted = jax.jit(lambda x, y: x @ y + 1.0)
     x = jnp.arange(6.0).reshape(2, 3)
     y = np.ones((3, 4), np.float32)
     shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), y)
-    assert cache.prefetch("f", (2, 3, 4), jitted, shapes)
-    assert not cache.prefetch("f", (2, 3, 4), jitted, shapes)   # already on its way
-    program = cache.get("f", (2, 3, 4), jitted, (x, y))
+    assert cache.prefetch(key, jitted, shapes)
+    assert not cache.prefetch(key, jitted, shapes)   # already on its way
+    program = cache.get(key, jitted, (x, y))
     assert cache.num_compiled == 1 and cache.num_prefetched == 1
     np.testing.assert_array_equal(np.asarray(program(x, y)), np.asarray(x) @ y + 1.0)
-    assert cache.get("f", (2, 3, 4), jitted, (x, y)) is program
+    assert cache.get(key, jitted, (x, y)) is program
 
 
 def test_a_failed_background_build_is_redone_by_the_caller(tmp_path):
     import jax
     import jax.numpy as jnp
 
+    from jaxpage.core.batch.program_set import ProgramKey
     from jaxpage.runtime.executable_cache import ExecutableCache
 
     cache = ExecutableCache(None, "prefetch-fail")
+    key = ProgramKey("g", (2,))
     jitted = jax.jit(lambda x: x * 2)
     wrong = (jax.ShapeDtypeStruct((2, 2), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.int32))
-    cache.prefetch("g", (2,), jitted, wrong)       # two arguments for one: fails to lower
+    cache.prefetch(key, jitted, wrong)       # two arguments for one: fails to lower
     x = jnp.ones(2)
-    program = cache.get("g", (2,), jitted, (x,))
+    program = cache.get(key, jitted, (x,))
     assert list(program(x)) == [2.0, 2.0] and cache.num_prefetched == 0
 
 
@@ -141,7 +145,7 @@ def test_compile_ahead_builds_the_drain_programs_and_changes_no_token(tiny_check
     got = [o.outputs[0].token_ids for o in ahead.generate(prompts, params, use_tqdm=False)]
     programs = ahead.llm_engine.runner.executables
     # greedy decodes: the host-picked program of greedy and plain sampling
-    decodes = {bucket for name, bucket in programs.programs() if name == "decode4+sampled"}
+    decodes = {key.bucket for key in programs.programs() if key.name == "decode4+sampled"}
     assert programs.num_prefetched >= 2 and len(decodes) >= 2
     plain = LLM(tiny_checkpoints["llama"], compile_ahead=False, **options)
     assert plain.llm_engine.device_calls.drain_programs is None

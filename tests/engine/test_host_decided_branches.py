@@ -1,5 +1,5 @@
 """The sampling features decided on the host (what the CPU and a GPU run,
-``core.step_features``) give the same tokens and log-probabilities as the programs that
+``core.batch.step_features``) give the same tokens and log-probabilities as the programs that
 decide on the device (what a TPU runs).
 
 Two engines on the CPU: one with ``runner.programs.host_decides_branches`` forced off, one with it
@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 from jaxpage import LLM, SamplingParams
-from jaxpage.core.batch import BatchBuilder
-from jaxpage.core.block_pool import BlockPool
-from jaxpage.core.kv_cache_manager import KVCacheManager
-from jaxpage.core.step_features import (BASE_FEATURES, NO_FEATURES, StepFeatures,
+from jaxpage.core.batch.builder import BatchBuilder
+from jaxpage.core.kv.block_pool import BlockPool
+from jaxpage.core.kv.kv_cache_manager import KVCacheManager
+from jaxpage.core.batch.step_features import (BASE_FEATURES, NO_FEATURES, StepFeatures,
                                         features_of)
 from tests.engine.prompts import BASE
 from tests.options import TINY
@@ -73,8 +73,8 @@ def test_host_decided_features_give_the_same_outputs(tiny_checkpoints, steps):
     assert {key[1] for key in used} == {BASE_FEATURES, None}
     if steps > 1:  # every decode loop of known length, saved and shared under its own name
         assert all(key[2] for key in used)
-        assert any(name.startswith("decode4+") and name.endswith("+fixed")
-                   for name, _ in runner.executables._programs)
+        assert any(key.name.startswith("decode4+") and key.name.endswith("+fixed")
+                   and key.fixed_length for key in runner.executables.programs())
     assert {key[1] for key in device_decided.llm_engine.runner.programs.steps} == {None}
     assert device_decided.llm_engine.num_used_blocks() == 0
     assert host_decided.llm_engine.num_used_blocks() == 0

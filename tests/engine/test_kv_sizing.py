@@ -33,7 +33,7 @@ def test_device_profile_runs_the_step_with_a_grammar_mask(tiny_checkpoints, monk
     largest bucket; that probe carries a structured-outputs mask, so the peak it measures
     includes the mask's buffers (a large vocabulary's mask must not take the cache's
     last bytes at run time)."""
-    from jaxpage.engine import kv_sizing
+    from jaxpage.engine.startup import kv_sizing
     from jaxpage.runtime.model_runner import ModelRunner
 
     seen = []

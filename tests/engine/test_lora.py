@@ -71,7 +71,7 @@ def test_a_batch_mixing_three_adapters_and_the_base_model_equals_hf_merged(
         assert out.outputs[0].token_ids == want, (lora, out.prompt)
     for lora in adapters[kind].values():  # each adapter really changes what is generated
         assert any(w != p for l, w, p in zip(loras, expected, base_only) if l == lora), lora
-    assert llm.llm_engine.scheduler.lora_slots.num_loads == 3
+    assert llm.llm_engine.scheduler.lora.slots.num_loads == 3
     assert_all_blocks_free(llm)
 
 
@@ -88,7 +88,7 @@ def test_more_adapters_than_slots_are_swapped_in_lru_and_stay_exact(
     prompt_ids = [smollm2_tokenizer(p).input_ids for p in prompts]
     expected = _references(base, loras, prompt_ids, sorted(llm.llm_engine.eos_token_ids))
     assert [o.outputs[0].token_ids for o in outputs] == expected
-    slots = llm.llm_engine.scheduler.lora_slots
+    slots = llm.llm_engine.scheduler.lora.slots
     assert slots.num_loads == 3 and sorted(slots.resident().values()) == [1, 2]
     # the adapter left out goes into the least recently used adapter's slot
     key_of = {llm.llm_engine.loras.get(lora).key: lora for lora in names}

@@ -66,10 +66,10 @@ def test_ready_engine_compiles_nothing_on_the_request_path(tiny_checkpoints, com
         llm = LLM(tiny_checkpoints["llama"], warmup="ready", **OPTIONS)
         engine = llm.llm_engine
         runner = engine.runner
-        held = {key for key, _ in runner.executables.programs().items()}
+        held = set(runner.executables.programs())
         # on the CPU the grammar-masked step is a program of its own (on accelerators the
         # device-decided step takes the mask: 4 programs there)
-        assert {name.split("+")[0] for name, _ in held} == {
+        assert {key.name.split("+")[0] for key in held} == {
             "step", "step-masked", "decode8", "move_blocks", "penalty_fill"}
         assert len(held) == 5
         compile_events.clear()
@@ -112,7 +112,7 @@ def test_a_grammar_rides_in_the_device_decided_step_on_accelerators(tiny_checkpo
         llm = LLM(tiny_checkpoints["llama"], warmup=False, **OPTIONS)
         llm.llm_engine.runner.programs.mask_in_device_step = in_step
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        names = {name for name, _ in llm.llm_engine.runner.executables.programs()}
+        names = {key.name for key in llm.llm_engine.runner.executables.programs()}
         return [list(o.outputs[0].token_ids) for o in outputs], names
 
     cpu, cpu_names = run(False)

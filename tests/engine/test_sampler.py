@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpage.runtime.sampler import sample
+from jaxpage.runtime.step_batch import StepBatch
 
 
 def batch_for(rows, **overrides):
@@ -14,7 +15,7 @@ def batch_for(rows, **overrides):
                   stop_token_ids=np.full((rows, 4), -1, np.int32),
                   min_tokens=np.zeros(rows, np.int32))
     fields.update(overrides)
-    return {k: jnp.asarray(v) for k, v in fields.items()}
+    return StepBatch.of_rows(**fields)
 
 
 LOGITS = np.log(np.array([0.5, 0.3, 0.15, 0.05], np.float32))

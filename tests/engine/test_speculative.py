@@ -98,16 +98,16 @@ def test_every_accept_length_gives_the_plain_tokens(llama_engines, temperature, 
               for i in range(16)]
     want = outcomes(plain, prompts, params)
     scheduler = spec.llm_engine.scheduler
-    saved = scheduler.proposer
+    saved = scheduler.speculation.proposer
     references = {}
     for o in plain.generate(prompts, params, use_tqdm=False):
         references[tuple(o.prompt_token_ids)] = list(o.outputs[0].token_ids)
-    scheduler.proposer = ReferenceProposer(references, 3, exact=False, seed=1)
+    scheduler.speculation.proposer = ReferenceProposer(references, 3, exact=False, seed=1)
     before = dict(spec.get_stats())
     try:
         got = outcomes(spec, prompts, params)
     finally:
-        scheduler.proposer = saved
+        scheduler.speculation.proposer = saved
     assert got == want
     stats = spec.get_stats()
     accepted = stats["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
@@ -126,7 +126,7 @@ def test_reference_proposals_are_all_accepted(tiny_checkpoints):
     prompts = BASE[:4]  # short: one prefill step for all, then decodes only
     params = SamplingParams(temperature=0, max_tokens=1 + (k + 1) * 6)  # 6 full verify steps
     references = references_of(plain, prompts, params)
-    spec.llm_engine.scheduler.proposer = ReferenceProposer(references, k, exact=True)
+    spec.llm_engine.scheduler.speculation.proposer = ReferenceProposer(references, k, exact=True)
     calls = spec.llm_engine.step_profile["calls"]
     got = references_of(spec, prompts, params)
     assert got == references
@@ -154,7 +154,7 @@ def test_preemption_and_aborts_with_speculation_leak_no_block(tiny_checkpoints, 
     references = {}
     for o in plain.generate(prompts, params, use_tqdm=False):
         references[tuple(o.prompt_token_ids)] = list(o.outputs[0].token_ids)
-    spec.llm_engine.scheduler.proposer = ReferenceProposer(references, 3, exact=False, seed=2)
+    spec.llm_engine.scheduler.speculation.proposer = ReferenceProposer(references, 3, exact=False, seed=2)
     assert outcomes(spec, prompts, params) == want
     assert spec.get_stats()["num_preemptions"] > 0
 
@@ -204,12 +204,12 @@ def test_seeded_samples_are_the_plain_samples_seed_for_seed(llama_engines):
                 return guess if self.rng.random() < 0.7 else [7] * min(3, max_tokens)
 
         scheduler = spec.llm_engine.scheduler
-        saved, scheduler.proposer = scheduler.proposer, Junk()
+        saved, scheduler.speculation.proposer = scheduler.speculation.proposer, Junk()
         try:
             got = [list(o.outputs[0].token_ids) for o in spec.generate(prompt, params,
                                                                      use_tqdm=False)]
         finally:
-            scheduler.proposer = saved
+            scheduler.speculation.proposer = saved
         assert got == want
 
 
@@ -250,7 +250,7 @@ def test_penalized_rows_speculate_and_keep_plain_decoding_tokens(tmp_path):
     references = references_of(plain, prompts, params)
     unpenalized = references_of(plain, prompts, SamplingParams(temperature=0, **base))
     assert references != unpenalized  # the penalties do change the outputs here
-    spec.llm_engine.scheduler.proposer = ReferenceProposer(references, k, exact=True)
+    spec.llm_engine.scheduler.speculation.proposer = ReferenceProposer(references, k, exact=True)
     assert references_of(spec, prompts, params) == references
     stats = spec.get_stats()
     assert stats["spec_num_drafts"] >= 4 * 5

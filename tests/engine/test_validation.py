@@ -78,7 +78,7 @@ def test_max_model_len_beyond_the_model(tiny_checkpoints):
 
 
 def test_a_stalled_scheduler_raises_instead_of_hanging(tiny_llm, monkeypatch):
-    from jaxpage.core.scheduler import SchedulerOutput
+    from jaxpage.core.sched.scheduler import SchedulerOutput
 
     engine = tiny_llm.llm_engine
     monkeypatch.setattr(engine.scheduler, "schedule", lambda: SchedulerOutput())

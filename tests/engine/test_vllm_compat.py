@@ -8,7 +8,7 @@ import json
 import pytest
 
 from jaxpage.cli import build_parser, normalize_bool_flags
-from jaxpage.engine.generation_config import generation_defaults
+from jaxpage.engine.startup.generation_config import generation_defaults
 from jaxpage.models.loader import auto_dtype
 
 

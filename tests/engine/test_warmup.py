@@ -56,7 +56,7 @@ def test_nothing_compiles_after_warmup_with_speculation(tiny_checkpoints, compil
             self.count += 1
             return [5] * min(1 + self.count % 3, max_tokens)
 
-    llm.llm_engine.scheduler.proposer = Always()
+    llm.llm_engine.scheduler.speculation.proposer = Always()
     compile_events.clear()
     prompts = [{"prompt_token_ids": [100 + 7 * i + j for j in range(3 + 5 * i)]} for i in range(6)]
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=10 + 3 * i,

@@ -3,7 +3,7 @@
 from types import SimpleNamespace
 
 from jaxpage.config import EngineConfig
-from jaxpage.core.block_pool import BlockPool
+from jaxpage.core.kv.block_pool import BlockPool
 from jaxpage.core.request import Request
 from jaxpage.parallel.router import DataParallelEngine
 from jaxpage.sampling_params import SamplingParams

@@ -12,20 +12,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpage.core.penalty_slots import SEEN
+from jaxpage.core.batch.penalty_slots import SEEN
 from jaxpage.runtime import sampler
-from jaxpage.core.step_features import ALL_FEATURES, StepFeatures
+from jaxpage.runtime.step_batch import StepBatch
+from jaxpage.core.batch.step_features import ALL_FEATURES, StepFeatures
 from pallas_kernels.sampling import reference
 
 S, V = 6, 64
 
 
 def _batch(rng, *, sampled: bool, sort: bool, penalties: bool, logprobs: bool,
-           min_tokens: bool, bias: bool) -> dict:
+           min_tokens: bool, bias: bool) -> StepBatch:
     temperature = np.where(rng.random(S) < 0.5, 0.8, 0.0) if sampled else np.zeros(S)
     if sampled:
         temperature[0] = 1.1
-    return {
+    return StepBatch.of_rows(**{
         "temperature": jnp.asarray(temperature, jnp.float32),
         "top_k": jnp.asarray([4 if sort else 0] + [0] * (S - 1), jnp.int32),
         "top_p": jnp.asarray([1.0, 0.7 if sort else 1.0] + [1.0] * (S - 2), jnp.float32),
@@ -46,17 +47,17 @@ def _batch(rng, *, sampled: bool, sort: bool, penalties: bool, logprobs: bool,
                                  [-1] * 3] if bias else [[-1] * 3] * S, jnp.float32),
         "bias_values": jnp.asarray([[4.0, -100.0, 0], [0] * 3, [0] * 3, [2.5, 0, 0],
                                     [0] * 3, [0] * 3], jnp.float32),
-    }
+    })
 
 
 def _run(logits, batch, table, features):
     adjusted = sampler.adjusted_logits(logits, batch, table, features)
-    threshold = sampler._sort_threshold(adjusted, batch["temperature"], batch["top_k"],
-                                        batch["top_p"], features)
-    tokens = reference.sample_rows(adjusted, batch["temperature"], threshold, batch["min_p"],
-                                   batch["sample_seeds"], batch["sample_index"],
+    threshold = sampler._sort_threshold(adjusted, batch.temperature, batch.top_k,
+                                        batch.top_p, features)
+    tokens = reference.sample_rows(adjusted, batch.temperature, threshold, batch.min_p,
+                                   batch.sample_seeds, batch.sample_index,
                                    stochastic=None if features is None else features.sampled)
-    logprobs = sampler.sampled_logprobs(logits, tokens, batch["want_logprobs"], 3, features)
+    logprobs = sampler.sampled_logprobs(logits, tokens, batch.want_logprobs, 3, features)
     return adjusted, threshold, tokens, logprobs
 
 

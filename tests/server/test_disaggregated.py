@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxpage.server.disaggregated import check_kv_layouts, start_instance, wait_healthy
+from jaxpage.server.proxy.disaggregated import check_kv_layouts, start_instance, wait_healthy
 from jaxpage.server.launch import BackgroundServer, free_port
-from jaxpage.server.proxy import build_proxy_app
+from jaxpage.server.proxy.app import build_proxy_app
 from tests.engine.prompts import BASE
 from tests.server.conftest import API_KEY, MODEL_NAME
 
@@ -612,8 +612,8 @@ def test_a_prefill_instance_killed_mid_run(cluster):
 
 def test_layouts_and_what_stays_whole_on_prefill():
     from jaxpage.cli import _instance_args, build_parser
-    from jaxpage.server.disaggregated import parse_layout
-    from jaxpage.server.proxy import _whole_on_prefill
+    from jaxpage.server.proxy.disaggregated import parse_layout
+    from jaxpage.server.proxy.app import _whole_on_prefill
 
     assert parse_layout("1P1D") == (1, 1) and parse_layout("2p3d") == (2, 3)
     for bad in ("1P", "0P1D", "PD", "1P1D2"):

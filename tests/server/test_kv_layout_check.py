@@ -4,7 +4,7 @@ laid out (and each must have the role it is given)."""
 import httpx
 import pytest
 
-from jaxpage.server.disaggregated import check_kv_layouts
+from jaxpage.server.proxy.disaggregated import check_kv_layouts
 
 LAYOUT = {"kv_shards": 2, "num_layers": 3, "block_size": 8, "kv_heads": 2, "head_dim": 16,
           "dtype": "float32"}

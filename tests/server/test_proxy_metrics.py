@@ -7,7 +7,7 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxpage.server.proxy_metrics import UP_METRIC, gather_metrics
+from jaxpage.server.proxy.metrics import UP_METRIC, gather_metrics
 
 
 def _instance_text(running: int, finished: int) -> str:

@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from jaxpage.server.launch import BackgroundServer
-from jaxpage.server.proxy import DECODE_ATTEMPTS, build_proxy_app
+from jaxpage.server.proxy.app import DECODE_ATTEMPTS, build_proxy_app
 
 
 def _prefill_app(settled: list) -> FastAPI:

@@ -1,11 +1,11 @@
 """The proxy's choice of instance: least loaded, unless one recently took the request's
-prefix and is not too far ahead (``jaxpage.server.proxy_routing``)."""
+prefix and is not too far ahead (``jaxpage.server.proxy.routing``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from jaxpage.server.proxy_routing import InstancePool, prefix_keys, prompt_keys
+from jaxpage.server.proxy.routing import InstancePool, prefix_keys, prompt_keys
 
 A, B, C = "http://a", "http://b", "http://c"
 
