@@ -35,8 +35,8 @@ from jaxpage.core.kv.block_pool import BlockPool  # noqa: E402
 from jaxpage.core.kv.kv_cache_manager import KVCacheManager  # noqa: E402
 from jaxpage.core.request import Request  # noqa: E402
 from jaxpage.core.sched.scheduler import Scheduler  # noqa: E402
+from jaxpage.core.sched.step_result import StepResult  # noqa: E402
 from jaxpage.sampling_params import SamplingParams  # noqa: E402
-from jaxpage.core.batch.step_result import StepResult
 
 
 def sharegpt_like_lengths(rng: np.random.Generator, count: int, max_model_len: int):

@@ -77,6 +77,7 @@ from jaxpage.engine.output_processor import OutputProcessor
 from jaxpage.engine.features.structured_outputs import GrammarCompiler, advance
 from jaxpage.outputs import RequestOutput
 from jaxpage.runtime.model_runner import ModelRunner
+from jaxpage.runtime.step_inputs import StepInputs
 from jaxpage.runtime.pending_calls import PendingMultiStep, PendingStep
 
 
@@ -249,8 +250,6 @@ class DeviceCalls:
         if self.scheduler.lora is not None:  # adapters seated for this call
             for slot, adapter in self.scheduler.lora.slots.take_loads():
                 self.runner.write_lora_slot(slot, adapter.weights)
-        if self.batch_builder.check_fast_paths:
-            self.scheduler.applier.sync()  # its check builds from the requests' state
         built = self.batch_builder.build(out, ahead=built_ahead)
         batch = built.metadata
         # A fill copies the host's tokens: only rows with none on the device get one.
@@ -263,8 +262,8 @@ class DeviceCalls:
         else:
             pending = self.runner.dispatch(
                 batch, "verify" if out.num_draft_tokens > 0 else "step",
-                ModelRunner.StepInputs.of(self._grammar_masks(out, batch),
-                                          self._draft_distributions(out, batch)),
+                StepInputs.of(self._grammar_masks(out, batch),
+                              self._draft_distributions(out, batch)),
                 chain=row_map is not None)
         self._phases["schedule"] += scheduled - began
         self._phases["batch"] += dispatched_at - scheduled
@@ -289,7 +288,7 @@ class DeviceCalls:
 
     def _draft_distributions(self, out: SchedulerOutput, batch) -> tuple | None:
         """A verify step's (q, q_src) when a draft model sampled some of its proposals
-        (``ModelRunner.dispatch``'s ``draft``), else None."""
+        (``StepInputs``' ``draft_probs`` and ``q_src``), else None."""
         if not out.num_draft_tokens or self.draft_proposer is None:
             return None
         q = self.draft_proposer.last_q
@@ -336,8 +335,7 @@ class DeviceCalls:
         """Wait for ``call``'s results and apply them (``Scheduler.apply``, which picks the
         steady or the per-row path), with the engine's per-token work as callbacks:
         log-probabilities, first-token times, stop strings, beam-search distributions."""
-        result = (call.pending.fetch_result() if call.num_steps > 1      # [K, S]
-                  else call.pending.fetch())
+        result = call.pending.fetch()  # a multi-step call's arrays lead with [K]
         self._results_arrived()
         if call.num_steps == 1 and not call.all_decodes and not call.out.num_draft_tokens:
             self._observe_step(call.out, self._results_at - call.dispatched_at)

@@ -177,7 +177,7 @@ class LLMEngine(LoRAAdapters, kv_handoff.KVHandoff):
             self.kv_cache_manager, max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
             num_penalty_slots=self.runner.penalty_table.shape[0],
-            bucket_growth=config.scheduler.bucket_growth,
+            bucket_growth=config.scheduler.bucket_growth, sync_requests=self.scheduler.sync_tokens,
             **ladder_policy(self.runner.placement_platform(), resolve_attention_backend(
                 mc.attention_backend, dtype=loaded.model.final_norm[...].dtype)))
         self.quantization = loaded.quantization

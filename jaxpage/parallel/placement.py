@@ -162,20 +162,6 @@ class Placement:
         return run
 
 
-class JitDispatch:
-    """Stands in for the runner's ``ExecutableCache`` on a mesh: ``get`` returns the jitted
-    function itself, so every call goes through ``jax.jit`` dispatch (which places
-    host-made inputs on the mesh and caches the compiled program per shape) instead of a
-    compiled executable that would demand exactly placed arguments."""
-
-    directory = None
-    num_loaded = 0
-    num_compiled = 0
-
-    def get(self, name: str, bucket: tuple, jitted: Callable, args: tuple) -> Callable:
-        return jitted
-
-
 def default_mesh(parallel: Any) -> Mesh | None:
     """Replica 0's mesh for a ``ParallelConfig``; None for one device in one process."""
     if parallel.tensor_parallel_size == 1 and parallel.num_processes == 1:

@@ -81,7 +81,9 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel, target_tokeni
 
 
 class DraftModelProposer:
-    """``propose_batch`` (called by ``DeviceCalls`` for ``Speculation.reserve_draft_rows``'s rows): greedy proposals of a draft model.
+    """A draft model's proposals (``propose_batch``, called by ``DeviceCalls`` for the rows
+    ``Speculation.reserve_draft_rows`` picked): its argmax for greedy rows, a draw from
+    its distribution for sampled ones.
 
     Shapes come from the target's ladders: ``fill`` takes (T tokens, M blocks) for one
     request, ``propose`` (S rows, M blocks); ``warmup`` compiles them all.

@@ -251,9 +251,8 @@ class ExecutableCache:
 
 
 class JitPrograms:
-    """Stands in for ``ExecutableCache`` on a mesh (``parallel.placement.JitDispatch``'s
-    role, keyed by ``ProgramKey``): ``get`` returns the jitted function itself, so every
-    call goes through ``jax.jit`` dispatch, which places host-made inputs on the mesh and
+    """Stands in for ``ExecutableCache`` on a mesh: ``get`` returns the jitted function
+    itself, so every call goes through ``jax.jit`` dispatch, which places host-made inputs on the mesh and
     caches the compiled program per shape. It holds nothing, so it has no ``holds``,
     ``prefetch`` or ``ensure``: a program is built by running it."""
 

@@ -19,7 +19,7 @@ from jaxpage.models.loader import LoadedModel
 from jaxpage.parallel.placement import Placement
 from jaxpage.runtime.executable_cache import ExecutableCache, JitPrograms, fingerprint
 from jaxpage.runtime.kv_cache import allocate_kv_cache
-from jaxpage.core.batch.step_result import StepResult
+from jaxpage.core.sched.step_result import StepResult
 from jaxpage.runtime.pending_calls import PendingMultiStep, PendingStep
 from jaxpage.core.batch.penalty_slots import PenaltyFill
 from jaxpage.runtime.step import make_forward_logits, make_penalty_fill
@@ -46,9 +46,6 @@ class ModelRunner:
     ``Placement`` (the cache keeps its sharding; small outputs come back replicated).
     """
 
-    # ``dispatch``'s extra inputs, reachable wherever the runner's class is
-    StepInputs = StepInputs
-
     def __init__(self, loaded: LoadedModel, *, num_blocks: int, block_size: int,
                  max_num_seqs: int, num_host_blocks: int = 0,
                  executable_dir: str | None = None, layout: str | None = None) -> None:
@@ -63,8 +60,8 @@ class ModelRunner:
         self.lora_shape = getattr(loaded.model, "lora_shape", None)
         graphdef, self.state = nnx.split(loaded.model)
         # What every program takes: the params as a plain dict of arrays. jax flattens it
-        # in C++ on each call; an nnx.State's Variables flatten in Python, ~1 us per leaf
-        # per call (SmolLM2 has 273 leaves). Same arrays, no copy.
+        # in C++ on each call; an nnx.State's Variables flatten in Python, per leaf per
+        # call (``docs/benchmarks/design_measurements.md``). Same arrays, no copy.
         self.params = nnx.to_pure_dict(self.state)
         self.dtype = loaded.model.final_norm[...].dtype
         # a byte KV cache (int8 / fp8, pallas_kernels.kv_quant) is uint8 whatever its format
@@ -105,7 +102,7 @@ class ModelRunner:
         self._all_allowed_masks: dict[int, jax.Array] = {}  # rows -> ``_all_allowed``
         # Start each call's outputs on their way to the host as soon as it is dispatched.
         # A CPU device's arrays already live in host memory: there the request would only
-        # cost the dispatching thread time (~50 us a call) for nothing.
+        # cost the dispatching thread time for nothing.
         self._copy_outputs_early = self.placement_platform() != "cpu"
         if self.placement.mesh is not None:  # sharded programs: plain jit dispatch
             self.executables = JitPrograms()
@@ -267,7 +264,7 @@ class ModelRunner:
         """Run the single or verify step ``key`` names on ``batch`` (of its bucket)."""
         prev_tokens = self._carry_of_last_call()[0] if chain else self._no_carry[0]
         # Numpy goes straight to the program: its C++ call path transfers the arrays for
-        # less than half what a separate jax.device_put of them costs (~0.3 ms a step).
+        # less than a separate jax.device_put of them costs (design_measurements.md).
         args = (self.params, (self.kv_cache, self.penalty_table), batch.packed(), prev_tokens,
                 *self._extra_args(key, batch, inputs))
         program = self.executables.get(key, self.programs.jitted(key), args)
@@ -438,7 +435,7 @@ class ModelRunner:
 
     def execute_multi_step(self, batch: BatchMetadata, num_steps: int) -> np.ndarray:
         """Run ``num_steps`` decode iterations; int32 [num_steps, S], -1 after a row stops."""
-        return self.dispatch_multi_step(batch, num_steps).fetch()
+        return self.dispatch_multi_step(batch, num_steps).fetch().tokens
 
     def logits(self, batch: BatchMetadata) -> np.ndarray:
         """Run one step and return float32 logits [T, V] for every token (the cache is updated)."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from jaxpage.core.batch.step_result import StepResult
+from jaxpage.core.sched.step_result import StepResult
 from jaxpage.runtime.step_outputs import StepOutputs
 
 
@@ -44,12 +44,9 @@ class PendingMultiStep:
     def is_ready(self) -> bool:
         return self.outputs.sampled.is_ready()
 
-    def fetch(self) -> np.ndarray:
-        """Tokens int32 [K, S] on the host (see ``fetch_result`` for the logprobs too)."""
-        return np.asarray(self.outputs.sampled)[0]
-
-    def fetch_result(self) -> "StepResult":
-        """Tokens and logprob arrays, each with a leading [K] axis."""
+    def fetch(self) -> StepResult:
+        """Wait for the call: tokens int32 [K, S] and the logprob arrays, each with a
+        leading [K] axis."""
         return _fetch(self.outputs)
 
 

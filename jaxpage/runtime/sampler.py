@@ -60,8 +60,8 @@ def _sort_threshold(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     Unscaled, so the cut never depends on how a backend rounds logits / temperature
     (dividing by a positive temperature keeps the order): a kernel that scaled a row one
     ulp differently from XLA would otherwise drop the very top token at top_k=1.
-    Top-k and top-p need the row sorted, which XLA does slowly on the CPU (~0.45 s for 48
-    rows of a 49k vocabulary, against ~10 ms for the rest of sampling), so the sort only
+    Top-k and top-p need the row sorted, which XLA does slowly on the CPU (far slower than
+    the rest of sampling: ``docs/benchmarks/design_measurements.md``), so the sort only
     runs when some sampled row asks for either (``features.sort``, when given).
     """
     vocab = logits.shape[-1]

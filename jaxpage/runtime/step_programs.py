@@ -3,8 +3,8 @@ shared under (``core.batch.program_set.ProgramKey``, which ``ExecutableCache`` k
 
 The host picks a batch's sampling program (``core.batch.step_features.features_of``) on a GPU,
 where a conditional inside a program makes the launch wait for the device, and on the
-CPU, where the conditionals' results are fresh copies of the [S, V] logits (the tiny
-preset's 1,024-row decode step: 18 -> 8.4 ms). A TPU runs the program that decides with
+CPU, where the conditionals' results are fresh copies of the [S, V] logits
+(``docs/benchmarks/design_measurements.md``). A TPU runs the program that decides with
 conditionals on the device for every batch. A GPU also runs a decode call's K iterations
 as a loop of known length (no early exit).
 """

@@ -163,8 +163,10 @@ def test_speculative_verify_step_compiles(target):
                   **_swap_scaled(SMALL_LADDERS, SHALLOW, full_depth=30))
     _assert_compiled_and_fits(report)
     labels = [p.label for p in report.programs]
-    # 2 rows with up to 3 proposals each: at most 8 tokens (the 16-token budget allows it)
-    assert "verify[8, 2, 8]" in labels, labels
+    # 2 rows with up to 3 proposals each: at most 8 tokens (the 16-token budget allows it);
+    # a GPU's ready set holds its device-decided variant (the host picks the others)
+    wanted = "verify(device-decided)[8, 2, 8]" if target == "h100" else "verify[8, 2, 8]"
+    assert wanted in labels, labels
 
 
 def test_block_moves_stop_at_one_chunk_of_blocks():

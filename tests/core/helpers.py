@@ -5,7 +5,7 @@ from jaxpage.core.kv.block_pool import BlockPool
 from jaxpage.core.kv.kv_cache_manager import KVCacheManager
 from jaxpage.core.request import Request
 from jaxpage.core.sched.scheduler import Scheduler
-from jaxpage.core.batch.step_result import StepResult
+from jaxpage.core.sched.step_result import StepResult
 from jaxpage.sampling_params import SamplingParams
 
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from jaxpage.core.request import RequestStatus
-from jaxpage.core.batch.step_result import StepResult
+from jaxpage.core.sched.step_result import StepResult
 from tests.core.helpers import make_request, make_scheduler
 
 PREFIXES = [list(range(100, 108)), list(range(200, 206)), []]

@@ -4,7 +4,7 @@ import numpy as np
 
 from jaxpage.core.batch.builder import BatchBuilder
 from jaxpage.core.request import RequestStatus
-from jaxpage.core.batch.step_result import StepResult
+from jaxpage.core.sched.step_result import StepResult
 from tests.core.helpers import make_request, make_scheduler
 
 

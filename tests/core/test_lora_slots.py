@@ -9,7 +9,7 @@ import pytest
 
 from jaxpage.core.sched.lora_slots import LoRASlots
 from jaxpage.core.request import RequestStatus
-from jaxpage.core.batch.step_result import StepResult
+from jaxpage.core.sched.step_result import StepResult
 
 from tests.core.helpers import make_request, make_scheduler
 

@@ -6,7 +6,7 @@ import pytest
 from jaxpage.core.batch.builder import BatchBuilder
 from jaxpage.core.batch.penalty_slots import SEEN, PenaltySlots, penalty_fill
 from jaxpage.core.request import RequestStatus
-from jaxpage.core.batch.step_result import StepResult
+from jaxpage.core.sched.step_result import StepResult
 from tests.core.helpers import make_request, make_scheduler
 
 

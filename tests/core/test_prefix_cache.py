@@ -4,7 +4,7 @@ import numpy as np
 
 from jaxpage.core.kv.block_pool import BlockPool
 from jaxpage.core.kv.prefix_hash import ROOT_HASH, extend_block_hashes, hash_block
-from jaxpage.core.batch.step_result import StepResult
+from jaxpage.core.sched.step_result import StepResult
 from tests.core.helpers import make_request, make_scheduler
 
 SHARED = list(range(100, 112))  # 3 full blocks of 4 tokens

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from jaxpage.core.request import RequestStatus
-from jaxpage.core.batch.step_result import StepResult
+from jaxpage.core.sched.step_result import StepResult
 from tests.core.helpers import make_request, make_scheduler
 
 

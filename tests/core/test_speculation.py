@@ -13,7 +13,7 @@ from jaxpage.core.kv.prefix_hash import extend_block_hashes
 from jaxpage.core.request import RequestStatus
 from jaxpage.core.sched.speculation import NgramProposer, SpecDecodeStats
 from jaxpage.config import SpeculativeConfig
-from jaxpage.core.batch.step_result import StepResult
+from jaxpage.core.sched.step_result import StepResult
 from tests.core.helpers import make_request, make_scheduler, verify
 from tests.core.test_block_manager_properties import BlockManagerMachine
 
@@ -192,3 +192,31 @@ class SpeculatingMachine(BlockManagerMachine):
 SpeculatingMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40,
                                                 deadline=None, derandomize=True, database=None)
 TestSpeculatingBlockManager = SpeculatingMachine.TestCase
+
+
+def test_a_draft_model_s_rows_are_reserved_by_the_scheduler_and_filled_by_the_engine():
+    """With ``method="draft_model"`` ``schedule`` gives no proposals (the draft model runs
+    on the device, called by the engine): ``reserve_draft_rows`` picks the rows, their
+    slots for the last token and k proposals allocated, and ``give`` hands them the
+    draft's tokens, each row with its q row; a verify step then applies as any."""
+    s = make_scheduler(num_blocks=40, block_size=4,
+                       speculative_config={"method": "draft_model", "model": "preset:tiny-llama",
+                                           "num_speculative_tokens": 3,
+                                           "disable_by_batch_size": 4})
+    assert s.speculation.proposer is None and s.speculation.engine_proposes
+    a, b = make_request("a", 6, max_tokens=10), make_request("b", 5, max_tokens=2)
+    decode_ready(s, a)
+    decode_ready(s, b)
+    out = s.schedule()
+    assert out.num_draft_tokens == 0 and [i.num_new_tokens for i in out.scheduled] == [1, 1]
+    wanted = s.speculation.reserve_draft_rows(out)
+    # b is one token from max_tokens: no room for proposals
+    assert [(item.request.request_id, k) for item, k in wanted] == [("a", 3)]
+    assert len(s.kv.req_to_blocks["a"]) == 3  # positions 6..9: blocks 1 and 2
+    s.speculation.give(out, wanted, [[7, 8, 9]])
+    item = out.scheduled[0]
+    assert item.draft_token_ids == [7, 8, 9] and item.num_new_tokens == 4
+    assert item.draft_q_row == 0 and out.num_draft_tokens == 3
+    verify(s, out, [[7, 8, 40], [11]])
+    assert a.output_token_ids == [50, 50, 7, 8, 40] and b.is_finished  # a decoded in b's prefill
+    assert s.speculation.stats.num_accepted_tokens == 2

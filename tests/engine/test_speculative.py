@@ -255,3 +255,33 @@ def test_penalized_rows_speculate_and_keep_plain_decoding_tokens(tmp_path):
     stats = spec.get_stats()
     assert stats["spec_num_drafts"] >= 4 * 5
     assert stats["spec_acceptance_rate"] == 1.0
+
+
+def test_no_proposals_while_a_grammar_request_runs(llama_engines):
+    """A request with a grammar needs a mask per token, which a verify step does not take:
+    while one is in the scheduler no row carries proposals (not even a free request's),
+    the constrained output conforms, and speculation resumes once it is gone."""
+    import re
+
+    from jaxpage import StructuredOutputsParams
+
+    spec = llama_engines["spec"]
+    scheduler = spec.llm_engine.scheduler
+
+    class Always:  # proposes on every row, so any speculation would show
+        def propose(self, request, max_tokens):
+            return [5] * min(3, max_tokens)
+
+    saved, scheduler.speculation.proposer = scheduler.speculation.proposer, Always()
+    try:
+        before = spec.get_stats()["spec_num_drafts"]
+        constrained = SamplingParams(temperature=0, max_tokens=12, structured_outputs=
+                                     StructuredOutputsParams(regex=r"[0-9]{3}-[0-9]{4}"))
+        free = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        outputs = spec.generate(BASE[:2], [constrained, free])
+        assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", outputs[0].outputs[0].text)
+        assert spec.get_stats()["spec_num_drafts"] == before
+        spec.generate(BASE[2:3], free)
+        assert spec.get_stats()["spec_num_drafts"] > before
+    finally:
+        scheduler.speculation.proposer = saved

@@ -2,7 +2,11 @@
 (``StepApplier.apply``'s vectorized path) instead of request by request: tokens, stops,
 lengths, streamed deltas, aborts, preemptions and prefix-cache hits are exactly the
 waiting engine's (which never takes that path), and no KV block leaks (the suite's
-autouse check)."""
+autouse check).
+
+The suite's fast-path checks (``check_fast_paths``, set in ``tests/conftest.py``) sync the
+steady batch at every step they check, which would hide a missing sync point; this
+module turns them off, so what is tested is the engine as it runs in production."""
 
 import dataclasses
 
@@ -12,6 +16,16 @@ from jaxpage import LLM, SamplingParams
 from tests.engine.outcomes import outcomes
 from tests.engine.prompts import BASE
 from tests.options import TINY
+
+
+@pytest.fixture(autouse=True)
+def production_paths(monkeypatch):
+    """No fast-path checks (they sync the steady batch): production sync points only."""
+    from jaxpage.core.batch.builder import BatchBuilder
+    from jaxpage.core.sched.ahead_of_host import AheadOfHost
+
+    monkeypatch.setattr(AheadOfHost, "check_fast_paths", False)
+    monkeypatch.setattr(BatchBuilder, "check_fast_paths", False)
 
 
 @pytest.fixture(scope="module")
@@ -107,13 +121,13 @@ def test_preemption_matches_the_waiting_engine(tiny_checkpoints):
         llm = LLM(path, num_scheduler_steps=1, **options, **extra)
         results[name] = outcomes(llm, BASE[8:14], params)
         assert llm.get_stats()["num_preemptions"] > 0, name
-        results[name + " logged"] = steady_steps(llm)
+        results[name + " steady"] = steady_steps(llm)
     assert results["k1"] == results["sync"]
-    assert results["k1 logged"] > 0 and results["sync logged"] == 0
+    assert results["k1 steady"] > 0 and results["sync steady"] == 0
 
 
-def test_blocks_filled_while_logged_are_cached(engines):
-    """Blocks a logged request fills enter the prefix cache as they fill: a later prompt
+def test_blocks_filled_in_the_steady_batch_are_cached(engines):
+    """Blocks a request fills while its tokens wait in the steady batch enter the prefix cache as they fill: a later prompt
     repeating its prompt and output hits as many tokens as on the waiting engine."""
     prompt = BASE[5]
     params = SamplingParams(temperature=0, max_tokens=35, ignore_eos=True)
@@ -131,8 +145,9 @@ def test_blocks_filled_while_logged_are_cached(engines):
 
 
 def test_a_sibling_that_stops_first_takes_no_later_token(engines):
-    """n=2: the sibling that stops first leaves the log then; its group's output comes
-    steps later, when the other one finishes, and holds no token logged in between."""
+    """n=2: the sibling that stops first leaves the steady batch then; its group's output
+    comes steps later, when the other one finishes, and holds no token written in
+    between."""
     free_params = SamplingParams(temperature=1.0, seed=8, max_tokens=30, n=2, ignore_eos=True)
     free = outcomes(engines["sync"], [BASE[6]], free_params)[0]
     stop = next(t for t in free[0][0][4:] if t not in free[1][0])
@@ -142,3 +157,19 @@ def test_a_sibling_that_stops_first_takes_no_later_token(engines):
     assert outcomes(engines["k1"], [BASE[6]], params) == want
     assert steady_steps(engines["k1"]) - before >= 10
     assert len(want[0][0][0]) < 30 and len(want[0][1][0]) == 30
+
+
+def test_a_batch_rebuilt_from_the_requests_mid_run_reads_their_steady_tokens(tiny_checkpoints):
+    """A continuing build whose block-table bucket grows falls back to building from the
+    requests' state while the steady batch still holds their newest tokens: the builder
+    syncs them first (``BatchBuilder.sync_requests``). Checked with the suite's fast-path
+    checks off (``production_paths``), with the jnp reference attention and every
+    block-width rung (1, 2, 4, ... blocks: several rebuilds along 40 tokens)."""
+    path = tiny_checkpoints["llama"]
+    options = dict(TINY, bucket_growth=2, attention_backend="reference")
+    steady = LLM(path, num_scheduler_steps=1, **options)
+    waiting = LLM(path, num_scheduler_steps=1, async_scheduling=False, **options)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    got = outcomes(steady, BASE[:4], params)
+    assert steady_steps(steady) >= 20
+    assert got == outcomes(waiting, BASE[:4], params)

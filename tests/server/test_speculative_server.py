@@ -27,7 +27,7 @@ def spec_served(tiny_checkpoints):
     info, server = start_server(tiny_checkpoints["llama"],
                                 speculative_config={"method": "ngram",
                                                     "num_speculative_tokens": 2})
-    info.engine.submit(lambda: setattr(info.llm.llm_engine.scheduler, "proposer",
+    info.engine.submit(lambda: setattr(info.llm.llm_engine.scheduler.speculation, "proposer",
                                        RepeatLast())).result(60)
     yield info
     server.stop()

@@ -3,5 +3,4 @@
 (the one host/device contract) of a shape ``batch_shapes`` allows (``bucket_ladder``'s
 rungs), keeping per-row settings across steps (``batch_rows``) and penalty table rows
 (``penalty_slots``); ``step_features`` says which optional sampling work a batch needs;
-``program_set.ProgramKey`` names every program and keys the caches; ``step_result`` is a
-call's results back on the host."""
+``program_set.ProgramKey`` names every program and keys the caches."""

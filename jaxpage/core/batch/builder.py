@@ -14,6 +14,7 @@ long tail of a workload decodes a few sequences at a time.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -56,10 +57,14 @@ class BatchBuilder(BatchShapes):
     def __init__(self, kv_cache_manager: KVCacheManager, *, max_num_batched_tokens: int,
                  max_num_seqs: int, max_model_len: int, num_penalty_slots: int | None = None,
                  bucket_growth: int = 2, one_block_rung: bool = False,
-                 additive: bool = False) -> None:
+                 additive: bool = False,
+                 sync_requests: Callable[[], None] | None = None) -> None:
         """Ladders and shape rules: ``BatchShapes`` (``one_block_rung`` and ``additive``
-        there)."""
+        there). ``sync_requests`` (the scheduler's ``sync_tokens``) runs before a build
+        reads the requests' own progress: steady decoding's newest tokens may wait in the
+        scheduler's ``SteadyBatch`` until then."""
         self.kv = kv_cache_manager
+        self.sync_requests = sync_requests
         self.block_size = kv_cache_manager.block_size
         max_blocks = kv_cache_manager.num_blocks_for(max_model_len)
         super().__init__(max_num_batched_tokens=max_num_batched_tokens,
@@ -119,6 +124,8 @@ class BatchBuilder(BatchShapes):
 
     def _build_rows(self, out: SchedulerOutput, ahead: int) -> BuiltBatch:
         """``build`` from each request's state."""
+        if self.sync_requests is not None:
+            self.sync_requests()
         items = out.scheduled
         n = len(items)
         if ahead and out.num_batched_tokens != n:

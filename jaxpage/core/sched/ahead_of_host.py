@@ -25,7 +25,7 @@ from jaxpage.core.sched.schedule_output import (AheadPlan, DecodePositions, Sche
 
 class AheadOfHost:
     """The scheduler's part that decides ahead of the host. It reads the scheduler's
-    queues and uses its admission (``Scheduler._admit``); it keeps no state of its own."""
+    queues and uses its admission (``Scheduler.admit``); it keeps no state of its own."""
 
     # Tests set this: every fast path is checked against the path it shortcuts.
     check_fast_paths = False
@@ -50,7 +50,7 @@ class AheadOfHost:
                 or s.speculating() or s.has_constrained):
             return 1  # speculating: the host proposes after every token; a grammar's
             # mask for the next token needs the one before
-        s.applier.release()  # the rows' progress is read below
+        s.applier.sync()  # the rows' progress is read below
         for item in out.scheduled:
             request = item.request
             if (item.num_new_tokens != 1 or request.external_sampling or request.fork_children
@@ -80,11 +80,11 @@ class AheadOfHost:
         s = self.s
         if num_steps <= 1 or s.swapped or s.speculating() or s.has_constrained:
             return None  # speculating: few requests left, each step proposes again
-        head = s._best_waiting() if s.waiting else None
-        if head is not None and (s._seats_in_use() + head.num_seats
+        head = s.best_waiting() if s.waiting else None
+        if head is not None and (s.seats_in_use() + head.num_seats
                                  <= self.config.max_num_seqs):
             return None  # a seat is free: admit the waiting request first
-        s.applier.release()  # the rows' progress is read below
+        s.applier.sync()  # the rows' progress is read below
         alive = [item.request for item in out.scheduled if not item.request.is_finished]
         if not alive or {id(r) for r in alive} != {id(r) for r in s.running}:
             return None
@@ -123,7 +123,7 @@ class AheadOfHost:
             return None
         if s.speculating():
             return None  # proposals need the host to know every request's last token
-        s._sort_running()
+        s.sort_running()
         steady = self._continue_decodes(previous, all_decodes)
         if steady is not None:
             if self.check_fast_paths:
@@ -171,7 +171,7 @@ class AheadOfHost:
                                               row if emits else -1))
             budget -= num_new
         s.begin_step()
-        s._admit(out, budget)
+        s.admit(out, budget)
         if not out.scheduled:
             return None
         out.ahead = AheadPlan(min(item.request.max_tokens - item.request.num_output_tokens
@@ -199,7 +199,7 @@ class AheadOfHost:
                 or running != previous.requests):  # list equality: identities first
             return None
         # Every running request is plain (planned ahead), so each holds one seat.
-        head = (s._best_waiting()
+        head = (s.best_waiting()
                 if s.waiting and n < self.config.max_num_batched_tokens else None)
         if head is not None and n + head.num_seats <= self.config.max_num_seqs:
             return None  # a waiting request could be admitted: the row by row path does it

@@ -34,7 +34,7 @@ from jaxpage.core.sched.preemption import PreemptionCostModel
 from jaxpage.core.sched.schedule_output import ScheduledRequest, SchedulerOutput
 from jaxpage.core.sched.speculation import Speculation
 from jaxpage.core.sched.step_apply import OnToken, StepApplier
-from jaxpage.core.batch.step_result import StepResult
+from jaxpage.core.sched.step_result import StepResult
 
 
 _ARRIVAL = operator.attrgetter("arrival_seq")
@@ -122,13 +122,17 @@ class Scheduler:
         return bool(self._constrained)
 
     def speculating(self) -> bool:
-        """Whether steps may carry proposals now (``Speculation.active``)."""
-        return self.speculation is not None and self.speculation.active(len(self.running))
+        """Whether steps may carry proposals now (``Speculation.active``): never while a
+        request with a grammar is here (its rows would need a mask per proposal, and a
+        verify step takes no mask)."""
+        return (self.speculation is not None and not self._constrained
+                and self.speculation.active(len(self.running)))
 
     def sync_tokens(self) -> None:
         """Give every request the tokens the steady batch holds for it (they stay in it):
-        for readers of the requests' progress between steps, outside the defined sync
-        points (``core.sched.steady_batch``), such as benchmarks and tests."""
+        a sync point for whoever reads the requests' progress between steps (the batch
+        builder before it builds from the requests, benchmarks, tests); see
+        ``core.sched.steady_batch``."""
         self.applier.sync()
 
     def begin_step(self) -> None:
@@ -181,7 +185,7 @@ class Scheduler:
         request.status = status
         return request
 
-    def _sort_running(self) -> None:
+    def sort_running(self) -> None:
         if self.config.scheduling_policy == "fcfs":
             if self._running_unsorted:  # the key reads every request: skip it when sorted
                 self.running.sort(key=_ARRIVAL)  # C-level key; nearly sorted already: O(n)
@@ -189,7 +193,7 @@ class Scheduler:
         else:
             self.running.sort(key=self._priority_key)
 
-    def _best_waiting(self, adapters: set | None = None) -> Request | None:
+    def best_waiting(self, adapters: set | None = None) -> Request | None:
         """The waiting request to admit next. Under FCFS it is the head of the queue, in
         O(1): requests arrive in order, and a preempted (or forked) one goes back to the
         head having arrived before every request still waiting. Priorities age with the
@@ -214,7 +218,7 @@ class Scheduler:
         aged = (self.step_count - request.added_step) // self.config.priority_aging_steps
         return (request.priority - aged, request.arrival_seq)
 
-    def _seats_in_use(self) -> int:
+    def seats_in_use(self) -> int:
         return sum(r.num_seats for r in self.running)
 
     def _num_new_tokens(self, request: Request, budget: int, num_computed: int) -> int:
@@ -232,7 +236,7 @@ class Scheduler:
         self.begin_step()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        self._sort_running()
+        self.sort_running()
         running, scheduled, allocate = self.running, out.scheduled, self.kv.allocate_slots
         index = 0
         while index < len(running) and budget > 0:
@@ -257,7 +261,7 @@ class Scheduler:
         if not out.preempted:
             budget, adapter_blocked = self._swap_in(out, budget)
             if not adapter_blocked:  # else new work waits: the swapped request comes first
-                self._admit(out, budget)
+                self.admit(out, budget)
         if out.scheduled and self.speculating():
             self.speculation.propose(out)  # the host's proposer; a draft model's: the engine's
         return out
@@ -305,7 +309,7 @@ class Scheduler:
         self.swapped.sort(key=self._priority_key)
         adapters = self.adapters_in_use()
         while (self.swapped and budget > 0
-               and self._seats_in_use() + self.swapped[0].num_seats <= self.config.max_num_seqs):
+               and self.seats_in_use() + self.swapped[0].num_seats <= self.config.max_num_seqs):
             request = self.swapped[0]
             if adapters is not None and not self.lora.may_seat(request, adapters):
                 return budget, True
@@ -324,13 +328,13 @@ class Scheduler:
                 budget -= num_new
         return budget, False
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+    def admit(self, out: SchedulerOutput, budget: int) -> None:
         if not self.waiting:
             return
-        seats = self._seats_in_use()
+        seats = self.seats_in_use()
         adapters = self.adapters_in_use()
         while self.waiting and budget > 0:
-            request = self._best_waiting(adapters)
+            request = self.best_waiting(adapters)
             if request is None:  # every waiting request needs an adapter slot in use
                 break
             if seats + request.num_seats > self.config.max_num_seqs:

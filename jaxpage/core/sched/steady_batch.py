@@ -12,12 +12,15 @@ Invariants:
 * The rows are ``requests`` in batch order, the same every step of the run.
 * An attached row's request has taken ``tokens[:taken[row], row]``: its own
   ``all_token_ids`` and ``num_computed_tokens`` lag by ``steps - taken[row]`` tokens.
-  Nothing outside the scheduler reads an attached request, except through ``current``
-  (which syncs it first) or after the scheduler released the batch.
-* The scheduler syncs at defined points (``core.sched.step_apply.StepApplier``): the
-  whole batch is released before anything schedules or applies tokens from the requests'
-  own state; a request alone is detached (synced) when it finishes or is preempted; a row
-  is synced before the engine is given its request.
+  Nobody reads an attached request's progress without syncing it first.
+* The defined sync points: the whole batch is released (synced, detached) before
+  ``schedule``, before scheduling ahead row by row, and before any other way of applying
+  tokens (``StepApplier.release``); synced and kept before a multi-step reservation or
+  chain, before the steady path reads positions from the requests
+  (``AheadOfHost._continue_decodes``), and before the batch builder builds from the
+  requests (``BatchBuilder.sync_requests`` = ``Scheduler.sync_tokens``); a request alone
+  is detached when it finishes or is preempted (``release_request``); a row is synced
+  before the engine is given its request or its blocks are cached (``current``).
 * A detached row takes nothing more: a token written for a request that finished while
   its step ran is dropped, as the per-row path drops it.
 """

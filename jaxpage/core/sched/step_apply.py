@@ -1,14 +1,15 @@
 """Applying a device call's sampled tokens to its requests: one ``StepApplier.apply`` for
 every kind of call (a single step, a multi-step decode call, a speculative verify step),
-from its ``core.batch.step_result.StepResult``.
+from its ``core.sched.step_result.StepResult``.
 
-Every token taken is the same four things (``take``): its predecessor counted computed,
-a block that predecessor filled put in the prefix cache, the token appended, and a
-token-level stop finishing the request. The strategy is chosen in one place
-(``_steady_batch``): a single step of plain decodes continuing the steady run, whose
-every request needs nothing but the device's stop flags, goes vectorized into the
-``SteadyBatch`` (one array write, no pass over the requests); everything else goes row by
-row.
+Every token taken is the same four things: its predecessor counted computed, a block
+that predecessor filled put in the prefix cache, the token appended, and a token-level
+stop finishing the request. The strategy is chosen in one place (``_steady_batch``): a
+single step of plain decodes continuing the steady run, whose every request needs nothing
+but the device's stop flags, goes vectorized into the ``SteadyBatch`` (counting and
+appending as one array write, no pass over the requests; the block caching and the stop
+check, ``_stops``, on the rows that need them); everything else goes row by row
+(``take``, one token at a time).
 
 Invariants: a token is appended only once the K/V of every token before it is on the
 device (``num_computed_tokens`` counts them); a request that stops is finished (its
@@ -25,7 +26,7 @@ import numpy as np
 from jaxpage.core.request import Request, RequestStatus
 from jaxpage.core.sched.schedule_output import SchedulerOutput
 from jaxpage.core.sched.steady_batch import SteadyBatch
-from jaxpage.core.batch.step_result import StepResult
+from jaxpage.core.sched.step_result import StepResult
 
 if TYPE_CHECKING:
     from jaxpage.core.kv.kv_cache_manager import KVCacheManager
@@ -65,8 +66,10 @@ class StepApplier:
             self.steady.detach(request)
 
     def sync(self) -> None:
-        """Every request of the steady batch takes its tokens and stays in it (checks
-        that compare a fast path with one reading the requests)."""
+        """Every request of the steady batch takes its tokens and stays in it: before
+        anything reads the requests' progress without leaving the steady run (a
+        multi-step reservation, the batch builder's build from the requests, the
+        fast-path checks)."""
         if self.steady is not None:
             self.steady.sync()
 
@@ -93,6 +96,8 @@ class StepApplier:
             return self._apply_steady(steady, sampled)
         self.release()
         if sampled.emitted is not None:
+            if cu_q_lens is None:
+                raise ValueError("a verify step's result needs its batch's cu_q_lens")
             return self._apply_verified(out, sampled, cu_q_lens, on_token)
         if sampled.tokens.ndim == 2:
             return self._apply_multi_step(out, sampled.tokens, on_token)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from jaxpage.core.request import Request
 from jaxpage.outputs import CompletionOutput, Logprob, SampleLogprobs
-from jaxpage.core.batch.step_result import StepResult
+from jaxpage.core.sched.step_result import StepResult
 
 
 class LogprobsRecorder:

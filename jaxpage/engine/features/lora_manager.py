@@ -111,8 +111,7 @@ class LoRAManager:
 
 
 class LoRAAdapters:
-    """``LLMEngine``'s LoRA surface (a part of it, as ``AheadOfHost`` is of the scheduler):
-    ``add_lora`` / ``remove_lora`` / ``list_loras`` and the set-up. Uses the engine's
+    """``LLMEngine``'s LoRA surface (mixed into it): ``add_lora`` / ``remove_lora`` / ``list_loras`` and the set-up. Uses the engine's
     ``config``, ``loras`` (a ``LoRAManager``, None when LoRA is off) and ``scheduler``."""
 
     def _enable_lora(self, loaded: Any, mesh: Any) -> LoRAManager:

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxpage.core.batch.step_result import StepResult
+from jaxpage.core.sched.step_result import StepResult
 from jaxpage.core.request import RequestStatus
 from jaxpage.engine.input_processor import PromptInput
 from jaxpage.sampling_params import SamplingParams
