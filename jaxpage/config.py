@@ -22,7 +22,10 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-SUPPORTED_QUANTIZATION = (None, "int8", "int4", "gguf")
+# jaxpage's own modes, then the pre-quantized checkpoint methods (checked against the
+# checkpoint: ``jaxpage.models.prequantized``), vLLM's kernel-specific aliases included
+SUPPORTED_QUANTIZATION = (None, "int8", "int4", "gguf", "compressed-tensors", "awq", "gptq",
+                          "awq_marlin", "gptq_marlin")
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
@@ -58,8 +61,10 @@ class ModelConfig:
     # Keys replaced in the model's Hugging Face config before it is built (vLLM's name), e.g.
     # {"num_hidden_layers": 2} for a shallow copy of a model; not for orbax checkpoints.
     hf_overrides: dict | None = None
-    # Weight-only quantization: None (as stored, dequantized), "int8" (per output channel),
-    # "int4" (grouped), "gguf" (a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks kept as stored)
+    # Weight-only quantization: None (a float checkpoint as stored; a pre-quantized one,
+    # compressed-tensors / AWQ / GPTQ, as it says), "int8", "int4" (grouped), "gguf" (a
+    # GGUF file's Q8_0 / Q4_0 / Q4_1 blocks kept as stored); a pre-quantized checkpoint's
+    # method may be named, and must then match it
     quantization: str | None = None
     # int8 / int4: input rows per scale (None: 128 for int8, 32 for int4); 0: per channel
     quantization_group_size: int | None = None

@@ -117,7 +117,8 @@ class HFTensorSource:
             if keys[-1] in _KV_TENSORS:  # quantized parts too: their last axis is the output
                 repeat = lambda a: repeat_kv_heads(a, arch.num_kv_heads, arch.head_dim,  # noqa: E731
                                                    repeats)
-                array = ({part: repeat(value) for part, value in array.items()}
+                array = ({part: repeat(value) if part in ("codes", "scale", "zero") else value
+                          for part, value in array.items()}
                          if isinstance(array, dict) else repeat(array))
             yield keys, array
 
@@ -173,7 +174,12 @@ class HFTensorSource:
 
     def tensor(self, name: str, hf_name: str, transpose: bool) -> Any:
         """Our parameter ``name`` from the checkpoint's ``hf_name``: a host array in our
-        layout, or (a source that keeps quantized blocks) a dict of quantized parts."""
+        layout, or (a source that keeps quantized blocks, a pre-quantized checkpoint) a
+        dict of quantized parts."""
+        stored = getattr(self, "stored", None)
+        if stored is not None and name in stored.formats and name in self.quant_plan:
+            return stored.read(self.get, self.names(), hf_name.removesuffix(".weight"),
+                               self.quant_plan[name])
         array = self.get(hf_name)
         return array.T if transpose else array
 

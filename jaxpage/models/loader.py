@@ -24,6 +24,7 @@ from flax import nnx
 
 from jaxpage.arch_config import ArchConfig
 from jaxpage.models.hf_layout import place_arrays
+from jaxpage.models.prequantized import STORED_METHODS, canonical_method
 from jaxpage.models.presets import PREFIX as PRESET_PREFIX
 from jaxpage.models.presets import preset_config
 from jaxpage.models.quantize import (QUANTIZABLE, QUANTIZATION_MODES,
@@ -128,15 +129,19 @@ def load_model(path: str | None, *, dtype: str = "float32", attention_backend: s
     ``cache_dir``: where a source that converts (GGUF) keeps its converted params for the
     next start (``converted_cache``); None converts every time.
     """
-    if quantization is not None and quantization not in QUANTIZATION_MODES:
+    if quantization is not None and (quantization not in QUANTIZATION_MODES
+                                     and canonical_method(quantization) is None):
         raise ValueError(f"quantization={quantization!r} is not supported; choose one of "
-                         f"{QUANTIZATION_MODES} or None")
+                         f"{QUANTIZATION_MODES + STORED_METHODS} or None")
     path = resolve_model_path(path)
     if path.startswith(PRESET_PREFIX):
         if load_format != "auto":
             raise ValueError(f"load_format={load_format!r}: {path!r} has no weights to read")
         if quantization == "gguf":
             raise ValueError(f"quantization='gguf' needs a GGUF file, not {path!r}")
+        if canonical_method(quantization or "") is not None:
+            raise ValueError(f"quantization={quantization!r} needs a checkpoint stored that "
+                             f"way, not {path!r}")
         return _random_preset(path, dtype, attention_backend, mesh, hf_overrides,
                               quantization, quantization_group_size, kv_format)
     check_load_format(path, load_format)
@@ -245,6 +250,14 @@ def _source_plan(source: Any, path: str, run_arch: ArchConfig, quantization: str
     """(mode, plan) for a checkpoint source; the plan is also set on the source.
     ``lossless_blocks``: with ``quantization=None`` a GGUF file keeps its blocks (the
     mode stays None: the products are the float weights', see ``_lossless_blocks``)."""
+    stored = getattr(source, "stored", None)
+    if stored is not None:  # a pre-quantized checkpoint: read as stored
+        if quantization is not None and canonical_method(quantization) != stored.method:
+            raise ValueError(f"quantization={quantization!r}, but {path!r} is quantized with "
+                             f"{stored.method!r}: pass quantization={stored.method!r} or None")
+        plan = stored.plan(run_arch, source.names())
+        source.quant_plan = plan
+        return stored.method, plan
     saved = getattr(source, "saved_quantization", None)
     if getattr(source, "architecture_is_saved", False) and saved is None and quantization in (
             "int8", "int4"):  # a float orbax checkpoint: restored, then quantized
@@ -257,6 +270,10 @@ def _source_plan(source: Any, path: str, run_arch: ArchConfig, quantization: str
                              f"loaded with quantization={quantization!r}: load the original "
                              "checkpoint to quantize it differently")
         return saved, dict(getattr(source, "quant_plan", {}) or {})
+    if canonical_method(quantization or "") is not None:
+        raise ValueError(f"quantization={quantization!r} reads a checkpoint stored in that "
+                         f"format, but {path!r} is not one (use 'int8' / 'int4' to quantize "
+                         "it as it loads)")
     if quantization is None:
         plan: dict[str, QuantFormat] = (source.gguf_plan(run_arch) if lossless_blocks
                                         and hasattr(source, "gguf_plan") else {})

@@ -29,10 +29,20 @@ class QuantizedWeight(nnx.Module):
         for part, (shape, dtype) in fmt.shapes(in_features, out_features).items():
             # shapes only: quantized weights are always loaded (or quantized from floats)
             setattr(self, part, nnx.Param(jax.ShapeDtypeStruct(shape, dtype)))
+        self.activations = fmt.activations  # static: a W8A8 checkpoint's activation scheme
 
     def parts(self) -> dict[str, jax.Array]:
+        """The weight's own parts (codes, scale, zero), not the activations' scale."""
         return {part: getattr(self, part)[...] for part in ("codes", "scale", "zero")
                 if hasattr(self, part)}
+
+    def input_permutation(self) -> jax.Array | None:
+        """int32 [in]: a GPTQ act-order weight's row order (``x[..., perm] @ W``), else None."""
+        return self.perm[...] if hasattr(self, "perm") else None
+
+    def activation_scale(self) -> jax.Array | None:
+        """float32 [1]: a static W8A8 checkpoint's ``input_scale``, else None."""
+        return self.input_scale[...] if hasattr(self, "input_scale") else None
 
 
 def linear(x: jax.Array, weight: Any, backend: str = "auto",
@@ -42,7 +52,12 @@ def linear(x: jax.Array, weight: Any, backend: str = "auto",
     (``pallas_kernels.dense_matmul`` / ``quantized_matmul``; "reference" under a mesh).
     ``rows`` (int32 scalar): x's rows past it are padding, their results unspecified."""
     if isinstance(weight, QuantizedWeight):
-        return quantized_matmul(x, weight.parts(), backend=backend, rows=rows)
+        perm = weight.input_permutation()
+        if perm is not None:
+            x = jnp.take(x, perm, axis=-1)
+        return quantized_matmul(x, weight.parts(), backend=backend, rows=rows,
+                                activations=weight.activations,
+                                input_scale=weight.activation_scale())
     return dense_matmul(x, weight[...], backend=backend, rows=rows)
 
 

@@ -32,24 +32,56 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
+import jax.numpy as jnp
 import numpy as np
 
 QUANTIZATION_MODES = ("int8", "int4", "gguf")
 QUANTIZABLE = ("embed", "lm_head", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                "up_proj", "down_proj")
-PARTS = ("codes", "scale", "zero")
-DEFAULT_GROUP_SIZE = {"int8": 128, "int4": 32}  # input rows per scale, by mode
+PARTS = ("codes", "scale", "zero", "input_scale", "perm")
+DEFAULT_GROUP_SIZE = {"int8": 32, "int4": 32}  # input rows per scale, by mode
+VOCAB_INT8_GROUP = 128  # int4 mode's embedding / LM head: int8 with this group size
 VOCAB_PARAMS = ("embed", "lm_head")
 GGUF_BLOCK = 32
+FP8_DTYPE = jnp.float8_e4m3fn  # an ml_dtypes numpy type
+
+
+ACTIVATION_SCHEMES = ("dynamic", "static")  # W8A8: per token at run time / per tensor, stored
 
 
 @dataclass(frozen=True)
 class QuantFormat:
-    """How one parameter is stored: ``bits`` 8 (symmetric) or 4 (asymmetric, packed), with
-    a scale per group of ``group_size`` input rows (``None``: one group, per channel)."""
+    """How one parameter is stored: ``bits`` 8 or 4, with a scale per group of
+    ``group_size`` input rows (``None``: one group, per channel).
+
+    * ``codes="int"``: 8-bit codes are int8, symmetric unless ``zero``; 4-bit codes are
+      unsigned, two per byte, always with a zero (asymmetric).
+    * ``codes="fp8"``: 8-bit float8_e4m3fn codes times the scale (a pre-quantized FP8
+      checkpoint's; a per-tensor scale is stored repeated per channel).
+    * ``activations``: ``None`` weight-only; ``"dynamic"`` / ``"static"``: the checkpoint
+      also quantizes the matmul's input (per token at run time / by its stored per-tensor
+      ``input_scale``), done where the hardware multiplies such codes natively
+      (``pallas_kernels.quantized_matmul.activation_quant``).
+    * ``act_order``: the input rows are stored sorted by group, and ``perm`` int32 [K]
+      says which input each row multiplies (``x[..., perm] @ W``).
+    """
 
     bits: int
     group_size: int | None = None
+    codes: str = "int"
+    zero: bool = False
+    activations: str | None = None
+    act_order: bool = False  # a GPTQ act-order weight: rows sorted by group, ``perm`` kept
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8) or self.codes not in ("int", "fp8") or (
+                self.codes == "fp8" and (self.bits != 8 or self.zero)) or (
+                self.activations not in (None, *ACTIVATION_SCHEMES)):
+            raise ValueError(f"unsupported quantized format {self!r}")
+
+    @property
+    def has_zero(self) -> bool:
+        return self.bits == 4 or self.zero
 
     def groups(self, in_features: int) -> int:
         return 1 if self.group_size is None else in_features // self.group_size
@@ -58,14 +90,23 @@ class QuantFormat:
         """part name -> (shape, numpy dtype) of the stored weight."""
         g = self.groups(in_features)
         if self.bits == 8:
-            return {"codes": ((in_features, out_features), np.int8),
-                    "scale": ((g, out_features), np.float32)}
-        return {"codes": ((in_features // 2, out_features), np.uint8),
-                "scale": ((g, out_features), np.float32),
-                "zero": ((g, out_features), np.float32)}
+            dtype = np.int8 if self.codes == "int" else FP8_DTYPE
+            shapes = {"codes": ((in_features, out_features), dtype)}
+        else:
+            shapes = {"codes": ((in_features // 2, out_features), np.uint8)}
+        shapes["scale"] = ((g, out_features), np.float32)
+        if self.has_zero:
+            shapes["zero"] = ((g, out_features), np.float32)
+        if self.activations == "static":
+            shapes["input_scale"] = ((1,), np.float32)
+        if self.act_order:
+            shapes["perm"] = ((in_features,), np.int32)
+        return shapes
 
     def to_json(self) -> list:
-        return [self.bits, self.group_size]
+        extra = [self.codes, self.zero, self.activations, self.act_order]
+        return [self.bits, self.group_size] + (extra if extra != ["int", False, None, False]
+                                               else [])
 
 
 def group_size_for(in_features: int, requested: int = 128) -> int | None:
@@ -100,9 +141,12 @@ def mode_plan(mode: str, dims: dict[str, tuple[int, int]],
         plan = {}
         for name, (k, _) in dims.items():
             if mode == "int4" and name in VOCAB_PARAMS:
-                plan[name] = QuantFormat(8, group_size_for(k, DEFAULT_GROUP_SIZE["int8"]))
+                plan[name] = QuantFormat(8, group_size_for(k, VOCAB_INT8_GROUP))
+            elif mode == "int8":  # projections asymmetric, vocabulary tables symmetric
+                plan[name] = QuantFormat(8, group_size_for(k, size),
+                                         zero=name not in VOCAB_PARAMS)
             else:
-                plan[name] = QuantFormat(8 if mode == "int8" else 4, group_size_for(k, size))
+                plan[name] = QuantFormat(4, group_size_for(k, size))
         return plan
     raise ValueError(f"quantization={mode!r} has no fixed plan")
 
@@ -112,8 +156,9 @@ def plan_to_json(plan: dict[str, QuantFormat]) -> dict[str, list]:
 
 
 def plan_from_json(data: dict[str, list] | None) -> dict[str, QuantFormat]:
-    return {name: QuantFormat(int(bits), None if group is None else int(group))
-            for name, (bits, group) in (data or {}).items()}
+    """``plan_to_json`` undone (plans saved before the extra fields were added too)."""
+    return {name: QuantFormat(int(bits), None if group is None else int(group), *extra)
+            for name, (bits, group, *extra) in (data or {}).items()}
 
 
 def pack_nibbles(q: np.ndarray) -> np.ndarray:
@@ -127,6 +172,14 @@ def quantize(weight: np.ndarray, fmt: QuantFormat) -> dict[str, np.ndarray]:
     k, n = w.shape
     g = fmt.groups(k)
     grouped = w.reshape(g, k // g, n)
+    if fmt.bits == 8 and fmt.zero:  # asymmetric: 256 codes from the group's min to max
+        low, high = grouped.min(axis=1), grouped.max(axis=1)                 # [G, N]
+        scale = ((high - low) / 255.0).astype(np.float32)
+        scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+        q = np.clip(np.rint((grouped - low[:, None, :]) / scale[:, None, :]), 0, 255)
+        codes = (q.astype(np.int32) - 128).astype(np.int8)
+        zero = (low + 128.0 * scale).astype(np.float32)
+        return {"codes": codes.reshape(k, n), "scale": scale, "zero": zero}
     if fmt.bits == 8:
         scale = np.abs(grouped).max(axis=1) / 127.0                          # [G, N]
         scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
@@ -143,7 +196,7 @@ def quantize(weight: np.ndarray, fmt: QuantFormat) -> dict[str, np.ndarray]:
 def dequantize(parts: dict[str, np.ndarray]) -> np.ndarray:
     """Stored parts -> the float32 weight [K, N] they stand for (host side, for checks)."""
     scale = parts["scale"]
-    if "zero" in parts:
+    if parts["codes"].dtype == np.uint8:  # 4-bit, two per byte
         packed = parts["codes"]
         q = np.empty((2 * packed.shape[0], packed.shape[1]), np.uint8)
         q[0::2], q[1::2] = packed & 15, packed >> 4

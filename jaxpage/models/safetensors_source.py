@@ -5,11 +5,14 @@ from __future__ import annotations
 import functools
 import json
 import os
+import struct
 
+import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
 from jaxpage.models.hf_layout import HFTensorSource
+from jaxpage.models.prequantized import stored_quantization
 
 
 class SafetensorsSource(HFTensorSource):
@@ -27,6 +30,8 @@ class SafetensorsSource(HFTensorSource):
             self.hf_config: dict = json.load(f)
         self.directory = directory
         self._handles: dict[str, object] = {}
+        # a pre-quantized checkpoint's method (compressed-tensors, AWQ, GPTQ), else None
+        self.stored = stored_quantization(self.hf_config, directory)
 
     @functools.cached_property
     def _file_of(self) -> dict[str, str]:
@@ -55,4 +60,27 @@ class SafetensorsSource(HFTensorSource):
         handle = self._handles.get(path)
         if handle is None:
             handle = self._handles[path] = safe_open(path, "numpy")
-        return handle.get_tensor(name)
+        try:
+            return handle.get_tensor(name)
+        except (AttributeError, TypeError):  # a dtype numpy lacks (FP8): read its bytes
+            return raw_tensor(path, name)
+
+
+# safetensors dtypes that its numpy reader cannot build, as ml_dtypes' numpy types
+_RAW_DTYPES = {"F8_E4M3": jnp.float8_e4m3fn, "F8_E5M2": jnp.float8_e5m2,
+               "BF16": jnp.bfloat16}
+
+
+def raw_tensor(path: str, name: str) -> np.ndarray:
+    """Tensor ``name`` of the safetensors file ``path`` read from its bytes (the format:
+    an 8-byte little-endian header length, a JSON header of dtype / shape / data_offsets,
+    then the data)."""
+    with open(path, "rb") as f:
+        length = struct.unpack("<Q", f.read(8))[0]
+        info = json.loads(f.read(length))[name]
+        if info["dtype"] not in _RAW_DTYPES:
+            raise ValueError(f"tensor {name!r} has dtype {info['dtype']}, which jaxpage cannot read")
+        start, end = info["data_offsets"]
+        f.seek(8 + length + start)
+        data = f.read(end - start)
+    return np.frombuffer(data, _RAW_DTYPES[info["dtype"]]).reshape(info["shape"])

@@ -56,7 +56,7 @@ KV_CACHE_SPEC = P(None, None, None, TP)  # axis 3: kv heads (split) or their fus
 VOCAB_PARAMS = ("embed", "lm_head")
 
 
-QUANTIZED_PARTS = ("codes", "scale", "zero")  # jaxpage.models.quantize's parts of a weight
+QUANTIZED_PARTS = ("codes", "scale", "zero", "input_scale", "perm")  # quantize.PARTS
 
 
 def param_spec(name: str, shape: tuple[int, ...], tp_size: int) -> P:
@@ -66,6 +66,7 @@ def param_spec(name: str, shape: tuple[int, ...], tp_size: int) -> P:
     N] split as the weight is; its ``scale`` / ``zero`` [G, N] split by N where the weight
     is, and by groups where the weight is split by K and the groups divide (per-channel
     scales, one group, are replicated). A quantized ``embed`` is stored [hidden, vocab].
+    A W8A8 weight's ``input_scale`` [1] and an act-order ``perm`` [K] are replicated.
     """
     if "." in name:
         return _part_spec(name, shape, tp_size)
@@ -78,6 +79,8 @@ def _part_spec(name: str, shape: tuple[int, ...], tp_size: int) -> P:
     param, part = name.split(".", 1)
     if param not in PARAM_SPECS or part not in QUANTIZED_PARTS:
         raise ValueError(f"no tensor-parallel sharding rule for parameter {name!r}")
+    if part in ("input_scale", "perm"):
+        return P()  # a W8A8 input scale [1], an act-order permutation [K]: on every device
     spec = P(None, TP) if param == "embed" else PARAM_SPECS[param]
     if part != "codes" and spec[0] == TP and shape[0] % tp_size:
         spec = P(None, spec[1])  # too few groups to split: every device holds them all

@@ -62,10 +62,18 @@ def model_config(model: str | None) -> dict[str, Any]:
 
 
 def _quant_plan(mc: Any, arch: ArchConfig) -> dict:
-    """The stored formats of ``quantization`` for ``arch`` (``jaxpage.models.quantize``)."""
+    """The stored formats of ``quantization`` for ``arch`` (``jaxpage.models.quantize``);
+    a pre-quantized checkpoint's own (``jaxpage.models.prequantized``)."""
     from jaxpage.models.loader import quantizable_dims
     from jaxpage.models.quantize import mode_plan
 
+    if mc.model is not None and not mc.model.startswith(PRESET_PREFIX):
+        from jaxpage.models.weight_sources import open_source
+
+        source = open_source(mc.model)
+        stored = getattr(source, "stored", None)
+        if stored is not None:  # a pre-quantized checkpoint: its stored formats
+            return stored.plan(arch, source.names())
     if mc.quantization is None:
         return {}
     if mc.quantization == "gguf":

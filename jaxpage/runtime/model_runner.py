@@ -18,6 +18,7 @@ from jaxpage.runtime.program_fallback import ProgramFallback
 from jaxpage.models.loader import LoadedModel
 from jaxpage.parallel.placement import Placement
 from jaxpage.runtime.executable_cache import ExecutableCache, JitPrograms, fingerprint
+from pallas_kernels.quantized_matmul import activation_quant
 from jaxpage.runtime.kv_cache import allocate_kv_cache
 from jaxpage.core.sched.step_result import StepResult
 from jaxpage.runtime.pending_calls import PendingMultiStep, PendingStep
@@ -114,6 +115,7 @@ class ModelRunner:
                        f"{resolve_dense_backend('auto', self.dtype)}")
             if self.quant_plan:
                 kernels += f"|quantized_matmul={resolve_quantized_backend('auto', self.dtype)}"
+                kernels += f"|w8a8={activation_quant.native_codes()}"
             self.executables = ExecutableCache(executable_dir, fingerprint(
                 self.params, self.kv_cache, self.penalty_table, self._no_carry,
                 extra=f"{graphdef}|{self.arch}|block_size={block_size}|{kernels}"),

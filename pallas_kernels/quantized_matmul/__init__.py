@@ -5,6 +5,9 @@ of arrays, its scales per group of ``K / G`` consecutive rows:
 
 * 8-bit, symmetric: ``{"codes": int8 [K, N], "scale": float32 [G, N]}``,
   ``W[k, n] = scale[k // (K/G), n] * codes[k, n]``. Per output channel is ``G = 1``.
+  With a ``zero`` [G, N] (an asymmetric int8 checkpoint's): ``+ zero[g, n]``.
+* FP8: ``{"codes": float8_e4m3fn [K, N], "scale": float32 [G, N]}``, the same formula
+  (pre-quantized FP8 checkpoints; a per-tensor scale is stored repeated per channel).
 * 4-bit, asymmetric: ``{"codes": uint8 [K/2, N], "scale": float32 [G, N],
   "zero": float32 [G, N]}``: two codes per byte (row ``2i`` in the low nibble of byte row
   ``i``, row ``2i + 1`` in the high nibble), ``W[k, n] = scale[g, n] * q[k, n] + zero[g, n]``
@@ -21,10 +24,10 @@ every function here accepts either layout.
 Backends (``_backend``'s rule): ``"reference"`` dequantizes in jnp and calls an ordinary
 dot; on a TPU or GPU XLA fuses the conversion into the dot, so the weight is read from
 memory as stored. On the CPU that fusion is slow (XLA converts int8 at ~1 ns an element),
-so ``"auto"`` there takes the C++ kernels of ``cpu.py`` for float32 activations: each
-panel of 64 columns is converted once into a buffer and multiplied by
-``dense_matmul``'s register tiles, so the products are bit for bit those of
-``dense_matmul`` on the dequantized weight, at any number of rows.
+so ``"auto"`` there takes the C++ kernels of ``cpu.py`` for float32 activations and int8
+or 4-bit codes (FP8 codes take the jnp form): each panel of 64 columns is converted once
+into a buffer and multiplied by ``dense_matmul``'s register tiles, so the products are
+bit for bit those of ``dense_matmul`` on the dequantized weight, at any number of rows.
 """
 
 from __future__ import annotations
@@ -36,10 +39,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _backend
-from pallas_kernels.quantized_matmul import reference
+from pallas_kernels.quantized_matmul import activation_quant, reference
 
 BACKENDS = ("auto", "reference", "cpu")
 PANEL = 64  # columns of a packed panel (the CPU kernels' panel width)
+
+
+WEIGHT_PARTS = ("codes", "scale", "zero")  # laid out like W; others (input_scale) are not
+CODE_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8), jnp.dtype(jnp.float8_e4m3fn))
+
+
+def is_four_bit(weight: dict[str, Any]) -> bool:
+    """Whether a quantized weight's codes are 4-bit (uint8, two per byte)."""
+    return jnp.dtype(weight["codes"].dtype) == jnp.uint8
+
+
+def cpu_kernel_reads(weight: dict[str, Any]) -> bool:
+    """Whether the C++ CPU kernels read this format: int8 codes (with a zero or without)
+    or 4-bit codes; FP8 codes run the jnp form."""
+    return is_four_bit(weight) or jnp.dtype(weight["codes"].dtype) == jnp.int8
 
 
 def is_quantized(weight: Any) -> bool:
@@ -62,6 +80,9 @@ def pack_panels(weight: dict[str, Any]) -> dict[str, Any]:
                          f"got codes {tuple(weight['codes'].shape)}")
     out = {}
     for name, part in weight.items():
+        if name not in WEIGHT_PARTS:
+            out[name] = part
+            continue
         panels = part.reshape(part.shape[0], n // PANEL, PANEL).transpose(1, 0, 2)
         out[name] = np.ascontiguousarray(panels) if isinstance(part, np.ndarray) else panels
     return out
@@ -73,6 +94,9 @@ def unpack_panels(weight: dict[str, Any]) -> dict[str, Any]:
         return weight
     out = {}
     for name, part in weight.items():
+        if name not in WEIGHT_PARTS:
+            out[name] = part
+            continue
         panels, rows, _ = part.shape
         plain = part.transpose(1, 0, 2).reshape(rows, panels * PANEL)
         out[name] = np.ascontiguousarray(plain) if isinstance(part, np.ndarray) else plain
@@ -83,10 +107,12 @@ def weight_shape(weight: dict[str, Any]) -> tuple[int, int]:
     """(K, N) of a quantized weight, plain or packed by panels; raises ``ValueError`` when
     its parts disagree."""
     codes, scale = weight["codes"], weight["scale"]
-    four = "zero" in weight
-    if jnp.dtype(codes.dtype) != jnp.dtype(jnp.uint8 if four else jnp.int8):
-        raise ValueError(f"quantized weight codes must be {'uint8' if four else 'int8'}, got "
-                         f"{codes.dtype}")
+    four = is_four_bit(weight)
+    if jnp.dtype(codes.dtype) not in CODE_DTYPES or (four and "zero" not in weight) or (
+            jnp.dtype(codes.dtype) == jnp.float8_e4m3fn and "zero" in weight):
+        raise ValueError(f"quantized weight codes must be int8, float8_e4m3fn (no zero) or "
+                         f"uint8 (4-bit, with a zero), got {codes.dtype} with parts "
+                         f"{sorted(weight)}")
     if len(codes.shape) == 3:
         return _packed_shape(weight, four)
     if codes.ndim != 2 or scale.ndim != 2 or scale.shape[1] != codes.shape[1]:
@@ -96,7 +122,7 @@ def weight_shape(weight: dict[str, Any]) -> tuple[int, int]:
     if k % scale.shape[0] or (four and (k // scale.shape[0]) % 2):
         raise ValueError(f"quantized weight: {scale.shape[0]} groups do not divide K={k}"
                          + (" into even groups" if four else ""))
-    if four and tuple(weight["zero"].shape) != tuple(scale.shape):
+    if "zero" in weight and tuple(weight["zero"].shape) != tuple(scale.shape):
         raise ValueError(f"quantized weight: zero {weight['zero'].shape} must match scale "
                          f"{scale.shape}")
     return k, codes.shape[1]
@@ -107,7 +133,7 @@ def _packed_shape(weight: dict[str, Any], four: bool) -> tuple[int, int]:
     shapes = {name: tuple(part.shape) for name, part in weight.items()}
     if (len(scale.shape) != 3 or codes.shape[2] != PANEL or scale.shape[2] != PANEL
             or scale.shape[0] != codes.shape[0]
-            or (four and tuple(weight["zero"].shape) != tuple(scale.shape))):
+            or ("zero" in weight and tuple(weight["zero"].shape) != tuple(scale.shape))):
         raise ValueError(f"quantized weight packed by panels: parts {shapes} must be codes "
                          f"[P, R, {PANEL}] and scale (zero) [P, G, {PANEL}]")
     k = codes.shape[1] * (2 if four else 1)
@@ -135,9 +161,14 @@ def resolve_backend(backend: str, dtype: Any) -> str:
 
 
 def quantized_matmul(x: jax.Array, weight: dict[str, jax.Array], *,
-                     backend: str = "auto", rows: jax.Array | None = None) -> jax.Array:
+                     backend: str = "auto", rows: jax.Array | None = None,
+                     activations: str | None = None,
+                     input_scale: jax.Array | None = None) -> jax.Array:
     """``x [..., K] @ W -> [..., N]`` in x's dtype, W given quantized (see the module).
-    ``rows``: as ``dense_matmul``'s (the rows past it are padding, results unspecified)."""
+    ``rows``: as ``dense_matmul``'s (the rows past it are padding, results unspecified).
+    ``activations`` ("dynamic" / "static", with the stored ``input_scale``): the
+    checkpoint's activation quantization (W8A8), applied where the platform multiplies
+    such codes natively (``activation_quant``); elsewhere the matmul is weight-only."""
     k, n = weight_shape(weight)
     if x.shape[-1] != k:
         raise ValueError(f"x {x.shape} and the quantized weight [{k}, {n}] disagree on K")
@@ -145,7 +176,11 @@ def quantized_matmul(x: jax.Array, weight: dict[str, jax.Array], *,
     flat = x.reshape(-1, k)
     if flat.shape[0] == 0:
         return jnp.zeros((*lead, n), x.dtype)
-    if resolve_backend(backend, x.dtype) == "cpu":
+    groups = weight["scale"].shape[-2]
+    if activations is not None and activation_quant.runs_natively(weight["codes"].dtype, groups):
+        out = activation_quant.w8a8_matmul(flat, unpack_panels(weight), activations,
+                                           input_scale)
+    elif resolve_backend(backend, x.dtype) == "cpu" and cpu_kernel_reads(weight):
         from pallas_kernels.quantized_matmul import cpu
         out = cpu.quantized_matmul_cpu(flat, weight, rows)
     else:

@@ -17,8 +17,9 @@ from pallas_kernels import _cpu_build
 from pallas_kernels.dense_matmul.cpu import live_rows_operand
 
 _SOURCE = Path(__file__).with_name("cpu_kernel.cc")
-_TARGETS = {"s8": "jaxpage_qmatmul_s8", "u4": "jaxpage_qmatmul_u4"}
-_SYMBOLS = {"jaxpage_qmatmul_s8": "JaxpageQMatmulS8", "jaxpage_qmatmul_u4": "JaxpageQMatmulU4"}
+_TARGETS = {"s8": "jaxpage_qmatmul_s8", "s8z": "jaxpage_qmatmul_s8z", "u4": "jaxpage_qmatmul_u4"}
+_SYMBOLS = {"jaxpage_qmatmul_s8": "JaxpageQMatmulS8", "jaxpage_qmatmul_s8z": "JaxpageQMatmulS8Z",
+            "jaxpage_qmatmul_u4": "JaxpageQMatmulU4"}
 
 
 def register() -> bool:
@@ -39,13 +40,19 @@ def quantized_matmul_cpu(x: jax.Array, weight: dict[str, jax.Array],
     with ``rows`` (an int32 scalar) only the first ``rows`` rows, the others zeros."""
     if not register():
         raise RuntimeError("the C++ quantized-matmul kernels are not available here")
-    four = "zero" in weight
     codes = weight["codes"]  # plain [R, N] or packed by panels [N / 64, R, 64]
+    if codes.dtype == jnp.uint8:  # 4-bit, always with a zero
+        target = "u4"
+    elif codes.dtype == jnp.int8:
+        target = "s8z" if "zero" in weight else "s8"
+    else:
+        raise ValueError(f"the C++ quantized-matmul kernels read int8 or uint8 codes, got "
+                         f"{codes.dtype}")
     n = codes.shape[0] * codes.shape[2] if codes.ndim == 3 else codes.shape[1]
-    operands = [weight["codes"], weight["scale"].astype(jnp.float32)]
-    if four:
+    operands = [codes, weight["scale"].astype(jnp.float32)]
+    if target != "s8":
         operands.append(weight["zero"].astype(jnp.float32))
-    call = jax.ffi.ffi_call(_TARGETS["u4" if four else "s8"],
+    call = jax.ffi.ffi_call(_TARGETS[target],
                             jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
                             vmap_method="sequential")
     return call(x.astype(jnp.float32), *operands, live_rows_operand(rows, x.shape[0]))

@@ -3,6 +3,8 @@
 // A quantized weight W [K, N] (in_features x out_features, the model's layout) is stored
 // as codes and per-group scales along K (group size gs = K / G):
 //   8-bit: codes int8 [K, N];                      W[k, n] = scale[k / gs, n] * q[k, n]
+//   8-bit asymmetric: codes int8 [K, N] and        W[k, n] = scale[k / gs, n] * q[k, n]
+//          zero [G, N];                                     + zero[k / gs, n]
 //   4-bit: codes uint8 [K / 2, N], two per byte    W[k, n] = scale[k / gs, n] * q[k, n]
 //          (row 2i in the low nibble of byte row i,         + zero[k / gs, n]
 //          row 2i + 1 in the high nibble), q in 0..15.
@@ -15,12 +17,13 @@
 // 37 ms against 3.6 ms in float32), so weight-only quantization in plain jnp would make
 // every decode step 10x slower on the CPU instead of reading 4x fewer bytes.
 //
-// JaxpageQMatmulS8 / JaxpageQMatmulU4: y [M, N] = x [M, K] @ W, for any M; the rows at or
-// past the `rows` operand (a batch's padding) are not computed and come out as zeros. Work items are
-// panels of 64 columns of W times blocks of rows, claimed by the calling thread and XLA's
-// CPU pool. An item converts its panel once into a [K, 64] float buffer of its thread
-// (reading the codes, 1/4 or 1/8 of the float bytes, with software prefetch) and runs the
-// register tiles of ``_cpu_tiles.h`` over it, prefetching the next item's codes meanwhile.
+// JaxpageQMatmulS8 / JaxpageQMatmulS8Z (with a zero) / JaxpageQMatmulU4: y [M, N] =
+// x [M, K] @ W, for any M; the rows at or past the `rows` operand (a batch's padding) are
+// not computed and come out as zeros. Work items are panels of 64 columns of W times
+// blocks of rows, claimed by the calling thread and XLA's CPU pool. An item converts its
+// panel once into a [K, 64] float buffer of its thread (reading the codes, 1/4 or 1/8 of
+// the float bytes, with software prefetch) and runs the register tiles of
+// ``_cpu_tiles.h`` over it, prefetching the next item's codes meanwhile.
 // An item of up to 18 rows of 4-bit codes, or 6 of 8-bit (a decode step's few rows),
 // converts each row of codes in registers and uses it at once instead, in passes of up to
 // 6 rows (FusedTile).
@@ -75,9 +78,12 @@ struct Dims {
 };
 
 // Every weight is converted exactly as ``reference.dequantize`` (and GGUF's own
-// dequantization) computes it: 8-bit q * scale, 4-bit fma(q, scale, zero). For GGUF's
-// blocks (float16 scales times codes of 4-8 bits) the product is exact, so the fma and
-// numpy's d * q + m round once, to the same float.
+// dequantization) computes it: 8-bit q * scale; with a zero (8-bit asymmetric, 4-bit)
+// fma(q, scale, zero). For GGUF's blocks (float16 scales times codes of 4-8 bits) the
+// product is exact, so the fma and numpy's d * q + m round once, to the same float.
+//
+// Template parameters: kFour, 4-bit codes (two per byte, always with a zero); kZero, a
+// zero is added (kFour implies it; without kFour, 8-bit asymmetric codes).
 
 #ifdef __AVX512F__
 // 16 columns of two rows of 4-bit codes (the low and high nibbles of 16 bytes) as
@@ -88,22 +94,24 @@ inline void ConvertU4(__m128i bytes, __m512 s, __m512 z, __m512& lo, __m512& hi)
   hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), s, z);
 }
 
-// 16 columns of one row of 8-bit codes as weights: q * scale.
-inline __m512 ConvertS8(__m128i bytes, __m512 s) {
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), s);
+// 16 columns of one row of 8-bit codes as weights: q * scale, or fma(q, scale, zero).
+template <bool kZero>
+inline __m512 ConvertS8(__m128i bytes, __m512 s, __m512 z) {
+  const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+  return kZero ? _mm512_fmadd_ps(q, s, z) : _mm512_mul_ps(q, s);
 }
 #endif
 
 // buf [kc, 64] = W[k0 : k0 + kc, n0 : n0 + width] as floats (columns past width unset);
 // k0 and kc even for 4-bit codes.
-template <bool kFour>
+template <bool kFour, bool kZero>
 void DequantRows(const void* codes, const float* scale, const float* zero, const Dims& d,
                  int64_t n0, int64_t width, int64_t k0, int64_t kc, float* buf) {
   const int64_t step = kFour ? 2 : 1;  // rows of W per row of codes
   const int64_t code_rows = d.code_rows(kFour), ld = d.ld();
   codes = static_cast<const uint8_t*>(codes) + d.CodeBase(kFour, n0);
   scale += d.ScaleBase(n0);
-  if constexpr (kFour) zero += d.ScaleBase(n0);
+  if constexpr (kZero) zero += d.ScaleBase(n0);
 #ifdef __AVX512F__
   if (width == kPanel) {
     int64_t g = k0 / d.group_size, group_end = (g + 1) * d.group_size;
@@ -111,18 +119,18 @@ void DequantRows(const void* codes, const float* scale, const float* zero, const
     auto load_group = [&] {
       for (int j = 0; j < kVectors; ++j) {
         sv[j] = _mm512_loadu_ps(scale + g * ld + 16 * j);
-        zv[j] = kFour ? _mm512_loadu_ps(zero + g * ld + 16 * j) : _mm512_setzero_ps();
+        zv[j] = kZero ? _mm512_loadu_ps(zero + g * ld + 16 * j) : _mm512_setzero_ps();
       }
       // the scales of a group ahead: in the plain layout rows N floats apart, which the
       // hardware does not fetch ahead by itself (a miss per group stalled small-M calls)
       if (g + kAheadGroups < d.groups) {
         PrefetchLines(scale + (g + kAheadGroups) * ld, kVectors, 0);
-        if (kFour) PrefetchLines(zero + (g + kAheadGroups) * ld, kVectors, 0);
+        if (kZero) PrefetchLines(zero + (g + kAheadGroups) * ld, kVectors, 0);
       }
     };
     for (int64_t ahead = 1; ahead < kAheadGroups && g + ahead < d.groups; ++ahead) {
       PrefetchLines(scale + (g + ahead) * ld, kVectors, 0);
-      if (kFour) PrefetchLines(zero + (g + ahead) * ld, kVectors, 0);
+      if (kZero) PrefetchLines(zero + (g + ahead) * ld, kVectors, 0);
     }
     load_group();
     for (int64_t k = k0; k < k0 + kc; k += step) {
@@ -143,7 +151,7 @@ void DequantRows(const void* codes, const float* scale, const float* zero, const
           _mm512_store_ps(out + 16 * j, lo);
           _mm512_store_ps(out + kPanel + 16 * j, hi);
         } else {
-          _mm512_store_ps(out + 16 * j, ConvertS8(bytes, sv[j]));
+          _mm512_store_ps(out + 16 * j, ConvertS8<kZero>(bytes, sv[j], zv[j]));
         }
       }
     }
@@ -153,14 +161,18 @@ void DequantRows(const void* codes, const float* scale, const float* zero, const
   for (int64_t k = k0; k < k0 + kc; ++k) {
     const int64_t g = k / d.group_size;
     const float* s = scale + g * ld;
+    const float* z = kZero ? zero + g * ld : nullptr;
     float* out = buf + (k - k0) * kPanel;
     if constexpr (kFour) {
       const uint8_t* src = static_cast<const uint8_t*>(codes) + (k / 2) * ld;
-      const float* z = zero + g * ld;
       for (int64_t c = 0; c < width; ++c) {
         const float q = static_cast<float>(k % 2 ? src[c] >> 4 : src[c] & 15);
         out[c] = __builtin_fmaf(q, s[c], z[c]);
       }
+    } else if constexpr (kZero) {
+      const int8_t* src = static_cast<const int8_t*>(codes) + k * ld;
+      for (int64_t c = 0; c < width; ++c)
+        out[c] = __builtin_fmaf(static_cast<float>(src[c]), s[c], z[c]);
     } else {
       const int8_t* src = static_cast<const int8_t*>(codes) + k * ld;
       for (int64_t c = 0; c < width; ++c) out[c] = static_cast<float>(src[c]) * s[c];
@@ -197,7 +209,7 @@ struct NextCodesHook {
 // The few rows of a decode step (R <= kTileRows, a full panel): each row of codes is
 // converted in registers and used at once, no buffer. The same weights and the same FMA
 // chain per output (over k in order) as the buffered path, so the same sums.
-template <int R, bool kFour>
+template <int R, bool kFour, bool kZero>
 void FusedTile(const float* x, const void* codes, const float* scale, const float* zero,
                const Dims& d, int64_t n0, float* y) {
   __m512 acc[R][kVectors];
@@ -206,13 +218,13 @@ void FusedTile(const float* x, const void* codes, const float* scale, const floa
   const int64_t step = kFour ? 2 : 1, code_rows = d.code_rows(kFour), ld = d.ld();
   const uint8_t* panel = static_cast<const uint8_t*>(codes) + d.CodeBase(kFour, n0);
   scale += d.ScaleBase(n0);
-  if constexpr (kFour) zero += d.ScaleBase(n0);
+  if constexpr (kZero) zero += d.ScaleBase(n0);
   for (int64_t g = 0; g < d.groups; ++g) {
     const float* s = scale + g * ld;
-    const float* z = kFour ? zero + g * ld : nullptr;
+    const float* z = kZero ? zero + g * ld : nullptr;
     if (g + kAheadGroups < d.groups) {
       PrefetchLines(s + kAheadGroups * ld, kVectors, 0);
-      if (kFour) PrefetchLines(z + kAheadGroups * ld, kVectors, 0);
+      if (kZero) PrefetchLines(z + kAheadGroups * ld, kVectors, 0);
     }
     for (int64_t k = g * d.group_size; k < (g + 1) * d.group_size; k += step) {
       const int64_t row = k / step;
@@ -229,7 +241,8 @@ void FusedTile(const float* x, const void* codes, const float* scale, const floa
           _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
             acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * d.k + k + 1]), hi, acc[r][j]);
         } else {
-          const __m512 w = ConvertS8(bytes, sj);
+          const __m512 zj = kZero ? _mm512_loadu_ps(z + 16 * j) : _mm512_setzero_ps();
+          const __m512 w = ConvertS8<kZero>(bytes, sj, zj);
           _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
             acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * d.k + k]), w, acc[r][j]);
         }
@@ -246,21 +259,21 @@ void FusedTile(const float* x, const void* codes, const float* scale, const floa
 // after the first); false when it does not apply. One core, SmolLM2's 4-bit shapes: 2.9
 // against 4.2 us a panel at 8 rows (the buffered path), 4.7 against 5.8 at 13; the
 // buffered path wins from ~20 rows.
-template <bool kFour>
+template <bool kFour, bool kZero>
 bool Fused(const float* x, const void* codes, const float* scale, const float* zero,
            const Dims& d, int64_t n0, int64_t rows, float* y) {
   if (d.n - n0 < kPanel || rows > kFusedPasses<kFour> * kTileRows) return false;
   if (rows > kTileRows) {
     const int64_t passes = (rows + kTileRows - 1) / kTileRows;
     const int64_t first = (rows + passes - 1) / passes;
-    Fused<kFour>(x, codes, scale, zero, d, n0, first, y);
-    return Fused<kFour>(x + first * d.k, codes, scale, zero, d, n0, rows - first,
-                        y + first * d.n);
+    Fused<kFour, kZero>(x, codes, scale, zero, d, n0, first, y);
+    return Fused<kFour, kZero>(x + first * d.k, codes, scale, zero, d, n0, rows - first,
+                               y + first * d.n);
   }
   switch (rows) {
 #define JAXPAGE_FUSED(R)                                                \
   case R:                                                               \
-    FusedTile<R, kFour>(x, codes, scale, zero, d, n0, y);               \
+    FusedTile<R, kFour, kZero>(x, codes, scale, zero, d, n0, y);        \
     return true;
     JAXPAGE_FUSED(1) JAXPAGE_FUSED(2) JAXPAGE_FUSED(3) JAXPAGE_FUSED(4) JAXPAGE_FUSED(5)
     JAXPAGE_FUSED(6)
@@ -269,7 +282,7 @@ bool Fused(const float* x, const void* codes, const float* scale, const float* z
   return false;
 }
 #else
-template <bool kFour>
+template <bool kFour, bool kZero>
 bool Fused(const float*, const void*, const float*, const float*, const Dims&, int64_t, int64_t,
            float*) {
   return false;
@@ -280,10 +293,11 @@ bool Fused(const float*, const void*, const float*, const float*, const Dims&, i
 // the chunk is dequantized into a buffer that stays in L2, then the shared register
 // tiles (``_cpu_tiles.h``) run over it for all the rows, each tile going on from the sums
 // the previous chunk left in y.
-template <bool kFour>
+template <bool kFour, bool kZero>
 void Item(const float* x, const void* codes, const float* scale, const float* zero,
           const Dims& d, int64_t n0, int64_t m0, int64_t m1, int64_t next_n0, float* y) {
-  if (Fused<kFour>(x + m0 * d.k, codes, scale, zero, d, n0, m1 - m0, y + m0 * d.n + n0))
+  if (Fused<kFour, kZero>(x + m0 * d.k, codes, scale, zero, d, n0, m1 - m0,
+                          y + m0 * d.n + n0))
     return;
   float* buf = ChunkBuffer();
   const int64_t width = std::min(kPanel, d.n - n0);
@@ -295,7 +309,7 @@ void Item(const float* x, const void* codes, const float* scale, const float* ze
   const int64_t every = std::max<int64_t>(1, tiles * d.k / code_rows);
   for (int64_t k0 = 0; k0 < d.k; k0 += kChunk) {
     const int64_t kc = std::min(kChunk, d.k - k0);
-    DequantRows<kFour>(codes, scale, zero, d, n0, width, k0, kc, buf);
+    DequantRows<kFour, kZero>(codes, scale, zero, d, n0, width, k0, kc, buf);
     const jaxpage::TileArgs args{x + m0 * d.k + k0, d.k, kc, buf, kPanel,
                                  y + m0 * d.n + n0, d.n, width};
     jaxpage::MultiplyPanel(
@@ -305,12 +319,13 @@ void Item(const float* x, const void* codes, const float* scale, const float* ze
   }
 }
 
-template <bool kFour>
+template <bool kFour, bool kZero>
 void Matmul(const float* x, const void* codes, const float* scale, const float* zero,
             const Dims& d, float* y, ffi::ThreadPool& pool) {
+  static_assert(kZero || !kFour, "4-bit codes always have a zero");
   // (a split of the rows converts the panel once per block)
   jaxpage::ForEachPanel(d.m, d.n, pool, [=](int64_t n0, int64_t m0, int64_t m1, int64_t next) {
-    Item<kFour>(x, codes, scale, zero, d, n0, m0, m1, next, y);
+    Item<kFour, kZero>(x, codes, scale, zero, d, n0, m0, m1, next, y);
   });
 }
 
@@ -346,36 +361,42 @@ int64_t LiveRows(const Dims& d, ffi::Buffer<ffi::S32>& rows, float* y) {
   return live;
 }
 
-ffi::Error QMatmulS8(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
-                     ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y,
-                     ffi::ThreadPool pool) {
+// y = x @ W for codes `q` (int8, or uint8 two per byte when kFour) and scale, and zero
+// when kZero (else nullptr).
+template <bool kFour, bool kZero, typename Codes>
+ffi::Error Run(ffi::Buffer<ffi::F32>& x, Codes& q, ffi::Buffer<ffi::F32>& scale,
+               const float* zero, ffi::Buffer<ffi::S32>& rows, ffi::ResultBuffer<ffi::F32>& y,
+               ffi::ThreadPool& pool) {
   const auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("quantized matmul: x must be [M, K]");
   Dims d;
-  if (const char* e = DimsOf(false, xd[0], xd[1], q.dimensions(), scale.dimensions(), &d))
+  if (const char* e = DimsOf(kFour, xd[0], xd[1], q.dimensions(), scale.dimensions(), &d))
     return ffi::Error::InvalidArgument(e);
   d.m = LiveRows(d, rows, y->typed_data());
   if (d.m < 0) return ffi::Error::InvalidArgument("quantized matmul: rows must hold one value");
   if (d.m == 0 || d.n == 0) return ffi::Error::Success();
-  Matmul<false>(x.typed_data(), q.typed_data(), scale.typed_data(), nullptr, d,
-                y->typed_data(), pool);
+  Matmul<kFour, kZero>(x.typed_data(), q.typed_data(), scale.typed_data(), zero, d,
+                       y->typed_data(), pool);
   return ffi::Error::Success();
+}
+
+ffi::Error QMatmulS8(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
+                     ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y,
+                     ffi::ThreadPool pool) {
+  return Run<false, false>(x, q, scale, nullptr, rows, y, pool);
+}
+
+ffi::Error QMatmulS8Z(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                      ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> zero,
+                      ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y,
+                      ffi::ThreadPool pool) {
+  return Run<false, true>(x, q, scale, zero.typed_data(), rows, y, pool);
 }
 
 ffi::Error QMatmulU4(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi::F32> scale,
                      ffi::Buffer<ffi::F32> zero, ffi::Buffer<ffi::S32> rows,
                      ffi::ResultBuffer<ffi::F32> y, ffi::ThreadPool pool) {
-  const auto xd = x.dimensions();
-  if (xd.size() != 2) return ffi::Error::InvalidArgument("quantized matmul: x must be [M, K]");
-  Dims d;
-  if (const char* e = DimsOf(true, xd[0], xd[1], q.dimensions(), scale.dimensions(), &d))
-    return ffi::Error::InvalidArgument(e);
-  d.m = LiveRows(d, rows, y->typed_data());
-  if (d.m < 0) return ffi::Error::InvalidArgument("quantized matmul: rows must hold one value");
-  if (d.m == 0 || d.n == 0) return ffi::Error::Success();
-  Matmul<true>(x.typed_data(), q.typed_data(), scale.typed_data(), zero.typed_data(), d,
-               y->typed_data(), pool);
-  return ffi::Error::Success();
+  return Run<true, true>(x, q, scale, zero.typed_data(), rows, y, pool);
 }
 
 }  // namespace
@@ -385,6 +406,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageQMatmulS8, QMatmulS8,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::S8>>()   // codes [K, N] (or packed)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scale [G, N] (or packed)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows [1]: live rows
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Ctx<ffi::ThreadPool>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageQMatmulS8Z, QMatmulS8Z,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // codes [K, N] (or packed)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [G, N] (or packed)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // zero [G, N] (or packed)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows [1]: live rows
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Ctx<ffi::ThreadPool>());

@@ -22,12 +22,11 @@ def unpack_nibbles(codes: jax.Array) -> jax.Array:
 def dequantize(weight: dict[str, jax.Array], dtype=jnp.float32) -> jax.Array:
     """A quantized weight (see the package) -> W [K, N] in ``dtype``."""
     codes, scale = weight["codes"], weight["scale"]
-    four = "zero" in weight
-    q = unpack_nibbles(codes) if four else codes
+    q = unpack_nibbles(codes) if codes.dtype == jnp.uint8 else codes
     k, n = q.shape
     groups = scale.shape[0]
     w = q.reshape(groups, k // groups, n).astype(jnp.float32) * scale[:, None, :]
-    if four:
+    if "zero" in weight:
         w = w + weight["zero"][:, None, :]
     return w.reshape(k, n).astype(dtype)
 

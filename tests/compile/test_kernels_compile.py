@@ -172,3 +172,45 @@ def test_moe_experts_compile_for_target(target, tokens):
     with jax.default_device(device):  # on a device the experts are grouped matmuls
         lowered = jax.jit(mlp).lower(*[single_device_spec(device, *spec) for spec in specs])
     assert "ragged_dot" in lowered.as_text()
+
+
+# (target, codes dtype, activation scheme) -> what the compiled matmul must multiply
+W8A8_CASES = [
+    ("h100", "float8_e4m3fn", "dynamic", "f8e4m3fn"),  # FP8 tensor cores
+    ("h100", "float8_e4m3fn", "static", "f8e4m3fn"),
+    ("a100", "float8_e4m3fn", "dynamic", "bf16"),      # no FP8 units: weight-only
+    ("h100", "int8", "dynamic", "s8"),
+    ("v5e:1x1", "int8", "dynamic", "s8"),              # the MXU's int8
+    ("v6e:1x1", "int8", "dynamic", "s8"),
+    ("v5e:1x1", "float8_e4m3fn", "dynamic", "bf16"),   # no FP8 units: weight-only
+]
+
+
+@pytest.mark.parametrize("target,codes_dtype,scheme,operand", W8A8_CASES,
+                         ids=[f"{t}-{c}-{s}" for t, c, s, _ in W8A8_CASES])
+def test_w8a8_matmul_multiplies_codes_where_the_chip_can(target, codes_dtype, scheme, operand):
+    """A W8A8 checkpoint's matmul (Llama-3-8B's MLP shape, 256 tokens) compiles for the
+    target, and its dot multiplies ``operand`` values: the 8-bit codes themselves where
+    the chip has units for them (FP8 on an H100, int8 on TPUs and GPUs), the model dtype
+    (weight-only) elsewhere (``activation_quant``)."""
+    import re
+
+    from pallas_kernels.quantized_matmul import quantized_matmul
+
+    device = target_devices(target)[0]
+    k, n = 4096, 14336
+
+    def matmul(x, codes, scale, input_scale):
+        return quantized_matmul(x, {"codes": codes, "scale": scale}, activations=scheme,
+                                input_scale=input_scale)
+
+    compiled = compile_on_device(device, matmul, ((256, k), jnp.bfloat16),
+                                 ((k, n), jnp.dtype(codes_dtype)), ((1, n), jnp.float32),
+                                 ((1,), jnp.float32))
+    text = compiled.as_text()
+    # the operands of every dot / convolution, by their HLO names -> types
+    types = dict(re.findall(r"%(\S+) = (\w+)\[", text))
+    operands = {types.get(name) for line in text.splitlines()
+                if re.search(r" (dot|convolution)\(", line)
+                for name in re.findall(r"[(,] ?%([\w.-]+)", line.split("(", 1)[1])[:2]}
+    assert operand in operands, (target, codes_dtype, operands)

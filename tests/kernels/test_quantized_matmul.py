@@ -5,14 +5,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxpage.models.quantize import QuantFormat, quantize
 from pallas_kernels.dense_matmul import cpu as dense_cpu
-from pallas_kernels.quantized_matmul import (dequantize, gather_columns, pack_panels,
-                                             quantized_matmul, unpack_panels, weight_shape)
+from pallas_kernels.quantized_matmul import (cpu_kernel_reads, dequantize, gather_columns,
+                                             pack_panels, quantized_matmul, unpack_panels,
+                                             weight_shape)
 from pallas_kernels.quantized_matmul import cpu, reference
 
 
-def _weight(bits: int, k: int, n: int, groups: int, seed: int = 0) -> dict:
+def _weight(bits: int | str, k: int, n: int, groups: int, seed: int = 0) -> dict:
+    """``bits`` 8 (symmetric int8), "8z" (asymmetric int8: with a zero) or 4."""
     rng = np.random.default_rng(seed)
+    if bits == "8z":  # as the int8 mode stores a projection
+        w = rng.standard_normal((k, n), dtype=np.float32) + 0.5
+        return {name: jnp.asarray(part)
+                for name, part in quantize(w, QuantFormat(8, k // groups, zero=True)).items()}
     if bits == 8:
         return {"codes": jnp.asarray(rng.integers(-127, 128, (k, n), dtype=np.int8)),
                 "scale": jnp.asarray(rng.random((groups, n), dtype=np.float32) / 100)}
@@ -22,7 +29,7 @@ def _weight(bits: int, k: int, n: int, groups: int, seed: int = 0) -> dict:
 
 
 @pytest.mark.skipif(not cpu.available(), reason="no C++ compiler")
-@pytest.mark.parametrize("bits,groups", [(8, 1), (8, 4), (4, 3), (4, 12)])
+@pytest.mark.parametrize("bits,groups", [(8, 1), (8, 4), ("8z", 1), ("8z", 4), (4, 3), (4, 12)])
 @pytest.mark.parametrize("m", [1, 5, 7, 40, 129])
 def test_cpu_kernels_match_the_reference(bits, groups, m):
     k, n = 96, 100  # n is not a multiple of the kernel's 64-column panels
@@ -34,15 +41,16 @@ def test_cpu_kernels_match_the_reference(bits, groups, m):
     np.testing.assert_allclose(ours, ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
 
 
-def _gguf_like(bits: int, k: int, n: int, seed: int) -> dict:
-    """Codes with float16 scales (and minimums), as GGUF's Q8_0 / Q4_1 blocks of 32 hold."""
+def _gguf_like(bits: int | str, k: int, n: int, seed: int) -> dict:
+    """Codes with float16 scales (and minimums), as GGUF's Q8_0 / Q4_1 blocks of 32 hold
+    (and int8 codes with such a zero: each weight converts exactly too)."""
     weight = _weight(bits, k, n, k // 32, seed)
     return {name: (part.astype(jnp.float16).astype(jnp.float32) if name != "codes" else part)
             for name, part in weight.items()}
 
 
 @pytest.mark.skipif(not (cpu.available() and dense_cpu.available()), reason="no C++ compiler")
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, "8z", 4])
 # 1-6 rows: one pass in registers; 7-18: two or three (4-bit; 8-bit: the buffered panel);
 # 19 and more: the buffered panel
 @pytest.mark.parametrize("m", [1, 6, 7, 12, 13, 18, 19, 48, 200])
@@ -81,8 +89,10 @@ def test_gather_columns_is_an_embedding_lookup():
 
 def test_bad_weights_are_refused():
     good = _weight(4, 64, 32, 2)
-    with pytest.raises(ValueError, match="uint8"):
-        weight_shape({**good, "codes": good["codes"].astype(jnp.int8)})
+    with pytest.raises(ValueError, match="uint8"):  # 4-bit codes without a zero
+        weight_shape({name: part for name, part in good.items() if name != "zero"})
+    with pytest.raises(ValueError, match="uint8"):  # FP8 codes with a zero
+        weight_shape({**good, "codes": good["codes"].astype(jnp.float8_e4m3fn)})
     with pytest.raises(ValueError, match="groups"):
         weight_shape({**good, "scale": jnp.ones((3, 32)), "zero": jnp.ones((3, 32))})
     with pytest.raises(ValueError, match="disagree on K"):
@@ -92,7 +102,7 @@ def test_bad_weights_are_refused():
 
 
 @pytest.mark.skipif(not cpu.available(), reason="no C++ compiler")
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, "8z", 4])
 @pytest.mark.parametrize("live", [0, 5, 9, 30])
 def test_rows_past_the_live_count_are_skipped_as_zeros(bits, live):
     weight = _gguf_like(bits, 96, 150, seed=live)
@@ -106,11 +116,12 @@ def test_rows_past_the_live_count_are_skipped_as_zeros(bits, live):
 
 
 def test_packed_panels_round_trip_and_shapes():
-    for bits in (8, 4):
+    for bits in (8, "8z", 4):
         plain = _weight(bits, 96, 192, 3)
         packed = pack_panels(plain)
-        assert packed["codes"].shape == ((3, 96, 64) if bits == 8 else (3, 48, 64))
+        assert packed["codes"].shape == ((3, 48, 64) if bits == 4 else (3, 96, 64))
         assert packed["scale"].shape == (3, 3, 64)
+        assert "zero" not in plain or packed["zero"].shape == (3, 3, 64)
         assert weight_shape(packed) == weight_shape(plain) == (96, 192)
         back = unpack_panels(packed)
         for name in plain:
@@ -147,7 +158,7 @@ def test_bad_packed_weights_are_refused():
 
 
 @pytest.mark.skipif(not cpu.available(), reason="no C++ compiler")
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, "8z", 4])
 # 1-6 rows in registers, 7-18 in passes (4-bit), the buffered panel from 19; K over a chunk
 @pytest.mark.parametrize("m", [1, 6, 7, 13, 19, 48])
 @pytest.mark.parametrize("k", [64, 2304])
@@ -158,4 +169,48 @@ def test_packed_panels_give_the_plain_layouts_products_bit_for_bit(bits, m, k):
     live = max(1, m - 2)  # and the rows past the live count still come out as zeros
     ours = np.asarray(run(x, pack_panels(plain), jnp.int32(live)))
     np.testing.assert_array_equal(ours, np.asarray(run(x, plain, jnp.int32(live))))
+    assert not ours[live:].any()
+
+
+def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """fma(a, b, c) in float32, one rounding, for a * b exact in float64 (int8 times
+    float32): the float64 sum rounded to float32, corrected where that sum falls on a
+    float32 midpoint but was itself rounded (TwoSum's error term breaks the tie)."""
+    p, c = a.astype(np.float64) * b, c.astype(np.float64)
+    s = p + c
+    bv = s - p
+    err = (p - (s - bv)) + (c - bv)  # s + err == p + c exactly
+    out = s.astype(np.float32)
+    toward = np.nextafter(out, np.where(s > out, np.inf, -np.inf).astype(np.float32))
+    midpoint = (s != out) & ((out.astype(np.float64) + toward) / 2 == s)
+    up = np.where(err > 0, np.maximum(out, toward), np.minimum(out, toward))
+    return np.where(midpoint & (err != 0), up, out).astype(np.float32)
+
+
+def test_the_cpu_kernels_read_int8_and_4_bit_codes():
+    for bits in (8, "8z", 4):
+        assert cpu_kernel_reads(_weight(bits, 64, 32, 2))
+    fp8 = _weight(8, 64, 32, 2)
+    assert not cpu_kernel_reads({**fp8, "codes": fp8["codes"].astype(jnp.float8_e4m3fn)})
+
+
+@pytest.mark.skipif(not (cpu.available() and dense_cpu.available()), reason="no C++ compiler")
+@pytest.mark.parametrize("m", [1, 4, 6, 7, 64])  # in registers up to 6 rows, then buffered
+@pytest.mark.parametrize("packed", [False, True])
+def test_asymmetric_int8_converts_each_weight_with_one_fma(m, packed):
+    """With float32 scales q * scale is inexact: each weight is fma(q, scale, zero), one
+    rounding (not q * scale + zero, two), and the sums are dense_matmul's on those floats."""
+    k, n = 320, 192 if packed else 200  # plain: and a panel of 8 columns
+    plain = _weight("8z", k, n, k // 32, seed=m)
+    q = np.asarray(plain["codes"]).reshape(k // 32, 32, n)
+    scale, zero = np.asarray(plain["scale"])[:, None], np.asarray(plain["zero"])[:, None]
+    floats = _fma32(q, scale, zero).reshape(k, n)
+    assert (floats != (q * scale + zero).reshape(k, n)).any()  # the two roundings differ
+    weight = pack_panels(plain) if packed else plain
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((m, k), dtype=np.float32))
+    run = jax.jit(lambda x, w, r: quantized_matmul(x, w, backend="cpu", rows=r))
+    live = max(1, m - 1)
+    ours = np.asarray(run(x, weight, jnp.int32(live)))
+    dense = np.asarray(jax.jit(dense_cpu.dense_matmul_cpu)(x, jnp.asarray(floats)))
+    np.testing.assert_array_equal(ours[:live], dense[:live])
     assert not ours[live:].any()

@@ -107,10 +107,14 @@ def test_gguf_blocks_kept_serve_the_same_tokens_from_a_quarter_of_the_memory(
 def test_int8_weights_keep_smollm2_greedy_tokens(smollm2_path, smollm2_float):
     tokens, float_bytes = smollm2_float
     llm = LLM(smollm2_path, quantization="int8", **ENGINE)
-    assert llm.get_stats()["weight_bytes"] <= 0.30 * float_bytes
+    # groups of 32, a zero per group on the projections: 30.6% of float32's bytes
+    # (docs/quantization.md: 1.6 points more than groups of 128 bought 96 -> 100% top-1)
+    assert llm.get_stats()["weight_bytes"] <= 0.31 * float_bytes
+    params = llm.llm_engine.runner.params
+    assert "zero" in params["layers"][0]["q_proj"] and "zero" not in params["embed"]
     ours = _tokens(llm, PROMPTS)
     agree = sum(a[:8] == b[:8] for a, b in zip(ours, tokens))
-    assert agree >= 3, (ours, tokens)
+    assert agree == len(PROMPTS), (ours, tokens)
     per_channel = LLM(smollm2_path, quantization="int8", quantization_group_size=0, **ENGINE)
     q_proj = unpack_panels(per_channel.llm_engine.runner.params["layers"][0]["q_proj"])
     assert q_proj["scale"].shape[0] == 1

@@ -27,3 +27,26 @@ def test_int8_weights_and_int8_kv_tp_1_2_4(tp_checkpoints, tp_prompts):
         kv = report["kv_cache"]
         assert all(s[3] == kv["shape"][3] // int(tp) for _, s in kv["shards"])
         assert report["kv_scale"]["shards"][0][1][2] == report["kv_scale"]["shape"][2] // int(tp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture", ["gptq_actorder", "ct_fp8_static"])
+def test_prequantized_checkpoint_tp_1_2(fixture):
+    """A pre-quantized checkpoint's stored parts shard like their weights (an act-order
+    permutation and a static activation scale are replicated): the same greedy tokens at
+    tensor_parallel_size 1 and 2."""
+    import os
+
+    model = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "quantized", fixture)
+    prompts = [[1, 5, 9, 17, 33, 65], [200, 7, 3, 99, 150, 42, 250]]
+    result = run_worker("tensor_parallel", dict(
+        model=model, tp_sizes=[1, 2], prompts=prompts, max_tokens=8,
+        engine={**ENGINE, "max_model_len": 64}))
+    assert result["2"]["tokens"] == result["1"]["tokens"]
+    report = result["2"]["shards"]
+    codes = report["layers/0/q_proj/codes"]                      # [in, out]: split by out
+    assert all(s[1] == codes["shape"][1] // 2 for _, s in codes["shards"])
+    for part in ("perm", "input_scale"):
+        if f"layers/0/q_proj/{part}" in report:
+            entry = report[f"layers/0/q_proj/{part}"]
+            assert all(s == entry["shape"] for _, s in entry["shards"])  # whole on each

@@ -1,0 +1,115 @@
+"""Matmuls that quantize their input too (W8A8), where the hardware multiplies such codes.
+
+A W8A8 checkpoint stores 8-bit weights with one scale per output channel (a per-tensor
+scale is stored repeated) and says how the activations were quantized when it was made:
+per token at run time (``"dynamic"``: ``s_x = max|x_row| / qmax``) or by a per-tensor
+scale it stores (``"static"``: ``input_scale``). Then
+
+    y[m, n] = (sum_k x_q[m, k] * W_q[k, n]) * s_x[m] * s_w[n]
+
+with the dot over the 8-bit codes, accumulated in float32 (FP8) or int32 (int8).
+
+Where it runs (``runs_natively``), chosen per platform:
+
+* FP8 codes: GPUs with FP8 tensor cores (compute capability >= 8.9: H100, H200, L4, B200):
+  XLA:GPU rewrites the scaled f8 x f8 dot into a cuBLASLt FP8 GEMM.
+* int8 codes: TPUs (the MXU multiplies int8 on v5e and v6e) and GPUs (int8 tensor cores).
+* Anywhere else, and for weights with group scales: weight-only. The weight is
+  dequantized in the matmul and the activations stay in the model dtype: FP8 on a TPU
+  (v5e / v6e have no FP8 units), everything on the CPU.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _backend
+
+# per codes dtype: what a row's max |x| maps to, and the codes' range. int8 as
+# compressed-tensors quantizes activations: amax * 2 / 255, half to even, -128..127.
+QMAX = {jnp.dtype(jnp.float8_e4m3fn): 448.0, jnp.dtype(jnp.int8): 127.5}
+CODE_RANGE = {jnp.dtype(jnp.float8_e4m3fn): (-448.0, 448.0), jnp.dtype(jnp.int8): (-128.0, 127.0)}
+_FP8_GPUS = re.compile(r"H100|H200|H20\b|H800|GH200|L4\b|L40|B100|B200|GB200|B300|RTX 40|RTX 50|"
+                       r"Ada|Hopper|Blackwell", re.IGNORECASE)
+
+
+def _gpu_has_fp8(device: Any) -> bool:
+    """Whether a GPU device (real or a deviceless target's) has FP8 tensor cores."""
+    capability = getattr(device, "compute_capability", None)
+    if capability:
+        major, minor = (int(part) for part in str(capability).split(".")[:2])
+        return (major, minor) >= (8, 9)
+    return bool(_FP8_GPUS.search(str(getattr(device, "device_kind", ""))))
+
+
+def _current_device() -> Any:
+    device = jax.config.jax_default_device
+    if device is None or isinstance(device, str):
+        return jax.devices()[0]
+    return device
+
+
+def runs_natively(codes_dtype: Any, groups: int, platform: str | None = None) -> bool:
+    """Whether a W8A8 weight (``codes_dtype``, ``groups`` scale groups along K) multiplies
+    quantized activations on the platform programs are built for (see the module)."""
+    if groups != 1:
+        return False
+    platform = platform or _backend.current_platform()
+    backend = _backend.platform_backend(platform)
+    if jnp.dtype(codes_dtype) == jnp.int8:
+        return backend in ("gpu", "tpu")
+    if jnp.dtype(codes_dtype) == jnp.float8_e4m3fn:
+        return backend == "gpu" and _gpu_has_fp8(_current_device())
+    return False
+
+
+def native_codes(platform: str | None = None) -> str:
+    """The 8-bit codes whose W8A8 matmuls run natively here ("fp8,int8", "int8", ""):
+    part of what a compiled program depends on (``runtime.executable_cache``)."""
+    dtypes = (("fp8", jnp.float8_e4m3fn), ("int8", jnp.int8))
+    return ",".join(name for name, dtype in dtypes if runs_natively(dtype, 1, platform))
+
+
+def activation_scales(x: jax.Array, scheme: str, qmax: float,
+                      input_scale: jax.Array | None = None) -> jax.Array:
+    """float32 [M, 1]: per row ``max|x| / qmax`` ("dynamic"), or the stored per-tensor
+    ``input_scale`` [1] ("static") for every row."""
+    if scheme == "static":
+        if input_scale is None:
+            raise ValueError("static activation quantization needs the stored input_scale")
+        return jnp.broadcast_to(input_scale.astype(jnp.float32).reshape(1, 1), (x.shape[0], 1))
+    if scheme != "dynamic":
+        raise ValueError(f"activation scheme {scheme!r} is not 'dynamic' or 'static'")
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
+    return jnp.maximum(amax, 1e-12) / qmax
+
+
+def quantize_activations(x: jax.Array, scales: jax.Array, codes_dtype: Any) -> jax.Array:
+    """x [M, K] / scales [M, 1] as ``codes_dtype`` codes (int8 rounded half to even;
+    saturating at the codes' range)."""
+    low, high = CODE_RANGE[jnp.dtype(codes_dtype)]
+    scaled = x.astype(jnp.float32) / scales
+    if jnp.dtype(codes_dtype) == jnp.int8:
+        scaled = jnp.round(scaled)
+    return jnp.clip(scaled, low, high).astype(codes_dtype)
+
+
+def w8a8_matmul(x: jax.Array, weight: dict[str, jax.Array], scheme: str,
+                input_scale: jax.Array | None = None) -> jax.Array:
+    """x [M, K] @ W -> float32 [M, N], W 8-bit codes [K, N] with scale [1, N] (plain
+    layout), x quantized to the same codes by ``scheme``."""
+    codes, scale = weight["codes"], weight["scale"]
+    if scale.shape[0] != 1 or "zero" in weight:
+        raise ValueError(f"W8A8 needs symmetric per-channel weight scales, got scale "
+                         f"{tuple(scale.shape)} and parts {sorted(weight)}")
+    dtype = jnp.dtype(codes.dtype)
+    scales = activation_scales(x, scheme, QMAX[dtype], input_scale)       # [M, 1]
+    x_q = quantize_activations(x, scales, dtype)                        # [M, K]
+    accumulate = jnp.int32 if dtype == jnp.int8 else jnp.float32
+    acc = jax.lax.dot_general(x_q, codes, (((1,), (0,)), ((), ())),
+                              preferred_element_type=accumulate)        # [M, N]
+    return acc.astype(jnp.float32) * scales * scale.astype(jnp.float32)

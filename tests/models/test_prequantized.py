@@ -1,0 +1,173 @@
+"""Pre-quantized checkpoints (compressed-tensors, AWQ, GPTQ) read as stored, against
+Hugging Face loading the same folder.
+
+The folders under ``tests/data/quantized/`` were made from one tiny random Llama by each
+format's own tool (llm-compressor 0.14 / compressed-tensors 0.20, AutoAWQ 0.2.9,
+GPTQModel 7.6) with ``scripts/make_quantized_checkpoints.py``, which also recorded
+Hugging Face's logits and greedy tokens for them (``hf_reference.npz``: those tools do
+not install beside this project's pins, so the reference is recorded, not recomputed).
+Each test loads a folder through ``LLM(model=path)`` with no quantization argument.
+
+Tolerances are Hugging Face's own rounding, measured by the script against an exact
+float32 dequantization of the stored tensors (this random model is sensitive: logits
+reach ~9): exact for compressed-tensors FP8 / int (0.0); GPTQModel's and AutoAWQ's torch
+kernels round each weight to float16 (0.016-0.024); the asymmetric compressed-tensors
+load (``dequantize=True``) rounds them to bfloat16 (0.14).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from tests.reference import hf_logits, load_hf_model
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "quantized")
+ENGINE = dict(max_model_len=64, max_num_seqs=2, num_kv_blocks=16, warmup=False)
+
+# fixture -> (method, logits tolerance against Hugging Face's)
+FIXTURES = {
+    "ct_w4a16_sym": ("compressed-tensors", 1e-4),
+    "ct_w4a16_asym": ("compressed-tensors", 0.2),
+    "ct_w8a16_g32": ("compressed-tensors", 1e-4),
+    "awq_autoawq": ("awq", 0.05),
+    "gptq_sym": ("gptq", 0.05),
+    "gptq_asym": ("gptq", 0.05),
+    "gptq_actorder": ("gptq", 0.05),
+    "gptq_8bit": ("gptq", 0.05),
+}
+# W8A8: Hugging Face simulates the activation quantization; jaxpage does it where the
+# chip multiplies 8-bit codes (FP8 on an H100, int8 on TPUs and GPUs), weight-only on the
+# CPU. (fixture, tolerance with the activations quantized as the checkpoint says)
+W8A8 = {"ct_fp8_static": 1e-4, "ct_fp8_dynamic": 1e-4,
+        # int8 codes at a row's max |x| land on +-127.5: one float32 ulp in the scale
+        # decides -127 or -128 there (Hugging Face divides, XLA may not round alike)
+        "ct_w8a8_int8": 0.5}
+
+
+def _reference(name: str) -> dict:
+    with np.load(os.path.join(ROOT, name, "hf_reference.npz")) as data:
+        return {key: data[key] for key in data.files}
+
+
+def _logits_and_greedy(llm, ids: list[int]) -> tuple[np.ndarray, list[int]]:
+    from jaxpage import SamplingParams
+
+    logits = np.asarray(llm.llm_engine.prompt_logits([{"prompt_token_ids": ids}])[0])
+    out = llm.generate([{"prompt_token_ids": ids}],
+                       SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                       use_tqdm=False)[0]
+    return logits, list(out.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("name", list(FIXTURES))
+def test_prequantized_checkpoint_gives_hugging_faces_logits_and_tokens(name):
+    from jaxpage import LLM
+
+    method, tolerance = FIXTURES[name]
+    ref = _reference(name)
+    llm = LLM(model=os.path.join(ROOT, name), **ENGINE)
+    assert llm.get_stats()["quantization"] == method
+    logits, greedy = _logits_and_greedy(llm, [int(t) for t in ref["token_ids"]])
+    assert np.abs(logits - ref["logits"]).max() < tolerance, name
+    assert greedy == [int(t) for t in ref["greedy"]], name
+
+
+@pytest.fixture
+def native_w8a8(monkeypatch):
+    """The CPU running W8A8 checkpoints with quantized activations, as an H100 (FP8) or a
+    TPU (int8) does: the same jnp program, emulated (XLA's CPU dots take 8-bit codes)."""
+    from pallas_kernels.quantized_matmul import activation_quant
+
+    monkeypatch.setattr(activation_quant, "runs_natively",
+                        lambda codes_dtype, groups, platform=None: groups == 1)
+
+
+@pytest.mark.parametrize("name", list(W8A8))
+def test_w8a8_checkpoint_quantizes_activations_as_stored(name, native_w8a8):
+    from jaxpage import LLM
+
+    ref = _reference(name)
+    llm = LLM(model=os.path.join(ROOT, name), **ENGINE)
+    config = llm.llm_engine.runner.quant_plan["q_proj"]
+    assert config.activations == ("static" if "static" in name else "dynamic")
+    logits, greedy = _logits_and_greedy(llm, [int(t) for t in ref["token_ids"]])
+    assert np.abs(logits - ref["logits"]).max() < W8A8[name], name
+    if W8A8[name] < 1e-3:
+        assert greedy == [int(t) for t in ref["greedy"]], name
+
+
+def _dequantized_fp8_copy(name: str, directory: str) -> str:
+    """``name``'s FP8 checkpoint with every weight dequantized (``weight * weight_scale``,
+    written here independently of jaxpage's reader) as a plain float32 checkpoint."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    source = os.path.join(ROOT, name)
+    tensors = {}
+    with safe_open(os.path.join(source, "model.safetensors"), "pt") as f:
+        for key in f.keys():
+            tensors[key] = f.get_tensor(key)
+    out = {}
+    for key, value in tensors.items():
+        if key.endswith(("weight_scale", "input_scale")):
+            continue
+        if value.dtype == torch.float8_e4m3fn:
+            scale = tensors[key + "_scale"].float()
+            value = value.float() * (scale if scale.ndim == 2 else scale.reshape(()))
+        out[key] = value.float().contiguous()
+    save_file(out, os.path.join(directory, "model.safetensors"))
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    config.pop("quantization_config")
+    config["torch_dtype"] = "float32"
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+    return directory
+
+
+@pytest.mark.parametrize("name", list(W8A8)[:2])
+def test_fp8_checkpoint_runs_weight_only_on_the_cpu(name, tmp_path):
+    """On the CPU (no FP8 units) an FP8 checkpoint is weight-only: its logits are those of
+    the dequantized weights, which Hugging Face computes from a float copy."""
+    from jaxpage import LLM
+
+    ref = _reference(name)
+    ids = [int(t) for t in ref["token_ids"]]
+    expected = hf_logits(load_hf_model(_dequantized_fp8_copy(name, str(tmp_path))), ids)
+    llm = LLM(model=os.path.join(ROOT, name), **ENGINE)
+    logits, _ = _logits_and_greedy(llm, ids)
+    assert np.abs(logits - expected).max() < 1e-4
+
+
+def test_quantization_argument_is_checked_against_the_checkpoint(tmp_path):
+    from jaxpage import LLM
+
+    gptq = os.path.join(ROOT, "gptq_sym")
+    with pytest.raises(ValueError, match="quantized with 'gptq'"):
+        LLM(model=gptq, quantization="awq", **ENGINE)
+    with pytest.raises(ValueError, match="quantized with 'gptq'"):
+        LLM(model=gptq, quantization="int8", **ENGINE)
+    llm = LLM(model=gptq, quantization="gptq_marlin", **ENGINE)  # vLLM's kernel name: same method
+    assert llm.get_stats()["quantization"] == "gptq"
+    with pytest.raises(ValueError, match="is not one"):
+        LLM(model=os.path.join(ROOT, "float_source"), quantization="compressed-tensors", **ENGINE)
+
+
+@pytest.mark.parametrize("method", ["bitsandbytes", "hqq", "mxfp4"])
+def test_an_unsupported_format_is_named_with_the_supported_ones(method, tmp_path):
+    from jaxpage import LLM
+
+    folder = shutil.copytree(os.path.join(ROOT, "float_source"), tmp_path / "model")
+    with open(folder / "config.json") as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": method, "load_in_4bit": True}
+    with open(folder / "config.json", "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=f"'{method}'.*compressed-tensors, awq, gptq"):
+        LLM(model=str(folder), **ENGINE)
