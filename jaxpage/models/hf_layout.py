@@ -117,7 +117,8 @@ class HFTensorSource:
             if keys[-1] in _KV_TENSORS:  # quantized parts too: their last axis is the output
                 repeat = lambda a: repeat_kv_heads(a, arch.num_kv_heads, arch.head_dim,  # noqa: E731
                                                    repeats)
-                array = ({part: repeat(value) if part in ("codes", "scale", "zero") else value
+                array = ({part: repeat(value) if part in ("codes", "scale", "zero")
+                          else repeat(value.T).T if part == "codes_t" else value
                           for part, value in array.items()}
                          if isinstance(array, dict) else repeat(array))
             yield keys, array
@@ -178,8 +179,11 @@ class HFTensorSource:
         dict of quantized parts."""
         stored = getattr(self, "stored", None)
         if stored is not None and name in stored.formats and name in self.quant_plan:
-            return stored.read(self.get, self.names(), hf_name.removesuffix(".weight"),
-                               self.quant_plan[name])
+            fmt = self.quant_plan[name]
+            parts = stored.read(self.get, self.names(), hf_name.removesuffix(".weight"), fmt)
+            if fmt.transposed:  # W8A8 codes for a GPU's GEMM: [out, in]
+                parts["codes_t"] = np.ascontiguousarray(parts.pop("codes").T)
+            return parts
         array = self.get(hf_name)
         return array.T if transpose else array
 

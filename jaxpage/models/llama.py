@@ -48,7 +48,7 @@ from jaxpage.parallel.sharding_rules import TP
 from pallas_kernels import kv_layout
 from pallas_kernels.kv_layout import KVCache  # (k, v) split or (kv,) fused
 from pallas_kernels._backend import branches_wait_for_device
-from pallas_kernels.kv_quant import encode
+from pallas_kernels.kv_quant import encode, rotation
 from pallas_kernels.precision import dot_precision
 from pallas_kernels.quantized_matmul import gather_columns
 from pallas_kernels.write_and_attend import write_and_attend
@@ -196,6 +196,13 @@ def _dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
 _ROPE_ONCE_ELEMENTS = 1 << 18
 
 
+def _rotated(x: jax.Array, back: bool = False) -> jax.Array:
+    """x [T, H, D] times ``kv_quant.rotation(D)`` (its transpose for ``back``), in x's dtype."""
+    r = jnp.asarray(rotation(x.shape[-1]))
+    return jnp.einsum("thd,de->the", x.astype(jnp.float32), r.T if back else r,
+                      precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
+
+
 class CausalLM(nnx.Module):
     """Embeddings -> decoder layers -> final norm; ``compute_logits`` for the head.
 
@@ -260,12 +267,15 @@ class CausalLM(nnx.Module):
             scales = ()
             if self.kv_format is not None:  # this layer's [Hkv, D] key and value scales
                 scales = (self.kv_scale[...][0, index], self.kv_scale[...][1, index])
+                q, k, v = (_rotated(x) for x in (q, k, v))       # kv_quant.rotation
                 k = encode(k.astype(jnp.float32) / scales[0], self.kv_format)
                 v = encode(v.astype(jnp.float32) / scales[1], self.kv_format)
             attn, k_cache, v_cache = attention(
                 q, k, v, k_cache, v_cache, batch.slot_mapping, batch.kv_lens,
                 batch.block_tables, batch.cu_q_lens, batch.num_seqs, *scales,
                 layer=index)
+            if self.kv_format is not None:
+                attn = _rotated(attn, back=True)
             h = layer.finish(cfg, h, attn, lora, rows)
         return (rms_norm(h, self.final_norm[...], cfg.rms_norm_eps, cfg.norm_offset),
                 kv_layout.from_pair(k_cache, v_cache))
@@ -290,7 +300,8 @@ class CausalLM(nnx.Module):
                 for local in kinds}
 
     def kv_amax(self, input_ids: jax.Array) -> jax.Array:
-        """The largest |k| and |v| of one sequence's forward pass (input_ids int32 [T]),
+        """The largest |k| and |v|, rotated as a byte cache stores them
+        (``kv_quant.rotation``), of one sequence's forward pass (input_ids int32 [T]),
         per layer, KV head and channel: float32 [2, L, Hkv, D]. Dense causal attention,
         no cache: what a quantized KV cache calibrates its scales from."""
         cfg = self.cfg
@@ -300,7 +311,8 @@ class CausalLM(nnx.Module):
         tables = self._rope_tables(positions)
         for index, layer in enumerate(self.layers):
             q, k, v = layer.qkv(cfg, h, tables[self._local(index)])
-            amax.append(jnp.stack([jnp.abs(k).max(axis=0), jnp.abs(v).max(axis=0)]))
+            amax.append(jnp.stack([jnp.abs(_rotated(k)).max(axis=0),
+                                   jnp.abs(_rotated(v)).max(axis=0)]))
             h = layer.finish(cfg, h, _dense_causal_attention(q, k, v, cfg, index))
         return jnp.stack(amax, axis=1).astype(jnp.float32)
 

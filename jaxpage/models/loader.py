@@ -24,7 +24,7 @@ from flax import nnx
 
 from jaxpage.arch_config import ArchConfig
 from jaxpage.models.hf_layout import place_arrays
-from jaxpage.models.prequantized import STORED_METHODS, canonical_method
+from jaxpage.models.prequantized import STORED_METHODS, canonical_method, for_device
 from jaxpage.models.presets import PREFIX as PRESET_PREFIX
 from jaxpage.models.presets import preset_config
 from jaxpage.models.quantize import (QUANTIZABLE, QUANTIZATION_MODES,
@@ -161,7 +161,8 @@ def load_model(path: str | None, *, dtype: str = "float32", attention_backend: s
     jdtype = resolve_dtype(dtype)
     quantization, plan = _source_plan(source, path, run_arch, quantization,
                                       quantization_group_size,
-                                      lossless_blocks=_lossless_blocks(jdtype, mesh))
+                                      lossless_blocks=_lossless_blocks(jdtype, mesh),
+                                      mesh=mesh)
     # rngs=None: parameter shapes only, no arrays and nothing traced (params.ParamInit)
     abstract = model_cls(run_arch, dtype=jdtype, attention_backend=attention_backend,
                          rngs=None, mesh=mesh, quant_plan=plan)
@@ -245,7 +246,7 @@ def _lossless_blocks(jdtype: Any, mesh: Any) -> bool:
 
 
 def _source_plan(source: Any, path: str, run_arch: ArchConfig, quantization: str | None,
-                 group_size: int | None, lossless_blocks: bool = False,
+                 group_size: int | None, lossless_blocks: bool = False, mesh: Any = None,
                  ) -> tuple[str | None, dict[str, QuantFormat]]:
     """(mode, plan) for a checkpoint source; the plan is also set on the source.
     ``lossless_blocks``: with ``quantization=None`` a GGUF file keeps its blocks (the
@@ -255,7 +256,8 @@ def _source_plan(source: Any, path: str, run_arch: ArchConfig, quantization: str
         if quantization is not None and canonical_method(quantization) != stored.method:
             raise ValueError(f"quantization={quantization!r}, but {path!r} is quantized with "
                              f"{stored.method!r}: pass quantization={stored.method!r} or None")
-        plan = stored.plan(run_arch, source.names())
+        device = (next(iter(mesh.devices.flat)) if mesh is not None else jax.devices()[0])
+        plan = for_device(stored.plan(run_arch, source.names()), device)
         source.quant_plan = plan
         return stored.method, plan
     saved = getattr(source, "saved_quantization", None)

@@ -32,8 +32,9 @@ class QuantizedWeight(nnx.Module):
         self.activations = fmt.activations  # static: a W8A8 checkpoint's activation scheme
 
     def parts(self) -> dict[str, jax.Array]:
-        """The weight's own parts (codes, scale, zero), not the activations' scale."""
-        return {part: getattr(self, part)[...] for part in ("codes", "scale", "zero")
+        """The weight's own parts (codes or codes_t, scale, zero), not the activations'
+        scale or the input permutation."""
+        return {part: getattr(self, part)[...] for part in ("codes", "codes_t", "scale", "zero")
                 if hasattr(self, part)}
 
     def input_permutation(self) -> jax.Array | None:

@@ -35,7 +35,7 @@ import json
 import logging
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -83,6 +83,27 @@ def stored_quantization(hf_config: dict[str, Any], directory: str) -> StoredQuan
                          "a float checkpoint with quantization='int8' / 'int4'")
     reader = {"compressed-tensors": CompressedTensors, "awq": AWQ, "gptq": GPTQ}[method]
     return reader(config, directory)
+
+
+def for_device(plan: dict[str, QuantFormat], device: Any) -> dict[str, QuantFormat]:
+    """``plan`` with the W8A8 weights that a GPU multiplies natively kept ``[out, in]``
+    (``QuantFormat.transposed``): cuBLASLt's FP8 and int8 GEMMs read both operands
+    contiguous along K, and codes stored ``[in, out]`` made XLA:GPU transpose every weight
+    on every call (found compiling an FP8 Llama-3-8B for an H100: 6.6 GiB of transposed
+    codes hoisted out of the decode loop). TPUs and the CPU keep ``[in, out]``."""
+    from pallas_kernels import _backend
+    from pallas_kernels.quantized_matmul.activation_quant import runs_natively
+
+    if _backend.platform_backend(device.platform) != "gpu":
+        return plan
+    out = {}
+    for name, fmt in plan.items():
+        dtype = FP8_DTYPE if fmt.codes == "fp8" else np.int8
+        native = (fmt.activations is not None and fmt.bits == 8 and not fmt.zero
+                  and fmt.group_size is None
+                  and runs_natively(dtype, 1, device.platform, device))
+        out[name] = replace(fmt, transposed=True) if native else fmt
+    return out
 
 
 def _guess_method(config: dict[str, Any]) -> str:

@@ -38,7 +38,7 @@ import numpy as np
 QUANTIZATION_MODES = ("int8", "int4", "gguf")
 QUANTIZABLE = ("embed", "lm_head", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                "up_proj", "down_proj")
-PARTS = ("codes", "scale", "zero", "input_scale", "perm")
+PARTS = ("codes", "codes_t", "scale", "zero", "input_scale", "perm")
 DEFAULT_GROUP_SIZE = {"int8": 32, "int4": 32}  # input rows per scale, by mode
 VOCAB_INT8_GROUP = 128  # int4 mode's embedding / LM head: int8 with this group size
 VOCAB_PARAMS = ("embed", "lm_head")
@@ -64,6 +64,9 @@ class QuantFormat:
       (``pallas_kernels.quantized_matmul.activation_quant``).
     * ``act_order``: the input rows are stored sorted by group, and ``perm`` int32 [K]
       says which input each row multiplies (``x[..., perm] @ W``).
+    * ``transposed``: a W8A8 weight's codes stored ``[out, in]`` as part ``codes_t``, the
+      layout a GPU's FP8 / int8 GEMM reads (both operands contiguous along K); ``[in,
+      out]`` codes would be transposed by XLA on every call (``prequantized.for_device``).
     """
 
     bits: int
@@ -72,11 +75,14 @@ class QuantFormat:
     zero: bool = False
     activations: str | None = None
     act_order: bool = False  # a GPTQ act-order weight: rows sorted by group, ``perm`` kept
+    transposed: bool = False  # W8A8 codes kept [out, in] (``codes_t``) for a GPU's 8-bit GEMM
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8) or self.codes not in ("int", "fp8") or (
                 self.codes == "fp8" and (self.bits != 8 or self.zero)) or (
-                self.activations not in (None, *ACTIVATION_SCHEMES)):
+                self.activations not in (None, *ACTIVATION_SCHEMES)) or (
+                self.transposed and (self.activations is None or self.zero
+                                     or self.group_size is not None or self.bits != 8)):
             raise ValueError(f"unsupported quantized format {self!r}")
 
     @property
@@ -91,7 +97,8 @@ class QuantFormat:
         g = self.groups(in_features)
         if self.bits == 8:
             dtype = np.int8 if self.codes == "int" else FP8_DTYPE
-            shapes = {"codes": ((in_features, out_features), dtype)}
+            shapes = ({"codes_t": ((out_features, in_features), dtype)} if self.transposed
+                      else {"codes": ((in_features, out_features), dtype)})
         else:
             shapes = {"codes": ((in_features // 2, out_features), np.uint8)}
         shapes["scale"] = ((g, out_features), np.float32)
@@ -104,9 +111,9 @@ class QuantFormat:
         return shapes
 
     def to_json(self) -> list:
-        extra = [self.codes, self.zero, self.activations, self.act_order]
-        return [self.bits, self.group_size] + (extra if extra != ["int", False, None, False]
-                                               else [])
+        extra = [self.codes, self.zero, self.activations, self.act_order, self.transposed]
+        return [self.bits, self.group_size] + (
+            extra if extra != ["int", False, None, False, False] else [])
 
 
 def group_size_for(in_features: int, requested: int = 128) -> int | None:

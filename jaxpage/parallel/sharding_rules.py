@@ -56,7 +56,7 @@ KV_CACHE_SPEC = P(None, None, None, TP)  # axis 3: kv heads (split) or their fus
 VOCAB_PARAMS = ("embed", "lm_head")
 
 
-QUANTIZED_PARTS = ("codes", "scale", "zero", "input_scale", "perm")  # quantize.PARTS
+QUANTIZED_PARTS = ("codes", "codes_t", "scale", "zero", "input_scale", "perm")  # quantize.PARTS
 
 
 def param_spec(name: str, shape: tuple[int, ...], tp_size: int) -> P:
@@ -66,7 +66,8 @@ def param_spec(name: str, shape: tuple[int, ...], tp_size: int) -> P:
     N] split as the weight is; its ``scale`` / ``zero`` [G, N] split by N where the weight
     is, and by groups where the weight is split by K and the groups divide (per-channel
     scales, one group, are replicated). A quantized ``embed`` is stored [hidden, vocab].
-    A W8A8 weight's ``input_scale`` [1] and an act-order ``perm`` [K] are replicated.
+    A W8A8 weight's ``codes_t`` [N, K] split as the weight (axes swapped), its
+    ``input_scale`` [1] and an act-order ``perm`` [K] replicated.
     """
     if "." in name:
         return _part_spec(name, shape, tp_size)
@@ -82,6 +83,8 @@ def _part_spec(name: str, shape: tuple[int, ...], tp_size: int) -> P:
     if part in ("input_scale", "perm"):
         return P()  # a W8A8 input scale [1], an act-order permutation [K]: on every device
     spec = P(None, TP) if param == "embed" else PARAM_SPECS[param]
+    if part == "codes_t":  # W8A8 codes kept [out, in]: the weight's spec, axes swapped
+        return _checked(param, P(spec[1], spec[0]), shape, tp_size)
     if part != "codes" and spec[0] == TP and shape[0] % tp_size:
         spec = P(None, spec[1])  # too few groups to split: every device holds them all
     return _checked(param, spec, shape, tp_size)

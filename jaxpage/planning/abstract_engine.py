@@ -61,7 +61,7 @@ def model_config(model: str | None) -> dict[str, Any]:
     return open_source(default_model_path() if model is None else model).hf_config
 
 
-def _quant_plan(mc: Any, arch: ArchConfig) -> dict:
+def _quant_plan(mc: Any, arch: ArchConfig, device: Any) -> dict:
     """The stored formats of ``quantization`` for ``arch`` (``jaxpage.models.quantize``);
     a pre-quantized checkpoint's own (``jaxpage.models.prequantized``)."""
     from jaxpage.models.loader import quantizable_dims
@@ -73,7 +73,9 @@ def _quant_plan(mc: Any, arch: ArchConfig) -> dict:
         source = open_source(mc.model)
         stored = getattr(source, "stored", None)
         if stored is not None:  # a pre-quantized checkpoint: its stored formats
-            return stored.plan(arch, source.names())
+            from jaxpage.models.prequantized import for_device
+
+            return for_device(stored.plan(arch, source.names()), device)
     if mc.quantization is None:
         return {}
     if mc.quantization == "gguf":
@@ -139,7 +141,7 @@ class AbstractEngine:
         # rngs=None: parameter shapes only (quantized weights as their stored parts)
         abstract = model_cls(self.arch, dtype=self.dtype, attention_backend=mc.attention_backend,
                              rngs=None, mesh=self.mesh,
-                             quant_plan=_quant_plan(mc, self.arch), kv_format=cc.kv_format)
+                             quant_plan=_quant_plan(mc, self.arch, self.device), kv_format=cc.kv_format)
         if mc.enable_lora:  # the adapter slots every program then takes (models.lora)
             attach_lora(abstract, mc.max_loras, mc.max_lora_rank, abstract=True)
         self.graphdef, state = nnx.split(abstract)

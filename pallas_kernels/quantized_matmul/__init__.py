@@ -51,23 +51,33 @@ CODE_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8), jnp.dtype(jnp.float8_e
 
 def is_four_bit(weight: dict[str, Any]) -> bool:
     """Whether a quantized weight's codes are 4-bit (uint8, two per byte)."""
-    return jnp.dtype(weight["codes"].dtype) == jnp.uint8
+    return "codes" in weight and jnp.dtype(weight["codes"].dtype) == jnp.uint8
 
 
 def cpu_kernel_reads(weight: dict[str, Any]) -> bool:
     """Whether the C++ CPU kernels read this format: int8 codes (with a zero or without)
     or 4-bit codes; FP8 codes run the jnp form."""
-    return is_four_bit(weight) or jnp.dtype(weight["codes"].dtype) == jnp.int8
+    return is_four_bit(weight) or ("codes" in weight
+                                    and jnp.dtype(weight["codes"].dtype) == jnp.int8)
 
 
 def is_quantized(weight: Any) -> bool:
     """Whether ``weight`` is a quantized weight dict (not a plain array)."""
-    return isinstance(weight, dict) and "codes" in weight
+    return isinstance(weight, dict) and ("codes" in weight or "codes_t" in weight)
+
+
+def untransposed(weight: dict[str, Any]) -> dict[str, Any]:
+    """A weight with W8A8 codes kept ``[N, K]`` (``codes_t``) as plain ``codes [K, N]``."""
+    if "codes_t" not in weight:
+        return weight
+    out = {name: part for name, part in weight.items() if name != "codes_t"}
+    out["codes"] = weight["codes_t"].T
+    return out
 
 
 def is_packed(weight: dict[str, Any]) -> bool:
     """Whether a quantized weight is packed by panels (``pack_panels``)."""
-    return len(weight["codes"].shape) == 3
+    return "codes" in weight and len(weight["codes"].shape) == 3
 
 
 def pack_panels(weight: dict[str, Any]) -> dict[str, Any]:
@@ -104,8 +114,13 @@ def unpack_panels(weight: dict[str, Any]) -> dict[str, Any]:
 
 
 def weight_shape(weight: dict[str, Any]) -> tuple[int, int]:
-    """(K, N) of a quantized weight, plain or packed by panels; raises ``ValueError`` when
-    its parts disagree."""
+    """(K, N) of a quantized weight, plain or packed by panels (or W8A8 codes kept
+    ``[N, K]``); raises ``ValueError`` when its parts disagree."""
+    if "codes_t" in weight:
+        codes_t = weight["codes_t"]
+        weight = {**weight, "codes": jax.ShapeDtypeStruct(tuple(codes_t.shape)[::-1],
+                                                          codes_t.dtype)}
+        del weight["codes_t"]
     codes, scale = weight["codes"], weight["scale"]
     four = is_four_bit(weight)
     if jnp.dtype(codes.dtype) not in CODE_DTYPES or (four and "zero" not in weight) or (
@@ -177,9 +192,12 @@ def quantized_matmul(x: jax.Array, weight: dict[str, jax.Array], *,
     if flat.shape[0] == 0:
         return jnp.zeros((*lead, n), x.dtype)
     groups = weight["scale"].shape[-2]
-    if activations is not None and activation_quant.runs_natively(weight["codes"].dtype, groups):
+    codes_dtype = weight["codes_t" if "codes_t" in weight else "codes"].dtype
+    if activations is not None and activation_quant.runs_natively(codes_dtype, groups):
         out = activation_quant.w8a8_matmul(flat, unpack_panels(weight), activations,
                                            input_scale)
+    elif "codes_t" in weight:  # built for a GPU's 8-bit GEMM, run elsewhere: weight-only
+        out = reference.quantized_matmul(flat, untransposed(weight))
     elif resolve_backend(backend, x.dtype) == "cpu" and cpu_kernel_reads(weight):
         from pallas_kernels.quantized_matmul import cpu
         out = cpu.quantized_matmul_cpu(flat, weight, rows)
@@ -191,7 +209,7 @@ def quantized_matmul(x: jax.Array, weight: dict[str, jax.Array], *,
 def dequantize(weight: dict[str, jax.Array], dtype: Any = jnp.float32) -> jax.Array:
     """W [K, N] in ``dtype``."""
     weight_shape(weight)
-    return reference.dequantize(unpack_panels(weight), dtype)
+    return reference.dequantize(unpack_panels(untransposed(weight)), dtype)
 
 
 def gather_columns(weight: dict[str, jax.Array], ids: jax.Array, dtype: Any) -> jax.Array:

@@ -53,17 +53,22 @@ def _current_device() -> Any:
     return device
 
 
-def runs_natively(codes_dtype: Any, groups: int, platform: str | None = None) -> bool:
+def runs_natively(codes_dtype: Any, groups: int, platform: str | None = None,
+                  device: Any = None) -> bool:
     """Whether a W8A8 weight (``codes_dtype``, ``groups`` scale groups along K) multiplies
-    quantized activations on the platform programs are built for (see the module)."""
+    quantized activations on the platform programs are built for (see the module);
+    ``device``: the target device (default: the one programs are built for)."""
     if groups != 1:
         return False
-    platform = platform or _backend.current_platform()
+    if device is None:
+        device, platform = _current_device(), platform or _backend.current_platform()
+    else:
+        platform = platform or device.platform
     backend = _backend.platform_backend(platform)
     if jnp.dtype(codes_dtype) == jnp.int8:
         return backend in ("gpu", "tpu")
     if jnp.dtype(codes_dtype) == jnp.float8_e4m3fn:
-        return backend == "gpu" and _gpu_has_fp8(_current_device())
+        return backend == "gpu" and _gpu_has_fp8(device)
     return False
 
 
@@ -100,9 +105,11 @@ def quantize_activations(x: jax.Array, scales: jax.Array, codes_dtype: Any) -> j
 
 def w8a8_matmul(x: jax.Array, weight: dict[str, jax.Array], scheme: str,
                 input_scale: jax.Array | None = None) -> jax.Array:
-    """x [M, K] @ W -> float32 [M, N], W 8-bit codes [K, N] with scale [1, N] (plain
-    layout), x quantized to the same codes by ``scheme``."""
-    codes, scale = weight["codes"], weight["scale"]
+    """x [M, K] @ W -> float32 [M, N], W 8-bit codes [K, N] (``codes``) or [N, K]
+    (``codes_t``: the layout a GPU's 8-bit GEMM reads without a transpose) with scale
+    [1, N], x quantized to the same codes by ``scheme``."""
+    transposed = "codes_t" in weight
+    codes, scale = weight["codes_t" if transposed else "codes"], weight["scale"]
     if scale.shape[0] != 1 or "zero" in weight:
         raise ValueError(f"W8A8 needs symmetric per-channel weight scales, got scale "
                          f"{tuple(scale.shape)} and parts {sorted(weight)}")
@@ -110,6 +117,6 @@ def w8a8_matmul(x: jax.Array, weight: dict[str, jax.Array], scheme: str,
     scales = activation_scales(x, scheme, QMAX[dtype], input_scale)       # [M, 1]
     x_q = quantize_activations(x, scales, dtype)                        # [M, K]
     accumulate = jnp.int32 if dtype == jnp.int8 else jnp.float32
-    acc = jax.lax.dot_general(x_q, codes, (((1,), (0,)), ((), ())),
-                              preferred_element_type=accumulate)        # [M, N]
+    contract = (((1,), (1 if transposed else 0,)), ((), ()))
+    acc = jax.lax.dot_general(x_q, codes, contract, preferred_element_type=accumulate)  # [M, N]
     return acc.astype(jnp.float32) * scales * scale.astype(jnp.float32)

@@ -189,25 +189,44 @@ W8A8_CASES = [
 @pytest.mark.parametrize("target,codes_dtype,scheme,operand", W8A8_CASES,
                          ids=[f"{t}-{c}-{s}" for t, c, s, _ in W8A8_CASES])
 def test_w8a8_matmul_multiplies_codes_where_the_chip_can(target, codes_dtype, scheme, operand):
-    """A W8A8 checkpoint's matmul (Llama-3-8B's MLP shape, 256 tokens) compiles for the
-    target, and its dot multiplies ``operand`` values: the 8-bit codes themselves where
-    the chip has units for them (FP8 on an H100, int8 on TPUs and GPUs), the model dtype
-    (weight-only) elsewhere (``activation_quant``)."""
+    """A W8A8 checkpoint's matmul (Llama-3-8B's MLP shape, 256 tokens), its codes laid
+    out as the loader gives them for the target (``prequantized.for_device``: ``[out, in]``
+    where a GPU multiplies them), compiles, and its dot multiplies ``operand`` values: the
+    8-bit codes themselves where the chip has units for them (FP8 on an H100, int8 on TPUs
+    and GPUs), the model dtype (weight-only) elsewhere (``activation_quant``). Where the
+    codes are multiplied, nothing transposes them (codes ``[in, out]`` on an H100 were
+    transposed on every call: 6.6 GiB hoisted out of an FP8 Llama-3-8B's decode loop)."""
     import re
 
+    from jaxpage.models.prequantized import for_device
+    from jaxpage.models.quantize import QuantFormat
     from pallas_kernels.quantized_matmul import quantized_matmul
 
     device = target_devices(target)[0]
     k, n = 4096, 14336
+    fmt = for_device({"up_proj": QuantFormat(
+        8, None, "fp8" if codes_dtype.startswith("float8") else "int", activations=scheme)},
+        device)["up_proj"]
+    part = "codes_t" if fmt.transposed else "codes"
 
     def matmul(x, codes, scale, input_scale):
-        return quantized_matmul(x, {"codes": codes, "scale": scale}, activations=scheme,
+        return quantized_matmul(x, {part: codes, "scale": scale}, activations=scheme,
                                 input_scale=input_scale)
 
+    shape = (n, k) if fmt.transposed else (k, n)
     compiled = compile_on_device(device, matmul, ((256, k), jnp.bfloat16),
-                                 ((k, n), jnp.dtype(codes_dtype)), ((1, n), jnp.float32),
+                                 (shape, jnp.dtype(codes_dtype)), ((1, n), jnp.float32),
                                  ((1,), jnp.float32))
+    assert fmt.transposed == (target == "h100" or (target == "a100" and codes_dtype == "int8"))
+    # weight-only or not, the codes are read as stored: no dequantized copy of the weight.
+    # Except FP8 on an A100: XLA:GPU converts FP8 to bf16 outside the GEMM on a chip
+    # without FP8 (a 112 MiB copy here; docs/quantization.md)
+    copies = target == "a100" and codes_dtype.startswith("float8")
+    assert (compiled.memory_analysis().temp_size_in_bytes >= k * n) == copies
     text = compiled.as_text()
+    if operand != "bf16":
+        codes_type = "f8e4m3fn" if codes_dtype.startswith("float8") else "s8"
+        assert not re.search(rf"= {codes_type}\[({k},{n}|{n},{k})\]\S* transpose\(", text)
     # the operands of every dot / convolution, by their HLO names -> types
     types = dict(re.findall(r"%(\S+) = (\w+)\[", text))
     operands = {types.get(name) for line in text.splitlines()
