@@ -1,0 +1,152 @@
+"""llm-compressor's compressed-tensors checkpoints (``quant_method: "compressed-tensors"``):
+``float-quantized`` (FP8), ``int-quantized`` / ``naive-quantized`` (int8) and
+``pack-quantized`` (4 / 8 bits in int32 words), with zero points where asymmetric."""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import numpy as np
+
+from jaxpage.models.prequantized.base import (Getter, StoredQuantization, group_size_of,
+                                              to_parts, unpack_int32)
+from jaxpage.models.quantize import FP8_DTYPE, QuantFormat
+
+logger = logging.getLogger("jaxpage")
+
+COMPRESSED_FORMATS = ("float-quantized", "int-quantized", "naive-quantized", "pack-quantized")
+
+
+class CompressedTensors(StoredQuantization):
+    """llm-compressor's format (``quant_method: "compressed-tensors"``)."""
+
+    def __init__(self, config: dict[str, Any], directory: str) -> None:
+        super().__init__(config, directory, "compressed-tensors")
+        groups = config.get("config_groups") or {}
+        if not groups:
+            raise ValueError(f"{directory!r}: compressed-tensors config has no config_groups")
+        self.groups = list(groups.values())
+        self.ignore = list(config.get("ignore") or [])
+        for group in self.groups:
+            fmt = group.get("format") or config.get("format")
+            if fmt not in COMPRESSED_FORMATS:
+                raise ValueError(f"{directory!r}: compressed-tensors format {fmt!r} is not "
+                                 f"supported; supported: {', '.join(COMPRESSED_FORMATS)}")
+
+    def _group(self, module: str) -> dict[str, Any] | None:
+        if any(_matches(target, module) for target in self.ignore):
+            return None
+        for group in self.groups:
+            if any(target == "Linear" or _matches(target, module)
+                   for target in group.get("targets") or ()):
+                return group
+        return None
+
+    def is_stored(self, module: str, names: set[str]) -> bool:
+        return self._group(module) is not None and (
+            f"{module}.weight_packed" in names or f"{module}.weight_scale" in names)
+
+    def format_of(self, module: str, names: set[str]) -> QuantFormat:
+        group = self._group(module)
+        weights = group.get("weights") or {}
+        bits, kind = int(weights.get("num_bits", 8)), weights.get("type", "int")
+        strategy = weights.get("strategy")
+        if (kind, bits) not in (("float", 8), ("int", 8), ("int", 4)):
+            raise ValueError(f"{self.directory!r}: compressed-tensors {kind} weights of {bits} "
+                             "bits are not supported (FP8, int8 and int4 are)")
+        if strategy not in ("tensor", "channel", "group", "block"):
+            raise ValueError(f"{self.directory!r}: weight strategy {strategy!r} is not "
+                             "supported (tensor, channel, group, block are)")
+        group_size = None
+        if strategy == "group":
+            group_size = int(weights["group_size"])
+        elif strategy == "block":
+            group_size = int((weights.get("block_structure") or [0, 0])[1])
+        zero = (kind == "int" and bits == 8 and not weights.get("symmetric", True))
+        return QuantFormat(bits, group_size, "fp8" if kind == "float" else "int", zero,
+                           self._activations(group, bits, group_size))
+
+    def _activations(self, group: dict[str, Any], bits: int, group_size: int | None
+                     ) -> str | None:
+        acts = group.get("input_activations")
+        if not acts:
+            return None
+        weights = group.get("weights") or {}
+        native = (bits == 8 and group_size is None and int(acts.get("num_bits", 0)) == 8
+                  and acts.get("type") == weights.get("type") and acts.get("symmetric", True)
+                  and weights.get("symmetric", True))
+        scheme = "dynamic" if acts.get("dynamic") else "static"
+        if not native or (scheme == "dynamic" and acts.get("strategy") != "token") or (
+                scheme == "static" and acts.get("strategy") != "tensor"):
+            logger.warning("%s: activation quantization %s runs weight-only", self.directory,
+                           acts)
+            return None
+        return scheme
+
+    def read(self, get: Getter, names: set[str], module: str,
+             fmt: QuantFormat) -> dict[str, np.ndarray]:
+        group = self._group(module)
+        weights = group.get("weights") or {}
+        if fmt.codes == "fp8":
+            w = get(f"{module}.weight")                                       # [N, K] f8
+            codes = np.ascontiguousarray(w.T).view(np.uint8).view(FP8_DTYPE) if \
+                w.dtype != FP8_DTYPE else np.ascontiguousarray(w.T)
+            parts = {"codes": codes,
+                     "scale": _scale_to_groups(get(f"{module}.weight_scale"), w.shape,
+                                               weights)}
+        elif f"{module}.weight_packed" in names:
+            packed = get(f"{module}.weight_packed")                          # [N, K*bits/32]
+            q = unpack_int32(packed, fmt.bits, axis=1).T                     # [K, N]
+            k = q.shape[0]
+            scale = get(f"{module}.weight_scale").astype(np.float32)         # [N, G]
+            zp = None
+            if not weights.get("symmetric", True):
+                zp_stored = get(f"{module}.weight_zero_point")               # [N*bits/32, G]
+                zp = unpack_int32(zp_stored, fmt.bits, axis=0)[:scale.shape[0]]
+                zp = zp - (1 << (fmt.bits - 1))                              # stored + offset
+                zp = zp.T
+            parts = to_parts(q, _spread(scale.T, k), zp, fmt, 1 << (fmt.bits - 1))
+        else:  # int8 stored as is
+            w = get(f"{module}.weight").astype(np.int32)                     # [N, K]
+            scale = get(f"{module}.weight_scale").astype(np.float32)         # [N, G]
+            zp = None
+            if not weights.get("symmetric", True):
+                zp = get(f"{module}.weight_zero_point").astype(np.float32).reshape(
+                    scale.shape).T
+            parts = to_parts((w.T + 128), _spread(scale.T, w.shape[1]), zp, fmt, 128)
+        if fmt.activations == "static":
+            parts["input_scale"] = np.asarray(get(f"{module}.input_scale"),
+                                              np.float32).reshape(-1)[:1]
+        return parts
+
+
+def _matches(target: str, module: str) -> bool:
+    if target.startswith("re:"):
+        return re.match(target[3:], module) is not None
+    return module == target or module.endswith("." + target)
+
+
+def _spread(scale: np.ndarray, k: int) -> np.ndarray:
+    """A scale [G, N] checked against K (G divides K)."""
+    group_size_of(k, scale.shape[0])
+    return scale
+
+
+def _scale_to_groups(scale: np.ndarray, weight_shape: tuple[int, int],
+                     weights: dict[str, Any]) -> np.ndarray:
+    """An FP8 weight's stored scale -> float32 [G, N] for W [N, K] as stored: per tensor
+    ``[1]`` or ``[]`` repeated per channel; per channel ``[N, 1]``; per group ``[N, G]``;
+    per block ``[N / bn, K / bk]`` repeated over each block's columns."""
+    n, k = weight_shape
+    scale = np.asarray(scale, np.float32)
+    if scale.size == 1:
+        return np.full((1, n), scale.reshape(()), np.float32)
+    if weights.get("strategy") == "block":
+        bn, bk = (int(x) for x in weights["block_structure"])
+        rows = np.repeat(scale, bn, axis=0)[:n]                               # [N, K / bk]
+        return np.ascontiguousarray(rows.T)
+    if scale.shape[0] != n:
+        raise ValueError(f"FP8 weight scale {scale.shape} does not match the weight [{n}, {k}]")
+    return _spread(np.ascontiguousarray(scale.T), k)
