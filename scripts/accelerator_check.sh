@@ -29,6 +29,9 @@
 #                     prompts), bfloat16, jaxpage only (THROUGHPUT_REQUESTS requests, default 500);
 #   bench_spec_decode scripts/bench_spec_decode.py on preset:llama3-8b, bfloat16, batch 1, 4, 32
 #                     (n-gram speculation against plain decoding);
+#   bench_quantized   issue [21]: scripts/bench_quantized_matmul.py, one Llama-3-8B layer's
+#                     projections at 1 / 64 / 512 / 2,048 tokens: FP8 and int8 W8A8, FP8
+#                     weight-only, int8 / int4 groups, against bf16 side by side;
 # and writes each one's output, plus the device, the date, the versions and the commands,
 # under RESULTS_DIR (default docs/benchmarks/accelerator/<date>-<device>/). Commit that folder.
 #
@@ -40,7 +43,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$(pwd)"
 export PYTHONUNBUFFERED=1
 PYTHON="${PYTHON:-python3}"
-STEPS="${STEPS:-startup host_overhead kernel_tests bench_kernels engine_vs_hf bench_throughput bench_spec_decode}"
+STEPS="${STEPS:-startup host_overhead kernel_tests bench_kernels engine_vs_hf bench_throughput bench_spec_decode bench_quantized}"
 STEP_TIMEOUT="${STEP_TIMEOUT:-300}"
 # The tests and benchmark scripts default to the CPU; here the device's own platform runs.
 if command -v nvidia-smi >/dev/null 2>&1; then export JAX_PLATFORMS=cuda; else export JAX_PLATFORMS=tpu; fi
@@ -111,6 +114,8 @@ run_step bench_throughput "$PYTHON" scripts/bench_throughput.py --model preset:l
 run_step bench_spec_decode "$PYTHON" scripts/bench_spec_decode.py --model preset:llama3-8b \
     --dtype bfloat16 --num-kv-blocks 4096 --batches "${SPEC_BATCHES:-1,4,32}" --max-tokens 128 --allow-mismatch \
     --out "$dir" --stem spec_decode_llama3-8b
+run_step bench_quantized "$PYTHON" scripts/bench_quantized_matmul.py \
+    --tokens "${QUANT_TOKENS:-1,64,512,2048}" --json "$dir/bench_quantized.json"
 
 echo
 cat "$summary"

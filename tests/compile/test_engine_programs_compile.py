@@ -247,3 +247,32 @@ def test_few_kv_heads_per_device_update_the_cache_in_place(case):
                   hf_overrides=depth, kv_cache_dtype=kv_dtype, **options)
     _assert_compiled_and_fits(report)
     assert report.kv_layout == "fused"
+
+
+@pytest.mark.parametrize("target,fixture", [
+    ("h100", "ct_fp8_dynamic"), ("v5e:1x1", "ct_w8a8_int8"),
+    pytest.param("v5e:1x1", "ct_fp8_dynamic", marks=pytest.mark.slow),
+    pytest.param("h100", "ct_w8a8_int8", marks=pytest.mark.slow),
+    pytest.param("h100", "gptq_actorder", marks=pytest.mark.slow),
+    pytest.param("v5e:1x1", "gptq_actorder", marks=pytest.mark.slow)])
+def test_prequantized_checkpoint_programs_compile(target, fixture):
+    """A pre-quantized checkpoint's programs (``tests/data/quantized``: FP8 W8A8, int8 W8A8,
+    GPTQ act-order) compile for an H100 and a v5e, every one fitting and none holding a copy
+    of the KV cache; where the GPU multiplies 8-bit codes they are kept ``[out, in]``."""
+    import os
+
+    from jaxpage.models.prequantized import for_device
+    from jaxpage.models.weight_sources import open_source
+    from jaxpage.parallel.targets import target_devices
+
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "quantized",
+                        fixture)
+    report = plan(path, target, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64,
+                  num_scheduler_steps=4, swap_space=0.0005)
+    _assert_compiled_and_fits(report)
+    source = open_source(path)
+    from jaxpage.models.registry import resolve_architecture
+
+    arch = resolve_architecture(source.hf_config)[1]
+    formats = for_device(source.stored.plan(arch, source.names()), target_devices(target)[0])
+    assert formats["q_proj"].transposed == (target == "h100" and fixture != "gptq_actorder")
