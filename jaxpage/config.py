@@ -66,7 +66,7 @@ class ModelConfig:
     # GGUF file's Q8_0 / Q4_0 / Q4_1 blocks kept as stored); a pre-quantized checkpoint's
     # method may be named, and must then match it
     quantization: str | None = None
-    # int8 / int4: input rows per scale (None: 128 for int8, 32 for int4); 0: per channel
+    # int8 / int4: input rows per scale (None: 32); 0: per channel
     quantization_group_size: int | None = None
     # Multi-LoRA serving (``docs/lora.md``): adapters in PEFT's format, at most
     # ``max_loras`` of them on the device at once (one batch may mix them all), each of

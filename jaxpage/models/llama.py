@@ -196,11 +196,12 @@ def _dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
 _ROPE_ONCE_ELEMENTS = 1 << 18
 
 
-def _rotated(x: jax.Array, back: bool = False) -> jax.Array:
-    """x [T, H, D] times ``kv_quant.rotation(D)`` (its transpose for ``back``), in x's dtype."""
+def _rotated(x: jax.Array, back: bool = False, dtype: Any = None) -> jax.Array:
+    """x [T, H, D] times ``kv_quant.rotation(D)`` (its transpose for ``back``), computed in
+    float32, returned in ``dtype`` (default x's)."""
     r = jnp.asarray(rotation(x.shape[-1]))
     return jnp.einsum("thd,de->the", x.astype(jnp.float32), r.T if back else r,
-                      precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
+                      precision=jax.lax.Precision.HIGHEST).astype(dtype or x.dtype)
 
 
 class CausalLM(nnx.Module):
@@ -267,9 +268,9 @@ class CausalLM(nnx.Module):
             scales = ()
             if self.kv_format is not None:  # this layer's [Hkv, D] key and value scales
                 scales = (self.kv_scale[...][0, index], self.kv_scale[...][1, index])
-                q, k, v = (_rotated(x) for x in (q, k, v))       # kv_quant.rotation
-                k = encode(k.astype(jnp.float32) / scales[0], self.kv_format)
-                v = encode(v.astype(jnp.float32) / scales[1], self.kv_format)
+                q = _rotated(q)                                   # kv_quant.rotation
+                k = encode(_rotated(k, dtype=jnp.float32) / scales[0], self.kv_format)
+                v = encode(_rotated(v, dtype=jnp.float32) / scales[1], self.kv_format)
             attn, k_cache, v_cache = attention(
                 q, k, v, k_cache, v_cache, batch.slot_mapping, batch.kv_lens,
                 batch.block_tables, batch.cu_q_lens, batch.num_seqs, *scales,

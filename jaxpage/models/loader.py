@@ -267,7 +267,9 @@ def _source_plan(source: Any, path: str, run_arch: ArchConfig, quantization: str
         source.quantizes_after_restore = True
         return quantization, plan
     if saved is not None or getattr(source, "architecture_is_saved", False):
-        if quantization not in (None, saved):
+        if quantization not in (None, saved) and (
+                canonical_method(quantization) is None
+                or canonical_method(quantization) != canonical_method(saved or "")):
             raise ValueError(f"{path} was saved with quantization={saved!r}; it cannot be "
                              f"loaded with quantization={quantization!r}: load the original "
                              "checkpoint to quantize it differently")

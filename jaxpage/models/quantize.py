@@ -296,6 +296,8 @@ def pack_quantized_panels(tree: Any) -> Any:
     if not isinstance(tree, dict):
         return tree
     if is_quantized(tree):
+        if "codes" not in tree:  # W8A8 codes kept [out, in] for a GPU: not the CPU's layout
+            return tree
         packable = not is_packed(tree) and weight_shape(tree)[1] % PANEL == 0
         return pack_panels(tree) if packable else tree
     return {key: pack_quantized_panels(value) for key, value in tree.items()}

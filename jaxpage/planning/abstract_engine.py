@@ -73,8 +73,11 @@ def _quant_plan(mc: Any, arch: ArchConfig, device: Any) -> dict:
         source = open_source(mc.model)
         stored = getattr(source, "stored", None)
         if stored is not None:  # a pre-quantized checkpoint: its stored formats
-            from jaxpage.models.prequantized import for_device
+            from jaxpage.models.prequantized import canonical_method, for_device
 
+            if mc.quantization is not None and canonical_method(mc.quantization) != stored.method:
+                raise ValueError(f"quantization={mc.quantization!r}, but {mc.model!r} is "
+                                 f"quantized with {stored.method!r}")
             return for_device(stored.plan(arch, source.names()), device)
     if mc.quantization is None:
         return {}

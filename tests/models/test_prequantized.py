@@ -84,7 +84,7 @@ def native_w8a8(monkeypatch):
     from pallas_kernels.quantized_matmul import activation_quant
 
     monkeypatch.setattr(activation_quant, "runs_natively",
-                        lambda codes_dtype, groups, platform=None: groups == 1)
+                        lambda codes_dtype, groups, platform=None, device=None: groups == 1)
 
 
 @pytest.mark.parametrize("name", list(W8A8))

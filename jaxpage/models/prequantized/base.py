@@ -46,7 +46,12 @@ class StoredQuantization:
                 raise ValueError(f"{self.directory!r}: {ours} is quantized in some layers but "
                                  f"not in layer {layer}; jaxpage needs the same format in "
                                  "every layer")
-            plan[ours] = self.format_of(module.format(0), names)
+            formats = {self.format_of(module.format(i), names) for i in range(arch.num_layers)}
+            if len(formats) > 1:
+                raise ValueError(f"{self.directory!r}: {ours} is stored in several formats "
+                                 f"across layers ({sorted(map(str, formats))}); jaxpage "
+                                 "needs the same format in every layer")
+            plan[ours] = formats.pop()
         if not plan:
             raise ValueError(f"{self.directory!r} says it is quantized with {self.method!r} "
                              "but has no quantized linear tensors")

@@ -34,14 +34,23 @@ class CompressedTensors(StoredQuantization):
             if fmt not in COMPRESSED_FORMATS:
                 raise ValueError(f"{directory!r}: compressed-tensors format {fmt!r} is not "
                                  f"supported; supported: {', '.join(COMPRESSED_FORMATS)}")
+        for extra in ("transform_config", "sparsity_config"):  # online rotations, 2:4 ...
+            if config.get(extra):
+                raise ValueError(f"{directory!r}: compressed-tensors with a {extra} "
+                                 f"({config[extra]!r}) is not supported")
 
     def _group(self, module: str) -> dict[str, Any] | None:
+        """The config group quantizing ``module``: a group naming it (by name or regex)
+        before one targeting every ``Linear``, as compressed-tensors matches; None if
+        ignored or untargeted."""
         if any(_matches(target, module) for target in self.ignore):
             return None
-        for group in self.groups:
-            if any(target == "Linear" or _matches(target, module)
-                   for target in group.get("targets") or ()):
-                return group
+        for by_class in (False, True):
+            for group in self.groups:
+                targets = group.get("targets") or ()
+                if any((target == "Linear") if by_class else _matches(target, module)
+                       for target in targets):
+                    return group
         return None
 
     def is_stored(self, module: str, names: set[str]) -> bool:
@@ -98,24 +107,27 @@ class CompressedTensors(StoredQuantization):
                                                weights)}
         elif f"{module}.weight_packed" in names:
             packed = get(f"{module}.weight_packed")                          # [N, K*bits/32]
-            q = unpack_int32(packed, fmt.bits, axis=1).T                     # [K, N]
-            k = q.shape[0]
-            scale = get(f"{module}.weight_scale").astype(np.float32)         # [N, G]
+            q = unpack_int32(packed, fmt.bits, axis=1).T                     # [K (padded), N]
+            if f"{module}.weight_shape" in names:  # the true [N, K]: packing pads K
+                q = q[:int(np.asarray(get(f"{module}.weight_shape")).reshape(-1)[1])]
+            k, n = q.shape
+            scale = get(f"{module}.weight_scale")
             zp = None
             if not weights.get("symmetric", True):
-                zp_stored = get(f"{module}.weight_zero_point")               # [N*bits/32, G]
-                zp = unpack_int32(zp_stored, fmt.bits, axis=0)[:scale.shape[0]]
-                zp = zp - (1 << (fmt.bits - 1))                              # stored + offset
-                zp = zp.T
-            parts = to_parts(q, _spread(scale.T, k), zp, fmt, 1 << (fmt.bits - 1))
+                zp_stored = np.asarray(get(f"{module}.weight_zero_point"))
+                if zp_stored.dtype == np.int32 and zp_stored.shape[0] < n:  # packed by N
+                    zp_stored = unpack_int32(zp_stored, fmt.bits, axis=0)[:n]
+                    zp_stored = zp_stored - (1 << (fmt.bits - 1))            # stored + offset
+                zp = _scale_to_groups(zp_stored, (n, k), weights)            # [G, N]
+            parts = to_parts(q, _scale_to_groups(scale, (n, k), weights), zp, fmt,
+                             1 << (fmt.bits - 1))
         else:  # int8 stored as is
             w = get(f"{module}.weight").astype(np.int32)                     # [N, K]
-            scale = get(f"{module}.weight_scale").astype(np.float32)         # [N, G]
+            scale = _scale_to_groups(get(f"{module}.weight_scale"), w.shape, weights)
             zp = None
             if not weights.get("symmetric", True):
-                zp = get(f"{module}.weight_zero_point").astype(np.float32).reshape(
-                    scale.shape).T
-            parts = to_parts((w.T + 128), _spread(scale.T, w.shape[1]), zp, fmt, 128)
+                zp = _scale_to_groups(get(f"{module}.weight_zero_point"), w.shape, weights)
+            parts = to_parts((w.T + 128), scale, zp, fmt, 128)
         if fmt.activations == "static":
             parts["input_scale"] = np.asarray(get(f"{module}.input_scale"),
                                               np.float32).reshape(-1)[:1]
@@ -136,9 +148,9 @@ def _spread(scale: np.ndarray, k: int) -> np.ndarray:
 
 def _scale_to_groups(scale: np.ndarray, weight_shape: tuple[int, int],
                      weights: dict[str, Any]) -> np.ndarray:
-    """An FP8 weight's stored scale -> float32 [G, N] for W [N, K] as stored: per tensor
-    ``[1]`` or ``[]`` repeated per channel; per channel ``[N, 1]``; per group ``[N, G]``;
-    per block ``[N / bn, K / bk]`` repeated over each block's columns."""
+    """A weight's stored scale (or zero point) -> float32 [G, N] for W [N, K] as stored:
+    per tensor ``[1]`` or ``[]`` repeated per channel; per channel ``[N, 1]``; per group
+    ``[N, G]``; per block ``[N / bn, K / bk]`` repeated over each block's columns."""
     n, k = weight_shape
     scale = np.asarray(scale, np.float32)
     if scale.size == 1:

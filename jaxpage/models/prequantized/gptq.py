@@ -21,11 +21,11 @@ class GPTQ(StoredQuantization):
             raise ValueError(f"{directory!r}: GPTQ with {self.bits} bits is not supported "
                              "(4 and 8 are)")
         self.group_size = int(config.get("group_size", 128))
-        fmt = str(config.get("checkpoint_format", "gptq")).lower()
+        fmt = str(config.get("checkpoint_format") or config.get("format") or "gptq").lower()
         if fmt not in ("gptq", "gptq_v2"):
             raise ValueError(f"{directory!r}: GPTQ checkpoint_format {fmt!r} is not supported "
                              "(gptq, gptq_v2 are)")
-        self.zero_offset = 1 if fmt == "gptq" else 0  # v1 stores z - 1
+        self.v1 = fmt == "gptq"  # v1 stores z - 1
 
     def is_stored(self, module: str, names: set[str]) -> bool:
         return f"{module}.qweight" in names
@@ -38,7 +38,10 @@ class GPTQ(StoredQuantization):
     def read(self, get: Getter, names: set[str], module: str,
              fmt: QuantFormat) -> dict[str, np.ndarray]:
         q = unpack_int32(get(f"{module}.qweight"), self.bits, axis=0)                # [K, N]
-        z = unpack_int32(get(f"{module}.qzeros"), self.bits, axis=1) + self.zero_offset
+        words = np.asarray(get(f"{module}.qzeros")).astype(np.int64) & 0xFFFFFFFF
+        if self.v1:  # v1 wrote each word less 0x11111111 (with borrows): add it back
+            words = (words + (0x11111111 if self.bits == 4 else 0x01010101)) & 0xFFFFFFFF
+        z = unpack_int32(words, self.bits, axis=1)                                  # [G, N]
         scale = get(f"{module}.scales").astype(np.float32)                           # [G, N]
         k = q.shape[0]
         z = z[:, :scale.shape[1]]
@@ -51,6 +54,9 @@ class GPTQ(StoredQuantization):
             perm = np.argsort(g_idx, kind="stable")
             if not np.array_equal(g_idx[perm], default):
                 raise ValueError(f"{module}: g_idx does not give every group {size} rows")
+            if not fmt.act_order:
+                raise ValueError(f"{self.directory!r}: {module}.g_idx orders the input rows "
+                                 "by group (act-order) but the config's desc_act is not set")
             q = q[perm]
         parts = to_parts(q, scale, z, fmt, 0)
         if fmt.act_order:

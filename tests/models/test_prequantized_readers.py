@@ -1,0 +1,88 @@
+"""The pre-quantized readers on stored tensors built here, for the cases the tools' tiny
+fixtures do not reach: GPTQ v1 zero points of 0 (stored with a borrow), act-order
+without ``desc_act``, compressed-tensors int8 with a per-tensor scale, refused configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from jaxpage.models.prequantized.compressed_tensors import CompressedTensors
+from jaxpage.models.prequantized.gptq import GPTQ
+from jaxpage.models.quantize import QuantFormat, dequantize
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "quantized")
+
+
+def _pack(values: np.ndarray, bits: int, axis: int) -> np.ndarray:
+    """Unsigned codes packed ``32 / bits`` to a uint32 along ``axis`` (code i in bits
+    ``bits * i``): the layout the tools write."""
+    per = 32 // bits
+    v = np.moveaxis(values.astype(np.uint64), axis, -1)
+    v = v.reshape(*v.shape[:-1], -1, per)
+    words = sum(v[..., i] << np.uint64(bits * i) for i in range(per))
+    return np.moveaxis(words, -1, axis).astype(np.uint32)
+
+
+def test_gptq_v1_zero_points_of_zero_survive_the_borrow():
+    rng = np.random.default_rng(0)
+    k, n, group = 64, 16, 32
+    q = rng.integers(0, 16, (k, n))
+    z = rng.integers(0, 16, (k // group, n))
+    z[0, :3] = 0                                   # v1 cannot write 0 - 1 in a nibble alone
+    scale = rng.uniform(0.01, 0.1, (k // group, n)).astype(np.float16)
+    words = _pack(z, 4, axis=1).astype(np.int64)
+    v1 = ((words - 0x11111111) & 0xFFFFFFFF).astype(np.uint32).view(np.int32)  # with borrows
+    tensors = {"m.qweight": _pack(q, 4, axis=0).view(np.int32), "m.qzeros": v1,
+               "m.scales": scale}
+    reader = GPTQ({"bits": 4, "group_size": group, "desc_act": False}, "x")
+    fmt = reader.format_of("m", set(tensors))
+    parts = reader.read(tensors.__getitem__, set(tensors), "m", fmt)
+    want = (q - np.repeat(z, group, axis=0)) * np.repeat(scale.astype(np.float32), group, axis=0)
+    np.testing.assert_allclose(dequantize(parts), want, rtol=0, atol=1e-6)
+
+
+def test_gptq_act_order_rows_need_desc_act():
+    rng = np.random.default_rng(1)
+    k, n, group = 64, 8, 32
+    g_idx = rng.permutation(np.arange(k) // group).astype(np.int32)
+    tensors = {"m.qweight": _pack(rng.integers(0, 16, (k, n)), 4, axis=0).view(np.int32),
+               "m.qzeros": _pack(np.full((2, n), 8), 4, axis=1).view(np.int32),
+               "m.scales": np.ones((2, n), np.float16), "m.g_idx": g_idx}
+    reader = GPTQ({"bits": 4, "group_size": group, "desc_act": False,
+                   "checkpoint_format": "gptq_v2"}, "x")
+    with pytest.raises(ValueError, match="desc_act"):
+        reader.read(tensors.__getitem__, set(tensors), "m", reader.format_of("m", set(tensors)))
+
+
+def test_compressed_tensors_int8_with_one_scale_per_tensor():
+    rng = np.random.default_rng(2)
+    w = rng.integers(-127, 128, (16, 64)).astype(np.int8)           # [N, K] as stored
+    config = {"format": "int-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "symmetric": True,
+                                           "strategy": "tensor"}}}}
+    tensors = {"m.weight": w, "m.weight_scale": np.array([0.05], np.float32)}
+    reader = CompressedTensors(config, "x")
+    fmt = reader.format_of("m", set(tensors))
+    assert fmt == QuantFormat(8, None)
+    parts = reader.read(tensors.__getitem__, set(tensors), "m", fmt)
+    np.testing.assert_allclose(dequantize(parts), w.T.astype(np.float32) * 0.05, rtol=1e-6)
+
+
+@pytest.mark.parametrize("extra", [{"transform_config": {"config_groups": {"r": {}}}},
+                                   {"sparsity_config": {"format": "sparse-24-bitmask"}}])
+def test_compressed_tensors_transforms_and_sparsity_are_refused(extra, tmp_path):
+    from jaxpage import LLM
+
+    folder = shutil.copytree(os.path.join(ROOT, "ct_w8a16_g32"), tmp_path / "model")
+    with open(folder / "config.json") as f:
+        config = json.load(f)
+    config["quantization_config"].update(extra)
+    with open(folder / "config.json", "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=next(iter(extra))):
+        LLM(model=str(folder), max_model_len=64, num_kv_blocks=16, warmup=False)
