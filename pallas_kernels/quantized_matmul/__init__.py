@@ -22,8 +22,11 @@ step's few rows ~1.6x as fast as the plain layout, whose panel rows lie N bytes 
 every function here accepts either layout.
 
 Backends (``_backend``'s rule): ``"reference"`` dequantizes in jnp and calls an ordinary
-dot; on a TPU or GPU XLA fuses the conversion into the dot, so the weight is read from
-memory as stored. On the CPU that fusion is slow (XLA converts int8 at ~1 ns an element),
+dot; with one scale group (per channel / tensor) it scales after the dot, and XLA fuses
+the conversion into the dot on TPUs and GPUs, so the weight is read as stored. With group
+scales XLA materializes the dequantized weight per call instead: ``"auto"`` on a TPU takes
+the Pallas kernel of ``tpu.py`` there (tiles dequantized in VMEM); GPUs still run the jnp
+form (a GPU kernel is issue [18]'s). On the CPU that fusion is slow (XLA converts int8 at ~1 ns an element),
 so ``"auto"`` there takes the C++ kernels of ``cpu.py`` for float32 activations and int8
 or 4-bit codes (FP8 codes take the jnp form): each panel of 64 columns is converted once
 into a buffer and multiplied by ``dense_matmul``'s register tiles, so the products are
@@ -39,9 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _backend
-from pallas_kernels.quantized_matmul import activation_quant, reference
+from pallas_kernels.quantized_matmul import activation_quant, reference, tpu
 
-BACKENDS = ("auto", "reference", "cpu")
+BACKENDS = ("auto", "reference", "cpu", "tpu")
 PANEL = 64  # columns of a packed panel (the CPU kernels' panel width)
 
 
@@ -160,14 +163,18 @@ def _packed_shape(weight: dict[str, Any], four: bool) -> tuple[int, int]:
 
 
 def resolve_backend(backend: str, dtype: Any) -> str:
-    """"reference" or "cpu" for activations of ``dtype`` here (building the kernels)."""
+    """"reference", "cpu" or "tpu" for activations of ``dtype`` here (building the kernels).
+    ``"tpu"`` is the Pallas kernel of ``tpu.py`` (group-scaled weights on a TPU)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     platform = _backend.current_platform()
     if backend == "cpu" and platform != "cpu":
         raise ValueError(f"backend='cpu' runs only on the CPU, but the platform is {platform!r}")
+    if backend == "tpu" and _backend.platform_backend(platform) != "tpu":
+        raise ValueError(f"backend='tpu' runs only on a TPU, but the platform is {platform!r}")
     if backend == "auto":
-        backend = "cpu" if platform == "cpu" else "reference"
+        backend = ("cpu" if platform == "cpu" else
+                   "tpu" if _backend.platform_backend(platform) == "tpu" else "reference")
     if backend == "cpu":
         from pallas_kernels.quantized_matmul import cpu
         if jnp.dtype(dtype) != jnp.float32 or not cpu.available():
@@ -198,9 +205,11 @@ def quantized_matmul(x: jax.Array, weight: dict[str, jax.Array], *,
                                            input_scale)
     elif "codes_t" in weight:  # built for a GPU's 8-bit GEMM, run elsewhere: weight-only
         out = reference.quantized_matmul(flat, untransposed(weight))
-    elif resolve_backend(backend, x.dtype) == "cpu" and cpu_kernel_reads(weight):
+    elif (resolved := resolve_backend(backend, x.dtype)) == "cpu" and cpu_kernel_reads(weight):
         from pallas_kernels.quantized_matmul import cpu
         out = cpu.quantized_matmul_cpu(flat, weight, rows)
+    elif resolved == "tpu" and tpu.supported(weight, k, n):
+        out = tpu.quantized_matmul_tpu(flat, weight)
     else:
         out = reference.quantized_matmul(flat, unpack_panels(weight))
     return out.reshape(*lead, n).astype(x.dtype)

@@ -233,3 +233,26 @@ def test_w8a8_matmul_multiplies_codes_where_the_chip_can(target, codes_dtype, sc
                 if re.search(r" (dot|convolution)\(", line)
                 for name in re.findall(r"[(,] ?%([\w.-]+)", line.split("(", 1)[1])[:2]}
     assert operand in operands, (target, codes_dtype, operands)
+
+
+@pytest.mark.parametrize("target", ["v5e:1x1", "v6e:1x1"])
+@pytest.mark.parametrize("bits,zero", [(8, True), (8, False), (4, True)])
+@pytest.mark.parametrize("tokens", [1, 256])
+def test_grouped_weight_only_matmul_reads_the_codes_in_place_on_tpus(target, bits, zero, tokens):
+    """Group-scaled weights (int8 / int4, groups of 32; Llama-3-8B's MLP shape) through
+    ``quantized_matmul`` on a TPU take the Pallas kernel (``tpu.py``), which dequantizes
+    tiles in VMEM: no temporaries. The jnp form held a float32 copy of the weight (224 MiB)."""
+    from pallas_kernels.quantized_matmul import quantized_matmul
+
+    device = target_devices(target)[0]
+    k, n, groups = 4096, 14336, 4096 // 32
+    codes = ((k, n), jnp.int8) if bits == 8 else ((k // 2, n), jnp.uint8)
+    names = ("codes", "scale", "zero")[:3 if zero else 2]
+
+    def matmul(x, *parts):
+        return quantized_matmul(x, dict(zip(names, parts)))
+
+    compiled = compile_on_device(device, matmul, ((tokens, k), jnp.bfloat16), codes,
+                                 *[((groups, n), jnp.float32)] * (len(names) - 1))
+    assert compiled.memory_analysis().temp_size_in_bytes < 2**20
+    assert "tpu_custom_call" in compiled.as_text()

@@ -1,0 +1,47 @@
+"""The TPU weight-only quantized matmul (``pallas_kernels/quantized_matmul/tpu.py``) in
+Pallas TPU interpret mode against the jnp reference: int8 with and without a zero, 4-bit,
+group sizes that tile K by 256-1,024 rows or take it whole, ragged row counts."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpage.models.quantize import QuantFormat, quantize
+from pallas_kernels.quantized_matmul import reference
+from pallas_kernels.quantized_matmul.tpu import quantized_matmul_tpu, supported
+
+CASES = [  # (format, K, N, M)
+    (QuantFormat(8, 32), 256, 256, 5),
+    (QuantFormat(8, 32, zero=True), 512, 384, 20),
+    (QuantFormat(8, 128, zero=True), 2048, 128, 3),   # scale rows 8 per 1,024-row tile
+    (QuantFormat(4, 32), 256, 128, 1),
+    (QuantFormat(4, 128), 1024, 512, 40),
+    (QuantFormat(8, 64), 576, 128, 7),                # K taken whole (SmolLM2's hidden)
+]
+
+
+@pytest.mark.parametrize("fmt,k,n,m", CASES, ids=[f"{f.bits}b-g{f.group_size}-z{int(f.has_zero)}-"
+                                                  f"{k}x{n}-m{m}" for f, k, n, m in CASES])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_tpu_kernel_matches_the_reference(fmt, k, n, m, dtype):
+    rng = np.random.default_rng(k + n + m)
+    parts = {name: jnp.asarray(part) for name, part in
+             quantize(rng.standard_normal((k, n)).astype(np.float32), fmt).items()}
+    assert supported(parts, k, n)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    got = np.asarray(quantized_matmul_tpu(x, parts, interpret=True), np.float32)
+    want = np.asarray(reference.quantized_matmul(x, parts), np.float32)
+    assert got.shape == (m, n)
+    tolerance = 2e-6 if dtype == jnp.float32 else 8e-3   # bf16: the two nibble halves sum apart
+    assert np.abs(got - want).max() <= tolerance * np.abs(want).max()
+
+
+def test_what_the_tpu_kernel_does_not_take():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((256, 192)).astype(np.float32)
+    assert not supported(quantize(w, QuantFormat(8, 32)), 256, 192)          # N % 128
+    w = rng.standard_normal((256, 256)).astype(np.float32)
+    assert not supported(quantize(w, QuantFormat(8, None)), 256, 256)        # one group
+    assert not supported(quantize(w, QuantFormat(8, 4)), 256, 256)           # 4-row groups
