@@ -84,15 +84,11 @@ def _kernel(*refs, four: bool, has_zero: bool, rows_per_group: int, last_k: int)
         return w.reshape(rows, cols).astype(dtype)
 
     codes = codes_ref[...].astype(jnp.int32)
-    if four:
-        x_lo, x_hi = x_lo_ref[...], x_hi_ref[...]
-        acc_ref[...] += jnp.dot(x_lo, dequantized(codes & 15, x_lo.dtype),
-                                preferred_element_type=jnp.float32)
-        acc_ref[...] += jnp.dot(x_hi, dequantized(codes >> 4, x_hi.dtype),
-                                preferred_element_type=jnp.float32)
-    else:
-        x = x_ref[...]
-        acc_ref[...] += jnp.dot(x, dequantized(codes, x.dtype),
+    pairs = ([(x_lo_ref[...], codes & 15), (x_hi_ref[...], codes >> 4)] if four
+             else [(x_ref[...], codes)])
+    for x, q in pairs:  # float32 activations: a true float32 product, as the reference's
+        precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+        acc_ref[...] += jnp.dot(x, dequantized(q, x.dtype), precision=precision,
                                 preferred_element_type=jnp.float32)
 
     @pl.when(k == last_k)
