@@ -256,6 +256,10 @@ def _source_plan(source: Any, path: str, run_arch: ArchConfig, quantization: str
         if quantization is not None and canonical_method(quantization) != stored.method:
             raise ValueError(f"quantization={quantization!r}, but {path!r} is quantized with "
                              f"{stored.method!r}: pass quantization={stored.method!r} or None")
+        if group_size is not None:
+            raise ValueError(f"quantization_group_size={group_size!r} applies to 'int8' / "
+                             f"'int4'; {path!r} keeps the groups it was stored with "
+                             f"({stored.method})")
         device = (next(iter(mesh.devices.flat)) if mesh is not None else jax.devices()[0])
         plan = for_device(stored.plan(run_arch, source.names()), device)
         source.quant_plan = plan

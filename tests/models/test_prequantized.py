@@ -155,6 +155,8 @@ def test_quantization_argument_is_checked_against_the_checkpoint(tmp_path):
         LLM(model=gptq, quantization="int8", **ENGINE)
     llm = LLM(model=gptq, quantization="gptq_marlin", **ENGINE)  # vLLM's kernel name: same method
     assert llm.get_stats()["quantization"] == "gptq"
+    with pytest.raises(ValueError, match="quantization_group_size=64"):
+        LLM(model=gptq, quantization_group_size=64, **ENGINE)
     with pytest.raises(ValueError, match="is not one"):
         LLM(model=os.path.join(ROOT, "float_source"), quantization="compressed-tensors", **ENGINE)
 
