@@ -179,11 +179,8 @@ class HFTensorSource:
         dict of quantized parts."""
         stored = getattr(self, "stored", None)
         if stored is not None and name in stored.formats and name in self.quant_plan:
-            fmt = self.quant_plan[name]
-            parts = stored.read(self.get, self.names(), hf_name.removesuffix(".weight"), fmt)
-            if fmt.transposed:  # W8A8 codes for a GPU's GEMM: [out, in]
-                parts["codes_t"] = np.ascontiguousarray(parts.pop("codes").T)
-            return parts
+            return stored.parts(self.get, self.names(), hf_name.removesuffix(".weight"),
+                                self.quant_plan[name])
         array = self.get(hf_name)
         return array.T if transpose else array
 

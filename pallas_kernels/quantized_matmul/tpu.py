@@ -104,7 +104,6 @@ def quantized_matmul_tpu(x: jax.Array, weight: dict[str, jax.Array], *,
     four = codes.dtype == jnp.uint8
     has_zero = "zero" in weight
     code_rows, n = codes.shape
-    k = code_rows * (2 if four else 1)
     rows_per_group = code_rows // scale.shape[0]
     m = x.shape[0]
     sublanes = 16 if x.dtype == jnp.bfloat16 else 8
@@ -126,7 +125,6 @@ def quantized_matmul_tpu(x: jax.Array, weight: dict[str, jax.Array], *,
     grid = (padded // bm, n // bn, code_rows // bk)
     kernel = functools.partial(_kernel, four=four, has_zero=has_zero,
                                rows_per_group=rows_per_group, last_k=grid[2] - 1)
-    del k
     out = pl.pallas_call(
         kernel,
         grid=grid,

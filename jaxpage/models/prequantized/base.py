@@ -64,6 +64,15 @@ class StoredQuantization:
     def format_of(self, module: str, names: set[str]) -> QuantFormat:  # pragma: no cover
         raise NotImplementedError
 
+    def parts(self, get: Getter, names: set[str], module: str,
+              fmt: QuantFormat) -> dict[str, np.ndarray]:
+        """``read``'s parts, W8A8 codes laid out ``[out, in]`` where ``fmt`` says so (a GPU's
+        8-bit GEMM: ``prequantized.for_device``)."""
+        parts = self.read(get, names, module, fmt)
+        if fmt.transposed:
+            parts["codes_t"] = np.ascontiguousarray(parts.pop("codes").T)
+        return parts
+
     def read(self, get: Getter, names: set[str], module: str,
              fmt: QuantFormat) -> dict[str, np.ndarray]:  # pragma: no cover
         """Module ``module``'s stored tensors (``get(name)``; ``names``: every tensor) ->

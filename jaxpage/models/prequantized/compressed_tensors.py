@@ -140,12 +140,6 @@ def _matches(target: str, module: str) -> bool:
     return module == target or module.endswith("." + target)
 
 
-def _spread(scale: np.ndarray, k: int) -> np.ndarray:
-    """A scale [G, N] checked against K (G divides K)."""
-    group_size_of(k, scale.shape[0])
-    return scale
-
-
 def _scale_to_groups(scale: np.ndarray, weight_shape: tuple[int, int],
                      weights: dict[str, Any]) -> np.ndarray:
     """A weight's stored scale (or zero point) -> float32 [G, N] for W [N, K] as stored:
@@ -160,5 +154,6 @@ def _scale_to_groups(scale: np.ndarray, weight_shape: tuple[int, int],
         rows = np.repeat(scale, bn, axis=0)[:n]                               # [N, K / bk]
         return np.ascontiguousarray(rows.T)
     if scale.shape[0] != n:
-        raise ValueError(f"FP8 weight scale {scale.shape} does not match the weight [{n}, {k}]")
-    return _spread(np.ascontiguousarray(scale.T), k)
+        raise ValueError(f"weight scale {scale.shape} does not match the weight [{n}, {k}]")
+    group_size_of(k, scale.shape[1])  # the groups divide K
+    return np.ascontiguousarray(scale.T)
