@@ -99,3 +99,15 @@ def layer_view(k_cache, v_cache, layer: int | None, head_dim: int | None = None)
     if layer is not None and not 0 <= layer < k_cache.shape[0]:
         raise ValueError(f"layer={layer} is out of range for {k_cache.shape[0]} layers")
     return jax.ShapeDtypeStruct(view, k_cache.dtype)
+
+
+def searchsorted_right(sorted_values, queries):
+    """``jnp.searchsorted(sorted_values, queries, side="right")`` in the form that suits the
+    platform: a binary search (a loop of log2(n) steps) on the CPU, and on GPUs and TPUs
+    one comparison of every query with every value (one fused kernel: on a GPU XLA runs
+    each step of the search's loop as its own launches, ~15 of them per call, and the
+    arrays here are the size of a batch's sequences)."""
+    import jax.numpy as jnp
+
+    method = "scan" if current_platform() == "cpu" else "compare_all"
+    return jnp.searchsorted(sorted_values, queries, side="right", method=method)

@@ -8,6 +8,17 @@
 # It runs, on the real device, each step under a time limit (STEP_TIMEOUT seconds, default
 # 300; TIMEOUT_<step> for one step, e.g. TIMEOUT_kernel_tests=200), a failing or timed-out
 # step recorded and the next one run:
+#   tune_attention    issue [18]: scripts/tune_gpu_attention.py: the copy bandwidth and bf16
+#                     matrix rate, the Pallas GPU attention kernel's tilings searched and
+#                     timed at Llama-3-8B decode shapes (64 x 2,048, 8 x 16,384, 256 x 512;
+#                     bf16, int8, fp8 KV) against JAX's shipped kernel, and prefill chunks in
+#                     TFLOP/s; writes gpu_tuned.json, which the later steps read
+#                     (JAXPAGE_GPU_ATTENTION_TUNING; TUNE_BUDGET seconds of search, default 150);
+#   step_phases       issue [18]: scripts/bench_step_phases.py on preset:llama3-8b: the
+#                     64 x (1,024 + 128) run split into prefill (against the FLOP bound) and
+#                     decode (weights + KV at the copy bandwidth), batch-1 decode against the
+#                     weights floor, the device-idle fraction for greedy and top-p rows, and a
+#                     jax.profiler trace's device time by kernel;
 #   startup           issue [16]: LLM("preset:llama3-8b", dtype="bfloat16") to its first token,
 #                     cold (empty cache) and warm (scripts/bench_startup.py), then
 #                     bench_throughput.py's 64 x (1,024 + 128) random run started cold
@@ -18,8 +29,9 @@
 #                     call by phase and the fraction of wall time the device waits for the
 #                     host, tiny preset, K=1 and K=8 (HOST_RUNNING, default 16,256,1024;
 #                     HOST_WAITING, default 0,10000; HOST_REPEATS, default 5);
-#   kernel_tests      the Pallas kernel tests compiled for the device (JAXPAGE_KERNELS_ON_DEVICE=1:
-#                     the device's own backend, not interpret mode) against the jnp reference;
+#   kernel_tests      the GPU attention kernel's tests (and its tunings') compiled for the device
+#                     (JAXPAGE_KERNELS_ON_DEVICE=1: not interpret mode) against the jnp reference;
+#   kernel_tests_all  every Pallas kernel test file so compiled (not in the default steps);
 #   bench_kernels     scripts/bench_kernels.py: Llama-3-8B decode attention, batch 64, context
 #                     2048, bf16, against the measured bandwidth (and JAX's shipped kernel on a GPU);
 #   engine_vs_hf      the engine on the device against Hugging Face (PyTorch CPU, float32): greedy
@@ -43,7 +55,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$(pwd)"
 export PYTHONUNBUFFERED=1
 PYTHON="${PYTHON:-python3}"
-STEPS="${STEPS:-startup host_overhead kernel_tests bench_kernels engine_vs_hf bench_throughput bench_spec_decode bench_quantized}"
+STEPS="${STEPS:-tune_attention step_phases kernel_tests startup host_overhead bench_kernels engine_vs_hf bench_throughput bench_spec_decode bench_quantized}"
 STEP_TIMEOUT="${STEP_TIMEOUT:-300}"
 # The tests and benchmark scripts default to the CPU; here the device's own platform runs.
 if command -v nvidia-smi >/dev/null 2>&1; then export JAX_PLATFORMS=cuda; else export JAX_PLATFORMS=tpu; fi
@@ -85,6 +97,17 @@ run_step() {  # name, then the command; output to $dir/<name>.log, status to the
     echo "|---|---|---|---|"
 } > "$summary"
 
+# Issue [18]: the attention kernel tuned and timed first; the steps after it read its table.
+run_step tune_attention "$PYTHON" scripts/tune_gpu_attention.py --budget-s "${TUNE_BUDGET:-150}" \
+    --json "$dir/tune_attention.json" --tuning-out "$dir/gpu_tuned.json"
+if [ -s "$dir/gpu_tuned.json" ]; then
+    export JAXPAGE_GPU_ATTENTION_TUNING="$(realpath "$dir/gpu_tuned.json")"
+fi
+run_step step_phases "$PYTHON" scripts/bench_step_phases.py --model preset:llama3-8b \
+    --dtype bfloat16 --json "$dir/step_phases.json" --trace-dir "${TRACE_DIR:-$(mktemp -d)}"
+run_step kernel_tests env JAXPAGE_KERNELS_ON_DEVICE=1 "$PYTHON" -m pytest -q -x -p no:cacheprovider \
+    tests/kernels/test_attention_kernels.py -k "gpu or tuning"
+
 # Issue [16]: an 8B model ready within a minute cold, 10 s warm (the second start loads);
 # then the same 64 x (1,024 + 128) run started cold (ready set, the rest compiled in the
 # background while it runs) against the run with every program built first (loaded from
@@ -103,7 +126,7 @@ run_step startup bash -c '
 run_step host_overhead "$PYTHON" scripts/bench_host_overhead.py \
     --running "${HOST_RUNNING:-16,256,1024}" --waiting "${HOST_WAITING:-0,10000}" --steps 1,8 \
     --repeats "${HOST_REPEATS:-5}" --out "$dir" --stem host_overhead
-run_step kernel_tests env JAXPAGE_KERNELS_ON_DEVICE=1 "$PYTHON" -m pytest -q -p no:cacheprovider \
+run_step kernel_tests_all env JAXPAGE_KERNELS_ON_DEVICE=1 "$PYTHON" -m pytest -q -p no:cacheprovider \
     tests/kernels/test_attention_kernels.py tests/kernels/test_kv_cache_update_kernels.py
 run_step bench_kernels "$PYTHON" scripts/bench_kernels.py --markdown --json "$dir/bench_kernels.json"
 run_step engine_vs_hf "$PYTHON" -m pytest -q -p no:cacheprovider -k "tiny" \

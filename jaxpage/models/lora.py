@@ -35,6 +35,7 @@ from flax import nnx
 from jaxpage.arch_config import ArchConfig
 from jaxpage.models.peft_adapter import LORA_TARGETS, LoRAWeights, projection_shape
 from jaxpage.parallel.sharding_rules import repeat_kv_heads
+from pallas_kernels._backend import searchsorted_right
 from pallas_kernels.precision import dot_precision
 
 
@@ -84,8 +85,8 @@ def token_slots(lora_shape: tuple[int, int], lora_slot: jax.Array, cu_q_lens: ja
     """Each token's slot from its row's (lora_slot: int32 [S], 0 = none; cu_q_lens: int32
     [S + 1]). Padded tokens fall in the last row: their slot is junk, as they are."""
     slots, rank = lora_shape
-    row = jnp.searchsorted(cu_q_lens[1:], jnp.arange(num_tokens, dtype=cu_q_lens.dtype),
-                           side="right")                                     # [T]
+    row = searchsorted_right(cu_q_lens[1:],
+                             jnp.arange(num_tokens, dtype=cu_q_lens.dtype))  # [T]
     slot = lora_slot[jnp.minimum(row, lora_slot.shape[0] - 1)]               # [T]
     if num_tokens < slots:  # few tokens: each gathers its own slot (lora_delta)
         return LoRATokens(slot, None, lora_shape)

@@ -32,7 +32,7 @@ from flax import nnx
 from jaxpage.core.batch.batch_metadata import MAX_TOP_LOGPROBS
 from jaxpage.core.batch.step_features import StepFeatures
 from jaxpage.runtime.sampler import record_tokens, sample, sampled_logprobs
-from jaxpage.runtime.step import Caches
+from jaxpage.runtime.step import Caches, branch_free
 from jaxpage.runtime.step_batch import Packed, unpack
 from jaxpage.runtime.step_outputs import StepOutputs
 from pallas_kernels._backend import branches_wait_for_device
@@ -52,11 +52,13 @@ def make_decode_loop(graphdef: Any, num_steps: int, block_size: int,
     S, MAX_TOP_LOGPROBS], token_* [num_steps, S], all zeros unless some row wants logprobs.
 
     ``features`` (``jaxpage.core.batch.step_features``): the sampler's optional work, decided
-    by the host (None: by conditionals on the device). ``fixed_length``: run all
+    by the host (None: by conditionals on the device; on a GPU all of it, ``branch_free``).
+    ``fixed_length``: run all
     ``num_steps`` iterations, a loop of known length, instead of stopping once every row
     finished (XLA:GPU checks a while loop's predicate on the host every iteration); the
     iterations after that write nothing and return -1, as if the loop had stopped. None:
-    on the platform being built for when branches wait for the device (a GPU).
+    on the platform being built for when branches wait for the device (a GPU), where the
+    loop is of known length whatever ``fixed_length`` says.
     """
     if fixed_length is None:
         fixed_length = branches_wait_for_device()
@@ -66,6 +68,7 @@ def make_decode_loop(graphdef: Any, num_steps: int, block_size: int,
         batch = unpack(packed)
         kv_cache, penalty_table = caches
         model = nnx.merge(graphdef, state)
+        traced = branch_free(features)
         num_tokens = batch.input_ids.shape[0]
         num_rows = batch.kv_lens.shape[0]
         carry_rows = prev_tokens.shape[0]
@@ -98,10 +101,10 @@ def make_decode_loop(graphdef: Any, num_steps: int, block_size: int,
                                           live_rows.astype(jnp.int32))
             index = batch.sample_index + i
             new = sample(logits, replace(step_batch, sample_index=index), penalties,  # [S]
-                         features)
+                         traced)
             penalties = record_tokens(penalties, jnp.where(done, -1, batch.penalty_slot), new)
             logprobs = sampled_logprobs(logits, new, batch.want_logprobs, MAX_TOP_LOGPROBS,
-                                        features)
+                                        traced)
             num_out = index + 1
             is_stop = jnp.any((new[:, None] == stop_ids) & (stop_ids >= 0), axis=-1)
             finishes = (is_stop & (num_out >= batch.min_tokens)) | (num_out >= batch.max_output)
@@ -116,7 +119,7 @@ def make_decode_loop(graphdef: Any, num_steps: int, block_size: int,
                           jnp.zeros((K, S, N), jnp.int32), jnp.zeros((K, S, N), jnp.float32),
                           jnp.zeros((K, S), jnp.float32), jnp.zeros((K, S), jnp.int32))
         carry = (0, kv_cache, ids, batch.positions, batch.kv_lens, done, penalty_table, out)
-        if fixed_length:
+        if fixed_length or branches_wait_for_device():  # never a loop the host waits on
             carry = jax.lax.fori_loop(0, num_steps, lambda _, c: body(c), carry)
         else:
             carry = jax.lax.while_loop(cond, body, carry)

@@ -18,15 +18,29 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpage.core.batch.batch_metadata import MAX_TOP_LOGPROBS
-from jaxpage.core.batch.step_features import StepFeatures
+from jaxpage.core.batch.step_features import ALL_FEATURES, StepFeatures
 from jaxpage.runtime.sampler import (adjusted_logits, fill_penalty_row, record_token_runs,
                                      record_tokens, rejection_sample, sample, sampled_logprobs,
                                      sampling_probs)
 from jaxpage.runtime.step_batch import Packed, StepBatch, per_token, unpack
 from jaxpage.runtime.step_outputs import StepOutputs
+from pallas_kernels._backend import branches_wait_for_device, searchsorted_right
 from pallas_kernels.kv_layout import KVCache  # (k, v) split or (kv,) fused
 
 Caches = tuple[KVCache, jax.Array]  # (kv_cache, penalty_table int32 [R, V])
+
+
+def branch_free(features: StepFeatures | None) -> StepFeatures | None:
+    """The features a program is traced with: ``features``, except that the program that
+    decides on the device (None) does all the optional work for every row, with no
+    conditional, where a branch makes the host wait for the device (a GPU,
+    ``branches_wait_for_device``): XLA:GPU reads a conditional's predicate back to the
+    host, so the launch of the next step would wait for this one. The tokens are the same
+    (``core.batch.step_features``: work a row does not need leaves its tokens as they
+    are). Called while tracing, so the platform is the one being built for."""
+    if features is None and branches_wait_for_device():
+        return ALL_FEATURES
+    return features
 
 
 def make_step(graphdef: Any, jit: Callable = jax.jit, verify: bool = False,
@@ -56,16 +70,19 @@ def make_step(graphdef: Any, jit: Callable = jax.jit, verify: bool = False,
 
     ``features`` (``jaxpage.core.batch.step_features``): the optional sampling work this
     program does, decided by the host for every batch it runs (no conditional in the
-    program); None: decided on the device, one program for every batch.
+    program); None: decided on the device, one program for every batch (on a GPU: all
+    of it, with no conditional either, ``branch_free``).
     """
     if verify:
         return jit(_verify_step(graphdef, features), donate_argnums=(1,))
+    decided = features
 
     def step(state: Any, caches: Caches, packed: Packed, prev_tokens: jax.Array,
              *token_mask: jax.Array):
         batch = unpack(packed)
         if token_mask:
             batch = replace(batch, token_mask=token_mask[0])
+        features = branch_free(decided)
         kv_cache, penalty_table = caches
         model = nnx.merge(graphdef, state)
         rows = prev_tokens.shape[0]
@@ -151,10 +168,11 @@ def verify_tokens(tokens: jax.Array, input_ids: jax.Array, cu_q_lens: jax.Array,
     return (clean & (index < cu_q_lens[-1])).astype(jnp.int32)
 
 
-def _verify_step(graphdef: Any, features: StepFeatures | None = None) -> Callable:
+def _verify_step(graphdef: Any, decided: StepFeatures | None = None) -> Callable:
     """``make_step(..., verify=True)``'s function (see there)."""
     def step(state: Any, caches: Caches, packed: Packed, prev_tokens: jax.Array,
              draft_probs: jax.Array, q_src: jax.Array):
+        features = branch_free(decided)
         batch = unpack(packed)
         kv_cache, penalty_table = caches
         model = nnx.merge(graphdef, state)
@@ -164,7 +182,7 @@ def _verify_step(graphdef: Any, features: StepFeatures | None = None) -> Callabl
         T, S = input_ids.shape[0], batch.kv_lens.shape[0]
         cu_q_lens = batch.cu_q_lens                                          # [S + 1]
         index = jnp.arange(T, dtype=jnp.int32)
-        token_row = jnp.clip(jnp.searchsorted(cu_q_lens[1:], index, side="right"),
+        token_row = jnp.clip(searchsorted_right(cu_q_lens[1:], index),
                              0, S - 1).astype(jnp.int32)                     # [T]
         real = index < cu_q_lens[-1]
         # Penalties at a row's j-th token count the row's proposals 1..j as output tokens.

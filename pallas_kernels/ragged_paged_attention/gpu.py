@@ -17,6 +17,12 @@ read as is: a BlockSpec selects the kv head, and a page of one head is ``block_s
 rows of ``head_dim`` contiguous elements (stride ``num_kv_heads * head_dim``), which the
 Triton loads coalesce per row. Triton needs power-of-two tile shapes, so ``head_dim``
 and ``block_size`` must be powers of two; the query group is padded to one.
+
+Tuning (``gpu_config.py``): the KV tokens a loop step loads, the warps, the pipeline
+stages, the programs wanted before splitting and the grid's order come from a table
+measured per GPU (``scripts/tune_gpu_attention.py``); any of them can be given per call.
+With ``heads_fastest`` the grid is ``(kv head, tile, split)``: the programs that run side
+by side read the same pages' heads, which lie next to each other in the cache.
 """
 
 from __future__ import annotations
@@ -31,11 +37,9 @@ from jax.experimental.pallas import triton as plgpu
 
 import pallas_kernels.ragged_paged_attention.tiling as tiling
 from pallas_kernels.kv_quant import decode
+from pallas_kernels.ragged_paged_attention.gpu_config import GpuKernelConfig, config_for
 from pallas_kernels.precision import dot_precision
 
-# Programs the grid should have before the KV length is split (H100: 132 SMs; a few
-# programs per SM keep the memory system busy while others wait on loads).
-TARGET_PROGRAMS = 1024
 MIN_DOT = 16  # Triton's tensor-core dot wants every dimension >= 16
 
 
@@ -55,8 +59,8 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # int32 [NT] each
             *lm_refs,                                  # f32 [R] row max, row sum (if split)
             sm_scale: float, soft_cap: float | None, sliding_window: int | None,
             group_padded: int, pages_per_block: int, num_splits: int,
-            kv_format: str | None = None):
-    tile, split = pl.program_id(0), pl.program_id(2)
+            heads_fastest: bool, kv_format: str | None = None):
+    tile, split = pl.program_id(1 if heads_fastest else 0), pl.program_id(2)
     rows, head_dim = q_ref.shape
     block_size = k_ref.shape[1]
     block_kv = pages_per_block * block_size
@@ -124,22 +128,25 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # int32 [NT] each
 
 def choose_blocks(*, num_tokens: int, max_num_seqs: int, group: int, block_size: int,
                   max_blocks_per_seq: int, num_kv_heads: int, block_q: int | None = None,
-                  block_kv: int | None = None, num_kv_splits: int | None = None
-                  ) -> tuple[int, int, int, int]:
-    """Static tiling: (block_q, group_padded, pages_per_block, num_kv_splits)."""
+                  block_kv: int | None = None, num_kv_splits: int | None = None,
+                  target_programs: int | None = None) -> tuple[int, int, int, int]:
+    """Static tiling: (block_q, group_padded, pages_per_block, num_kv_splits).
+
+    Unset knobs take the untuned defaults (``gpu_config.DEFAULTS``); the kernel passes
+    its configuration's."""
     group_padded = tiling.next_pow2(group)
     decode_shaped = num_tokens <= max_num_seqs
+    default = GpuKernelConfig() if decode_shaped else GpuKernelConfig(target_programs=256)
     if block_q is None:
         block_q = max(1, (MIN_DOT if decode_shaped else 64) // group_padded)
     block_q = tiling.next_pow2(block_q)
     block_q = max(block_q, tiling.next_pow2(pl.cdiv(MIN_DOT, group_padded)))
     if block_kv is None:
-        block_kv = 64
+        block_kv = default.block_kv
     pages_per_block = max(1, tiling.next_pow2(max(block_kv, MIN_DOT)) // block_size)
     kv_blocks = pl.cdiv(max_blocks_per_seq, pages_per_block)
     if num_kv_splits is None:
-        # Prefill tiles carry more work each; a quarter of the target fills the chip.
-        target = TARGET_PROGRAMS if decode_shaped else TARGET_PROGRAMS // 4
+        target = target_programs or default.target_programs
         num_tiles = tiling.num_tiles_for(num_tokens, max_num_seqs, block_q)
         num_kv_splits = tiling.next_pow2(pl.cdiv(target, num_tiles * num_kv_heads))
     num_kv_splits = max(1, min(num_kv_splits, kv_blocks))
@@ -148,7 +155,8 @@ def choose_blocks(*, num_tokens: int, max_num_seqs: int, group: int, block_size:
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "interpret", "block_q", "block_kv",
-    "num_kv_splits", "num_warps", "num_stages", "layer", "kv_format"))
+    "num_kv_splits", "num_warps", "num_stages", "layer", "kv_format", "heads_fastest",
+    "target_programs"))
 def ragged_paged_attention_gpu(
         q: jax.Array,             # [T, Hq, D]
         k_cache: jax.Array,       # [N, B, Hkv, D], or [L, N, B, Hkv, D] with ``layer``
@@ -160,11 +168,13 @@ def ragged_paged_attention_gpu(
         *, sm_scale: float, sliding_window: int | None = None,
         soft_cap: float | None = None, interpret: bool = False,
         block_q: int | None = None, block_kv: int | None = None,
-        num_kv_splits: int | None = None, num_warps: int = 4,
-        num_stages: int = 2, layer: int | None = None,
-        kv_format: str | None = None) -> jax.Array:  # [T, Hq, D]
+        num_kv_splits: int | None = None, num_warps: int | None = None,
+        num_stages: int | None = None, layer: int | None = None,
+        kv_format: str | None = None, heads_fastest: bool | None = None,
+        target_programs: int | None = None) -> jax.Array:  # [T, Hq, D]
     """The Pallas GPU (Triton) kernel; shapes are checked by the public function.
-    ``kv_format``: the caches are bytes of that format, converted as pages load."""
+    ``kv_format``: the caches are bytes of that format, converted as pages load.
+    Tiling knobs left None come from ``gpu_config.config_for``."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape[-4:]
     max_num_seqs, max_blocks = block_tables.shape
@@ -172,29 +182,44 @@ def ragged_paged_attention_gpu(
     reason = unsupported_reason(head_dim=head_dim, block_size=block_size)
     if reason:
         raise ValueError(reason)
+    compute_dtype = q.dtype if kv_format is not None else k_cache.dtype
+    config = config_for(decode=num_tokens <= max_num_seqs,
+                        kv_itemsize=jnp.dtype(k_cache.dtype).itemsize,
+                        compute_itemsize=jnp.dtype(compute_dtype).itemsize,
+                        head_dim=head_dim, block_size=block_size, block_q=block_q,
+                        block_kv=block_kv, num_warps=num_warps, num_stages=num_stages,
+                        heads_fastest=heads_fastest, target_programs=target_programs)
     block_q, group_padded, pages_per_block, splits = choose_blocks(
         num_tokens=num_tokens, max_num_seqs=max_num_seqs, group=group,
         block_size=block_size, max_blocks_per_seq=max_blocks, num_kv_heads=num_kv_heads,
-        block_q=block_q, block_kv=block_kv, num_kv_splits=num_kv_splits)
+        block_q=config.block_q, block_kv=config.block_kv, num_kv_splits=num_kv_splits,
+        target_programs=config.target_programs)
     num_tiles = tiling.num_tiles_for(num_tokens, max_num_seqs, block_q)
     rows = block_q * group_padded
 
     tiles = tiling.build_tile_table(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens,
                                     block_q=block_q, num_tiles=num_tiles)
-    compute_dtype = q.dtype if kv_format is not None else k_cache.dtype
     q_tiles = tiling.tile_queries(q.astype(compute_dtype), tiles, num_kv_heads=num_kv_heads,
                                   group_padded=group_padded, block_q=block_q)
     padded_blocks = pl.cdiv(max_blocks, pages_per_block) * pages_per_block
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_blocks - max_blocks)))
 
     whole = pl.no_block_spec
-    tile_spec = pl.BlockSpec((None, None, rows, head_dim), lambda t, h, s: (h, t, 0, 0))
+    fastest = config.heads_fastest
+    grid = (num_kv_heads, num_tiles, splits) if fastest else (num_tiles, num_kv_heads, splits)
+
+    def ids(index_map):  # index maps take (tile, kv head, split) whatever the grid's order
+        if fastest:
+            return lambda h, t, s: index_map(t, h, s)
+        return index_map
+
+    tile_spec = pl.BlockSpec((None, None, rows, head_dim), ids(lambda t, h, s: (h, t, 0, 0)))
     if layer is None:
         cache_spec = pl.BlockSpec((num_blocks, block_size, None, head_dim),
-                                  lambda t, h, s: (0, 0, h, 0))
+                                  ids(lambda t, h, s: (0, 0, h, 0)))
     else:  # the layer's pages of the whole cache, selected by the BlockSpec: no copy
         cache_spec = pl.BlockSpec((None, num_blocks, block_size, None, head_dim),
-                                  lambda t, h, s: (layer, 0, 0, h, 0))
+                                  ids(lambda t, h, s: (layer, 0, 0, h, 0)))
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct(q_tiles.shape, q.dtype)
         out_specs = tile_spec
@@ -204,25 +229,27 @@ def ragged_paged_attention_gpu(
                      jax.ShapeDtypeStruct(acc_shape, jnp.float32),
                      jax.ShapeDtypeStruct(acc_shape, jnp.float32))
         out_specs = (pl.BlockSpec((None, None, None, rows, head_dim),
-                                  lambda t, h, s: (s, h, t, 0, 0)),
-                     pl.BlockSpec((None, None, None, rows), lambda t, h, s: (s, h, t, 0)),
-                     pl.BlockSpec((None, None, None, rows), lambda t, h, s: (s, h, t, 0)))
+                                  ids(lambda t, h, s: (s, h, t, 0, 0))),
+                     pl.BlockSpec((None, None, None, rows), ids(lambda t, h, s: (s, h, t, 0))),
+                     pl.BlockSpec((None, None, None, rows), ids(lambda t, h, s: (s, h, t, 0))))
     kernel = functools.partial(
         _kernel, sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window,
         group_padded=group_padded, pages_per_block=pages_per_block, num_splits=splits,
-        kv_format=kv_format)
+        heads_fastest=fastest, kv_format=kv_format)
     result = pl.pallas_call(
         kernel,
-        grid=(num_tiles, num_kv_heads, splits),
+        grid=grid,
         in_specs=[whole, whole, whole, whole, whole, tile_spec, cache_spec, cache_spec],
         out_specs=out_specs,
         out_shape=out_shape,
         # Triton's compiler params also select the Triton lowering (not Mosaic GPU).
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                             num_stages=config.num_stages),
         cost_estimate=tiling.cost_estimate(q.shape, k_cache.shape[-4:], block_tables.shape,
                                            jnp.dtype(k_cache.dtype).itemsize),
         interpret=interpret,
-        name=f"ragged_paged_attention_gpu_q{rows}_kv{pages_per_block * block_size}_s{splits}",
+        name=(f"ragged_paged_attention_gpu_q{rows}_kv{pages_per_block * block_size}_s{splits}"
+              f"_w{config.num_warps}_p{config.num_stages}{'_h' if fastest else ''}"),
     )(tiles.seq, tiles.pos0, tiles.count, tiles.kv_len, tables, q_tiles, k_cache, v_cache)
     out = result if splits == 1 else tiling.combine_splits(*result)
     return tiling.untile_outputs(out, tiles, num_q_heads=num_q_heads, block_q=block_q,

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import kv_layout
+from pallas_kernels._backend import searchsorted_right
 from pallas_kernels.kv_quant import decode
 from pallas_kernels.precision import dot_precision
 
@@ -23,7 +24,7 @@ def token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array,
     """
     max_num_seqs = kv_lens.shape[0]
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu_q_lens[1:], t, side="right").astype(jnp.int32)
+    seq = searchsorted_right(cu_q_lens[1:], t).astype(jnp.int32)
     valid = t < cu_q_lens[num_seqs[0]]
     seq = jnp.minimum(seq, max_num_seqs - 1)
     q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]

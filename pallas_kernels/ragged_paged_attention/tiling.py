@@ -31,6 +31,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._backend import searchsorted_right
 from pallas_kernels.ragged_paged_attention.reference import token_layout
 
 # Logits of masked positions. Finite on purpose: -inf - (-inf) would make NaN in the
@@ -81,7 +82,7 @@ def build_tile_table(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Arr
                                 jnp.cumsum(tiles_per_seq).astype(jnp.int32)])  # [S + 1]
 
     t = jnp.arange(num_tiles, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu_tiles[1:], t, side="right").astype(jnp.int32)
+    seq = searchsorted_right(cu_tiles[1:], t).astype(jnp.int32)
     seq = jnp.minimum(seq, max_num_seqs - 1)
     first = (t - cu_tiles[seq]) * block_q                     # offset among the seq's new tokens
     count = jnp.where(t < cu_tiles[-1], jnp.clip(q_lens[seq] - first, 0, block_q), 0)

@@ -5,9 +5,9 @@ thread blocks on the stream), and a while loop of unknown length does so every
 iteration (``pallas_kernels._backend.branches_wait_for_device``). With the sampling
 features decided on the host (``jaxpage.core.batch.step_features``), the single step, the
 verify step and the multi-step decode loop compiled for an H100 without the hardware
-have no conditional, and their only loops have a known trip count. The programs that
-decide on the device (``features=None``, what the CPU and the TPU run) are compiled too,
-and do have them: the check would catch one coming back.
+have no conditional, and their only loops have a known trip count; so do the programs
+that decide on the device (``features=None``: on a GPU they do all the optional work,
+``runtime.step.branch_free``), and so does every program of an engine's set.
 """
 
 from __future__ import annotations
@@ -88,9 +88,32 @@ def test_host_decided_programs_have_no_branch_the_host_waits_for(kind, features)
         assert re.search(r" while\(.*known_trip_count", text)
 
 
-def test_device_decided_programs_have_them_on_a_gpu():
-    """What a TPU runs, and a GPU for a batch that needs more than greedy or plain
-    sampling: the same check finds the step's conditionals (the sort, the penalties, the
-    log-probabilities, the noise: XLA merges some) and the decode loop's early exit."""
-    assert len(_host_waits(_compiled_text("step", None))) >= 3
-    assert any(wait.startswith("while") for wait in _host_waits(_compiled_text("decode", None)))
+def test_device_decided_programs_have_none_either_on_a_gpu():
+    """The program a GPU runs for a batch that needs more than greedy or plain sampling
+    (top-k / top-p, penalties, log-probabilities, min_tokens, logit biases): traced on a
+    GPU, it does all of that work for every row, with no conditional
+    (``runtime.step.branch_free``), and its decode loop has a known length."""
+    for kind in ("step", "verify", "decode"):
+        text = _compiled_text(kind, None)
+        assert _host_waits(text) == [], kind
+
+
+def test_every_program_the_engine_builds_never_waits_on_a_gpu():
+    """Every program of an engine's set on an H100 (``AbstractEngine.programs("all")``,
+    what a live engine compiles over its life): the single steps and decode loops of
+    every bucket, host- and device-decided, the speculative verify steps, block moves and
+    the penalty fill, with the first layers of the default model."""
+    from jaxpage.config import EngineConfig
+    from jaxpage.planning.abstract_engine import AbstractEngine
+
+    config = EngineConfig.from_kwargs(
+        model=None, dtype="bfloat16", hf_overrides={"num_hidden_layers": 1},
+        max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, num_scheduler_steps=4,
+        swap_space=0.0005, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    engine = AbstractEngine(config, target_devices("h100"), num_kv_blocks=64)
+    programs = list(engine.programs("all"))
+    kinds = {p.key.kind for p in programs}
+    assert {"step", "decode", "verify", "move_blocks", "penalty_fill"} <= kinds, kinds
+    assert any(p.key.device_decided for p in programs)
+    waits = {p.label: _host_waits(engine.compile(p).as_text()) for p in programs}
+    assert {label: w for label, w in waits.items() if w} == {}

@@ -105,6 +105,58 @@ def test_gpu_kv_splits_match_reference(splits):
                     num_kv_splits=splits, sliding_window=7)
 
 
+# Tunings the GPU kernel's table can hold (``gpu_config.GpuKernelConfig``): the grid's
+# order, KV tokens a step, warps, stages and the split target change no result.
+GPU_TUNINGS = {
+    "heads_fastest_split": dict(heads_fastest=True, block_kv=16, target_programs=4096),
+    "kv128_w8_s3": dict(block_kv=128, num_warps=8, num_stages=3),
+    "heads_fastest_q32": dict(heads_fastest=True, block_q=32, block_kv=32, num_stages=4),
+}
+
+
+@pytest.mark.parametrize("tuning", list(GPU_TUNINGS))
+def test_gpu_tunings_match_reference(tuning):
+    """Decode, prefill chunks and padding in one batch, each tuning (interpret mode)."""
+    case = make_case(rng_for("tuning", tuning), [1, 9, 1, 4], [40, 9, 70, 21],
+                     num_q_heads=8, num_kv_heads=2, pad_seqs=2, pad_tokens=3)
+    run_and_compare(case, "gpu", kernel=ragged_paged_attention_gpu, **GPU_TUNINGS[tuning])
+    run_and_compare(case, "gpu", kernel=ragged_paged_attention_gpu, sliding_window=11,
+                    **GPU_TUNINGS[tuning])
+
+
+def test_gpu_tuning_table_is_read(tmp_path, monkeypatch):
+    """``JAXPAGE_GPU_ATTENTION_TUNING`` entries apply to their device, phase and KV bytes;
+    the last match wins; shared memory caps what they ask for; bad entries are refused."""
+    import json
+
+    from pallas_kernels.ragged_paged_attention import gpu_config
+
+    table = tmp_path / "tuning.json"
+    table.write_text(json.dumps({"entries": [
+        {"device": "H100", "phase": "decode", "kv_bytes": 2, "config": {"block_kv": 128}},
+        {"device": "H100", "phase": "decode", "kv_bytes": 2,
+         "config": {"block_kv": 256, "num_stages": 4, "heads_fastest": True}},
+        {"device": "", "phase": "prefill", "config": {"num_warps": 8}}]}))
+    monkeypatch.setenv(gpu_config.ENV_TUNING, str(table))
+    kw = dict(kv_itemsize=2, compute_itemsize=2, head_dim=128, block_size=16)
+    h100 = gpu_config.config_for(decode=True, kind="NVIDIA H100 80GB HBM3", **kw)
+    # 256 keys x 128 x 2 bytes x (K, V) = 128 KiB a stage: one stage fits, not four
+    assert (h100.block_kv, h100.num_stages, h100.heads_fastest) == (256, 1, True)
+    a100 = gpu_config.config_for(decode=True, kind="NVIDIA A100-SXM4-80GB", **kw)
+    assert a100 == gpu_config.DEFAULTS["decode"]
+    assert gpu_config.config_for(decode=False, kind="NVIDIA A100-SXM4-80GB",
+                                 **kw).num_warps == 8
+    # float32 head_dim 256: the tiling that overflowed an H100's shared memory is capped
+    wide = gpu_config.config_for(decode=False, kind="NVIDIA H100 80GB HBM3", kv_itemsize=4,
+                                 compute_itemsize=4, head_dim=256, block_size=16)
+    assert 2 * wide.num_stages * wide.block_kv * 256 * 4 <= 203 * 1024
+    table.write_text(json.dumps({"entries": [{"phase": "decode", "config": {"tile": 3}}]}))
+    monkeypatch.setenv(gpu_config.ENV_TUNING, str(table) + ".other")
+    table.rename(str(table) + ".other")
+    with pytest.raises(ValueError, match="unknown config fields"):
+        gpu_config.config_for(decode=True, kind="H100", **kw)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_kernel_runs_under_jit_inside_scan(backend):
     """The model's call pattern: the public function under jit, inside a lax.scan."""

@@ -1,0 +1,145 @@
+"""How the Pallas GPU attention kernel tiles a batch: its tunable knobs, and the measured
+choice of them per GPU.
+
+A ``GpuKernelConfig`` holds what the kernel's speed depends on and its numbers do not:
+the KV tokens one loop step loads, the Triton warps and pipeline stages, how many
+programs the grid should reach before the KV range is split (flash decoding), and the
+grid's order. ``config_for`` picks one for a call from
+
+1. ``JAXPAGE_GPU_ATTENTION_TUNING``: a JSON file of entries (what
+   ``scripts/tune_gpu_attention.py`` writes on a GPU), when set;
+2. ``gpu_tuned.json`` beside this file: the entries measured on lent GPUs, committed
+   with their measurements (``docs/benchmarks/accelerator/``);
+3. ``DEFAULTS``: the untuned choice.
+
+An entry applies to a device whose ``device_kind`` contains its ``device`` (``"H100"``,
+``"H200"``; ``""`` for any), a ``phase`` (``"decode"``: every sequence brings at most one
+token per KV head's tile, the batch no larger than its sequences; ``"prefill"``
+otherwise) and the KV cache's bytes per element (2: bf16 / fp16, 1: int8 / fp8, 4:
+float32); the last matching entry wins. Whatever it says, ``fit_shared_memory`` keeps the
+pipelined K / V tiles inside the device's shared memory (an H100 has 227 KiB a block; a
+float32 head_dim-256 tile of 64 keys in 2 stages needs 272 KiB and did not compile).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import jax
+
+TUNED_FILE = Path(__file__).with_name("gpu_tuned.json")
+ENV_TUNING = "JAXPAGE_GPU_ATTENTION_TUNING"
+PHASES = ("decode", "prefill")
+# Shared memory a block may take, in bytes, by device kind (Hopper: 227 KiB; Ampere
+# A100: 163 KiB; others: 99 KiB), less what the kernel's other buffers need.
+SHARED_MEMORY = (("H100", 227 * 1024), ("H200", 227 * 1024), ("H800", 227 * 1024),
+                 ("A100", 163 * 1024), ("A800", 163 * 1024))
+SHARED_MEMORY_OTHER = 99 * 1024
+SHARED_MEMORY_SPARE = 24 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuKernelConfig:
+    """The kernel's tiling knobs (none of them changes its results beyond rounding)."""
+
+    block_q: int | None = None   # new tokens per query tile (None: 16 rows decode, 64 prefill)
+    block_kv: int = 64           # KV tokens per loop step (a multiple of the block size)
+    num_warps: int = 4
+    num_stages: int = 2          # Triton's software pipeline depth for the loop's loads
+    target_programs: int = 1024  # programs the grid should have before the KV is split
+    heads_fastest: bool = False  # grid (kv head, tile, split) instead of (tile, kv head, split)
+
+    def replace(self, **changes) -> "GpuKernelConfig":
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(GpuKernelConfig))
+DEFAULTS = {
+    "decode": GpuKernelConfig(block_kv=64, num_warps=4, num_stages=2, target_programs=1024),
+    # prefill tiles carry more work each; a quarter of the target fills the chip
+    "prefill": GpuKernelConfig(block_kv=64, num_warps=4, num_stages=2, target_programs=256),
+}
+
+
+def _entries_from(path: Path) -> list[dict]:
+    data = json.loads(path.read_text())
+    entries = data["entries"] if isinstance(data, dict) else data
+    for entry in entries:
+        if entry.get("phase") not in PHASES:
+            raise ValueError(f"{path}: entry {entry} needs a phase in {PHASES}")
+        unknown = set(entry.get("config", {})) - set(FIELDS)
+        if unknown:
+            raise ValueError(f"{path}: entry {entry} has unknown config fields {sorted(unknown)}")
+    return entries
+
+
+@lru_cache(maxsize=None)
+def _table(env_path: str | None) -> tuple[dict, ...]:
+    entries = _entries_from(TUNED_FILE) if TUNED_FILE.exists() else []
+    if env_path:
+        entries += _entries_from(Path(env_path))
+    return tuple(entries)
+
+
+def device_kind() -> str:
+    """The kind of GPU programs are being built for: the default device's when one is set
+    (a deviceless target, ``jaxpage.parallel.targets``), else the first device's; "" when
+    that is not a GPU."""
+    device = jax.config.jax_default_device
+    if device is None or isinstance(device, str):
+        devices = jax.devices()
+        device = devices[0] if devices else None
+    if device is None or device.platform not in ("gpu", "cuda", "rocm"):
+        return ""
+    return device.device_kind
+
+
+def tuned(phase: str, kv_itemsize: int, kind: str) -> GpuKernelConfig:
+    """The table's choice for this phase, KV element size and device kind (before the
+    shared-memory fit)."""
+    config = DEFAULTS[phase]
+    for entry in _table(os.environ.get(ENV_TUNING) or None):
+        if (entry["phase"] == phase and entry.get("kv_bytes", kv_itemsize) == kv_itemsize
+                and entry.get("device", "") in kind):
+            config = dataclasses.replace(DEFAULTS[phase], **entry.get("config", {}))
+    return config
+
+
+def shared_memory_budget(kind: str) -> int:
+    for name, size in SHARED_MEMORY:
+        if name in kind:
+            return size - SHARED_MEMORY_SPARE
+    return SHARED_MEMORY_OTHER - SHARED_MEMORY_SPARE
+
+
+def fit_shared_memory(config: GpuKernelConfig, *, head_dim: int, itemsize: int,
+                      block_size: int, kind: str) -> GpuKernelConfig:
+    """``config`` with fewer pipeline stages, then fewer KV tokens a step, until the
+    buffered K and V tiles (``num_stages`` copies of ``block_kv x head_dim`` each, in the
+    wider of the cache's and the queries' dtype) fit the device's shared memory."""
+    budget = shared_memory_budget(kind)
+    block_kv, stages = config.block_kv, config.num_stages
+    need = lambda: 2 * max(stages, 1) * block_kv * head_dim * itemsize  # noqa: E731
+    while need() > budget and stages > 1:
+        stages -= 1
+    while need() > budget and block_kv > max(16, block_size):
+        block_kv //= 2
+    return dataclasses.replace(config, block_kv=block_kv, num_stages=stages)
+
+
+def config_for(*, decode: bool, kv_itemsize: int, compute_itemsize: int, head_dim: int,
+               block_size: int, kind: str | None = None, **given) -> GpuKernelConfig:
+    """The kernel's configuration for one call (see the module docstring): the table's,
+    with the knobs ``given`` (not None) in their place, fitted to shared memory."""
+    kind = device_kind() if kind is None else kind
+    config = tuned("decode" if decode else "prefill", kv_itemsize, kind).replace(**given)
+    return fit_shared_memory(config, head_dim=head_dim,
+                             itemsize=max(kv_itemsize, compute_itemsize),
+                             block_size=block_size, kind=kind)
