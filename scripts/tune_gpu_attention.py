@@ -73,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="stop searching new configurations after this many seconds")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--top", type=int, default=4, help="configurations run on every shape")
+    p.add_argument("--top", type=int, default=3, help="configurations run on every shape")
     p.add_argument("--quick", action="store_true", help="a few configurations only")
     p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU)")
     p.add_argument("--json", type=Path, default=None)
@@ -458,35 +458,42 @@ def main(argv=None) -> int:
     shares = {f: (0.4 if f == "bfloat16" else 0.2) for f in formats}
     shares["prefill"] = 0.2
     total = sum(shares.values())
-    decode_results = []
+    decode_results, prefill_result, entries = [], None, []
+    tuning = dict(measured=f"scripts/tune_gpu_attention.py on {device.device_kind}, "
+                           f"jax {jax.__version__}, {time.strftime('%Y-%m-%d')}",
+                  entries=entries)
+
+    def save():  # after every part: a run stopped by a time limit keeps what it has
+        if args.tuning_out:
+            args.tuning_out.write_text(json.dumps(tuning, indent=2) + "\n")
+        if args.json:
+            args.json.write_text(json.dumps(dict(device=device.device_kind, jax=jax.__version__,
+                                                  ceilings=ceilings, decode=decode_results,
+                                                  prefill=prefill_result, tuning=tuning),
+                                             indent=1, default=str))
+
     for kv_format in formats:
         deadline = time.perf_counter() + args.budget_s * shares[kv_format] / total
         result = tune_decode(args, ceilings, decode_shapes, kv_format, deadline)
         decode_results.append(result)
+        kv_bytes = 2 if kv_format == "bfloat16" else 1
+        if not any(e["phase"] == "decode" and e["kv_bytes"] == kv_bytes for e in entries):
+            entries.append(dict(device=device.device_kind, phase="decode", kv_bytes=kv_bytes,
+                                config=result["chosen"]))
+        save()
         print(f"decode {kv_format}: chosen {result['chosen']} "
               f"({len(result['searched'])} searched, {time.perf_counter() - began:.0f} s)",
               flush=True)
-    prefill_result = None
+        print("\n".join(decode_table(result, ceilings)), flush=True)
     if prefill_shapes:
         deadline = time.perf_counter() + args.budget_s * shares["prefill"] / total
         prefill_result = tune_prefill(args, ceilings, prefill_shapes, deadline)
-        print(f"prefill: chosen {prefill_result['chosen']} ({time.perf_counter() - began:.0f} s)",
-              flush=True)
-
-    entries = []
-    for r in decode_results:
-        kv_bytes = 2 if r["kv_format"] == "bfloat16" else 1
-        if not any(e["kv_bytes"] == kv_bytes for e in entries):
-            entries.append(dict(device=device.device_kind, phase="decode", kv_bytes=kv_bytes,
-                                config=r["chosen"]))
-    if prefill_result:
         entries.append(dict(device=device.device_kind, phase="prefill", kv_bytes=2,
                             config=prefill_result["chosen"]))
-    tuning = dict(measured=f"scripts/tune_gpu_attention.py on {device.device_kind}, "
-                           f"jax {jax.__version__}, {time.strftime('%Y-%m-%d')}",
-                  entries=entries)
+        save()
+        print(f"prefill: chosen {prefill_result['chosen']} ({time.perf_counter() - began:.0f} s)",
+              flush=True)
     if args.tuning_out:
-        args.tuning_out.write_text(json.dumps(tuning, indent=2) + "\n")
         os.environ[ENV_TUNING] = str(args.tuning_out)
 
     print()
@@ -508,11 +515,6 @@ def main(argv=None) -> int:
         print("\n".join(prefill_table(prefill_result, ceilings)))
     print()
     print("chosen:", json.dumps(entries))
-    if args.json:
-        args.json.write_text(json.dumps(dict(device=device.device_kind, jax=jax.__version__,
-                                              ceilings=ceilings, decode=decode_results,
-                                              prefill=prefill_result, tuning=tuning),
-                                         indent=1, default=str))
     return 0
 
 
