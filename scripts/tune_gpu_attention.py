@@ -35,6 +35,7 @@ query tiles, the split merge), the median of ``--repeats`` such runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -171,26 +172,51 @@ def causal_flops(seqs: int, new: int, cached: int) -> float:
 
 # -- candidates -----------------------------------------------------------------------------
 
+# (block_kv, num_stages, heads_fastest, prefetch), most telling first: a deadline may cut
+# the list. Byte caches read through shared memory one byte at a time when pipelined
+# (Triton's cp.async path, seen in the PTX); one stage with the next block prefetched into
+# registers converts them on the way in.
+DECODE_TILINGS = [(64, 2, False, False), (64, 1, False, True), (128, 1, False, True),
+                  (64, 1, False, False), (128, 3, False, False), (64, 4, False, False),
+                  (128, 2, False, False), (64, 2, True, False), (128, 1, False, False),
+                  (256, 1, False, True), (64, 3, False, False), (128, 3, True, False)]
+
+
 def decode_candidates(quick: bool) -> list[GpuKernelConfig]:
     base = DEFAULTS["decode"]
     if quick:
-        return [base, base.replace(block_kv=128, num_stages=3, heads_fastest=True)]
-    first = [base.replace(block_kv=kv, num_stages=st, heads_fastest=hf)
-             for kv, st, hf in itertools.product((64, 128, 256), (2, 3, 4), (False, True))]
-    return first
+        return [base, base.replace(block_kv=128, num_stages=1, prefetch=True)]
+    return [dataclasses.replace(base, block_kv=kv, num_stages=st, heads_fastest=hf, prefetch=pf)
+            for kv, st, hf, pf in DECODE_TILINGS]
 
 
 def refine_candidates(best: GpuKernelConfig) -> list[GpuKernelConfig]:
     return [best.replace(num_warps=w, target_programs=t)
-            for w, t in itertools.product((4, 8), (512, 1024, 2048))]
+            for w, t in itertools.product((4, 8), (512, 1024, 2048))] + [
+        dataclasses.replace(best, heads_fastest=not best.heads_fastest)]
+
+
+def variants(best: GpuKernelConfig) -> list[GpuKernelConfig]:
+    """The chosen tiling with q / output tiled by XLA, and with every block masked: what
+    reading in place and the unmasked loop each buy, measured side by side."""
+    return [dataclasses.replace(best, direct_io=False),
+            dataclasses.replace(best, mask_split=False)]
+
+
+# (block_q, block_kv, warps, stages, prefetch)
+PREFILL_TILINGS = [(16, 128, 4, 3, False), (32, 64, 4, 2, False), (32, 64, 8, 3, False),
+                   (32, 128, 8, 3, False), (16, 128, 4, 1, True), (32, 64, 4, 1, True),
+                   (64, 64, 8, 2, False), (16, 64, 4, 3, False), (32, 128, 8, 2, False),
+                   (64, 64, 8, 3, False)]
 
 
 def prefill_candidates(quick: bool) -> list[GpuKernelConfig]:
     base = DEFAULTS["prefill"]
     if quick:
         return [base, base.replace(block_q=32, block_kv=64, num_warps=8, num_stages=3)]
-    return [base.replace(block_q=bq, block_kv=kv, num_warps=w, num_stages=st)
-            for bq, kv, w, st in itertools.product((16, 32), (64, 128), (4, 8), (2, 3))]
+    return [base] + [dataclasses.replace(base, block_q=bq, block_kv=kv, num_warps=w,
+                                         num_stages=st, prefetch=pf)
+                     for bq, kv, w, st, pf in PREFILL_TILINGS]
 
 
 def effective(configs, *, decode: bool, kv_itemsize: int) -> list[GpuKernelConfig]:
@@ -201,6 +227,7 @@ def effective(configs, *, decode: bool, kv_itemsize: int) -> list[GpuKernelConfi
     for c in configs:
         fitted = config_for(decode=decode, kv_itemsize=kv_itemsize, compute_itemsize=2,
                             head_dim=HEADS["head_dim"], block_size=HEADS["block_size"],
+                            group_padded=HEADS["num_q_heads"] // HEADS["num_kv_heads"],
                             kind=kind, **c.to_json())
         if fitted not in out:
             out.append(fitted)
@@ -209,7 +236,8 @@ def effective(configs, *, decode: bool, kv_itemsize: int) -> list[GpuKernelConfi
 
 def around_kernel_ms(b, config: GpuKernelConfig, args) -> float:
     """The XLA work an attention call does besides the kernel at this tiling: the tile
-    table, the query tiles, the split merge and the outputs gathered back."""
+    table, and either the split merge and the padding rows zeroed (q and the output read
+    and written in place) or the query tiles, the merge and the outputs gathered back."""
     q = b["q"]
     num_tokens, num_q_heads, head_dim = q.shape
     seqs, max_blocks = b["tables"].shape
@@ -220,7 +248,8 @@ def around_kernel_ms(b, config: GpuKernelConfig, args) -> float:
         block_q=config.block_q, block_kv=config.block_kv,
         target_programs=config.target_programs)
     num_tiles = tiling.num_tiles_for(num_tokens, seqs, bq)
-    shape = (splits, hkv, num_tiles, bq * gp)
+    shape = ((splits, num_tokens * num_q_heads) if config.direct_io
+             else (splits, hkv, num_tiles, bq * gp))
     acc = jnp.ones(shape + (head_dim,), jnp.float32)
     m, l = jnp.zeros(shape, jnp.float32), jnp.ones(shape, jnp.float32)
 
@@ -228,8 +257,12 @@ def around_kernel_ms(b, config: GpuKernelConfig, args) -> float:
     def around(q, kv_lens, cu, num_seqs, acc, m, l):
         tiles = tiling.build_tile_table(cu, kv_lens, num_seqs, num_tokens=num_tokens,
                                         block_q=bq, num_tiles=num_tiles)
-        q_tiles = tiling.tile_queries(q, tiles, num_kv_heads=hkv, group_padded=gp, block_q=bq)
         out = tiling.combine_splits(acc, m, l) if splits > 1 else acc[0]
+        if config.direct_io:
+            valid = jnp.arange(num_tokens) < cu[num_seqs[0]]
+            out = out.reshape(num_tokens, num_q_heads, head_dim)
+            return jnp.where(valid[:, None, None], out, 0).astype(q.dtype), tiles.seq
+        q_tiles = tiling.tile_queries(q, tiles, num_kv_heads=hkv, group_padded=gp, block_q=bq)
         out = tiling.untile_outputs(out, tiles, num_q_heads=num_q_heads, block_q=bq,
                                     dtype=q.dtype)
         return out, q_tiles
@@ -336,8 +369,9 @@ def tune_decode(args, ceilings, shapes, kv_format, deadline) -> dict:
             searched.append(try_config(batches[0], config, wants[0], args, moved[0]))
     ok = sorted((r for r in searched if "ms" in r), key=lambda r: r["ms"])
     finalists = [GpuKernelConfig(**r["config"]) for r in ok[:args.top]]
-    if DEFAULTS["decode"] not in finalists:
-        finalists.append(DEFAULTS["decode"])
+    for extra in [DEFAULTS["decode"]] + (variants(finalists[0]) if finalists else []):
+        if extra not in finalists:
+            finalists.append(extra)
     per_shape = []
     for (bs, ctx), b, want, nbytes in zip(shapes, batches, wants, moved):
         rows = [try_config(b, c, want, args, nbytes) for c in finalists]
@@ -354,7 +388,8 @@ def tune_decode(args, ceilings, shapes, kv_format, deadline) -> dict:
         s["shipped"]["gb_s"] = (s["bytes"] / s["shipped"]["ms"] * 1e-6
                                 if "ms" in s["shipped"] else None)
     return dict(kv_format=kv_format, searched=searched, per_shape=per_shape,
-                chosen=chosen.to_json(), bandwidth=ceilings["bandwidth"])
+                chosen=chosen.to_json(), best=finalists[0].to_json(),
+                bandwidth=ceilings["bandwidth"])
 
 
 def tune_prefill(args, ceilings, shapes, deadline) -> dict:
@@ -372,8 +407,9 @@ def tune_prefill(args, ceilings, shapes, deadline) -> dict:
         searched.append(try_config(batches[0], config, want, args, flops=flops[0]))
     ok = sorted((r for r in searched if "ms" in r), key=lambda r: r["ms"])
     finalists = [GpuKernelConfig(**r["config"]) for r in ok[:max(2, args.top // 2)]]
-    if DEFAULTS["prefill"] not in finalists:
-        finalists.append(DEFAULTS["prefill"])
+    for extra in [DEFAULTS["prefill"]] + (variants(finalists[0]) if finalists else []):
+        if extra not in finalists:
+            finalists.append(extra)
     per_shape = []
     for (seqs, new, cached), b, f in zip(shapes, batches, flops):
         ref = np.asarray(kernel_fn(b, DEFAULTS["prefill"], args.interpret)().astype(jnp.float32))
@@ -386,50 +422,72 @@ def tune_prefill(args, ceilings, shapes, deadline) -> dict:
         if all(rates):
             scores.append((geomean(rates), i))
     chosen = finalists[max(scores)[1]] if scores else DEFAULTS["prefill"]
-    return dict(searched=searched, per_shape=per_shape, chosen=chosen.to_json())
+    return dict(searched=searched, per_shape=per_shape, chosen=chosen.to_json(),
+                best=finalists[0].to_json())
 
 
 # -- report -------------------------------------------------------------------------------
 
+def _key(config) -> str:
+    return json.dumps(config if isinstance(config, dict) else config.to_json(), sort_keys=True)
+
+
+def _variant_rows(result, rows):
+    """Rows of the best searched tiling's variants: q / output tiled by XLA, all masked."""
+    best = GpuKernelConfig(**result["best"])
+    return [rows.get(_key(v), {}) for v in variants(best)]
+
+
 def decode_table(result, ceilings) -> list[str]:
     bw = ceilings["bandwidth"]
-    chosen = result["chosen"]
     lines = []
+
+    def rate(r):
+        return (f"{r['gb_s']:.0f} ({100 * r['gb_s'] * 1e9 / bw:.1f}%)" if "gb_s" in r
+                else str(r.get("error", "-"))[:40])
+
     for s in result["per_shape"]:
-        rows = {json.dumps(r["config"], sort_keys=True): r for r in s["rows"]}
-        tuned = rows.get(json.dumps(chosen, sort_keys=True), {})
-        untuned = rows.get(json.dumps(DEFAULTS["decode"].to_json(), sort_keys=True), {})
+        rows = {_key(r["config"]): r for r in s["rows"]}
+        tuned = rows.get(_key(result["chosen"]), {})
+        untuned = rows.get(_key(DEFAULTS["decode"]), {})
         shipped = s["shipped"]
-        cells = [f"{result['kv_format']}", f"{s['batch']} x {s['context']}"]
-        for r in (tuned, untuned):
-            cells.append(f"{r['gb_s']:.0f} ({100 * r['gb_s'] * 1e9 / bw:.1f}%)" if "gb_s" in r
-                         else r.get("error", "-")[:40])
-        cells.append(f"{shipped['gb_s']:.0f} ({100 * shipped['gb_s'] * 1e9 / bw:.1f}%)"
-                     if shipped.get("gb_s") else str(shipped.get("error", "-"))[:40])
-        cells.append(f"{tuned['gb_s'] / shipped['gb_s']:.2f}x" if "gb_s" in tuned
-                     and shipped.get("gb_s") else "-")
-        cells.append(f"{tuned.get('rel_err', float('nan')):.1e}")
-        cells.append(f"{s['around_ms']:.3f} of {tuned.get('ms', float('nan')):.3f}")
+        cells = [result["kv_format"], f"{s['batch']} x {s['context']}", rate(tuned),
+                 rate(untuned), *(rate(r) for r in _variant_rows(result, rows)),
+                 rate(shipped) if shipped.get("gb_s") else str(shipped.get("error", "-"))[:40],
+                 f"{tuned['gb_s'] / shipped['gb_s']:.2f}x" if "gb_s" in tuned
+                 and shipped.get("gb_s") else "-",
+                 f"{tuned.get('rel_err', float('nan')):.1e}",
+                 f"{s['around_ms']:.3f} of {tuned.get('ms', float('nan')):.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
+DECODE_HEADER = ("| KV | batch x context | tuned GB/s (of copy) | untuned | q / out tiled by XLA "
+                 "| every block masked | JAX shipped | tuned / shipped | error (rel. to max) "
+                 "| ms around the kernel |\n|---|---|---|---|---|---|---|---|---|---|")
+PREFILL_HEADER = ("| prefill (bf16) | tuned TFLOP/s | untuned | q / out tiled by XLA | every "
+                  "block masked | of measured matmul | of datasheet | ms around the kernel |"
+                  "\n|---|---|---|---|---|---|---|---|")
+
+
 def prefill_table(result, ceilings) -> list[str]:
-    chosen = result["chosen"]
     lines = []
+
+    def rate(r):
+        return f"{r['tflop_s']:.0f}" if "tflop_s" in r else str(r.get("error", "-"))[:40]
+
     for s in result["per_shape"]:
-        rows = {json.dumps(r["config"], sort_keys=True): r for r in s["rows"]}
-        tuned = rows.get(json.dumps(chosen, sort_keys=True), {})
-        untuned = rows.get(json.dumps(DEFAULTS["prefill"].to_json(), sort_keys=True), {})
+        rows = {_key(r["config"]): r for r in s["rows"]}
+        tuned = rows.get(_key(result["chosen"]), {})
+        untuned = rows.get(_key(DEFAULTS["prefill"]), {})
         shape = f"{s['seqs']} x {s['new']}" + (f" (+{s['cached']} cached)" if s["cached"] else "")
-        cells = [shape]
-        for r in (tuned, untuned):
-            cells.append(f"{r['tflop_s']:.0f}" if "tflop_s" in r else r.get("error", "-")[:40])
         t = tuned.get("tflop_s")
-        cells.append(f"{100 * t * 1e12 / ceilings['matmul_flops']:.1f}%" if t else "-")
         peak = ceilings.get("datasheet_bf16")
-        cells.append(f"{100 * t * 1e12 / peak:.1f}%" if t and peak else "-")
-        cells.append(f"{s['around_ms']:.3f} of {tuned.get('ms', float('nan')):.3f}")
+        cells = [shape, rate(tuned), rate(untuned),
+                 *(rate(r) for r in _variant_rows(result, rows)),
+                 f"{100 * t * 1e12 / ceilings['matmul_flops']:.1f}%" if t else "-",
+                 f"{100 * t * 1e12 / peak:.1f}%" if t and peak else "-",
+                 f"{s['around_ms']:.3f} of {tuned.get('ms', float('nan')):.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -454,9 +512,9 @@ def main(argv=None) -> int:
     formats = [f.strip() for f in args.kv_formats.split(",") if f.strip()]
     decode_shapes = parse_shapes(args.decode_shapes, prefill=False)
     prefill_shapes = parse_shapes(args.prefill_shapes, prefill=True)
-    # the search budget: most of it to bf16 decode, the rest shared
-    shares = {f: (0.4 if f == "bfloat16" else 0.2) for f in formats}
-    shares["prefill"] = 0.2
+    # the search budget: equal shares to each KV format's decode and to prefill
+    shares = {f: 1.0 for f in formats}
+    shares["prefill"] = 1.0
     total = sum(shares.values())
     decode_results, prefill_result, entries = [], None, []
     tuning = dict(measured=f"scripts/tune_gpu_attention.py on {device.device_kind}, "
@@ -502,16 +560,12 @@ def main(argv=None) -> int:
           + (f" (datasheet {ceilings['datasheet_bf16'] / 1e12:.0f})"
              if ceilings.get("datasheet_bf16") else ""))
     print()
-    print("| KV | batch x context | tuned GB/s (of copy) | untuned | JAX shipped | tuned / "
-          "shipped | error (rel. to max) | ms around the kernel |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(DECODE_HEADER)
     for r in decode_results:
         print("\n".join(decode_table(r, ceilings)))
     if prefill_result:
         print()
-        print("| prefill (bf16) | tuned TFLOP/s | untuned | of measured matmul | of datasheet "
-              "| ms around the kernel |")
-        print("|---|---|---|---|---|---|")
+        print(PREFILL_HEADER)
         print("\n".join(prefill_table(prefill_result, ceilings)))
     print()
     print("chosen:", json.dumps(entries))

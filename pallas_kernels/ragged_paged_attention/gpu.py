@@ -51,17 +51,20 @@ def unsupported_reason(*, head_dim: int, block_size: int) -> str | None:
     return None
 
 
-def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # int32 [NT] each
+def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] each
             block_tables_ref,                          # int32 [S, M_pad]
-            q_ref,                                     # [R, D]  one tile, one kv head
+            q_ref,                                     # [R, D] one tile, one kv head; direct:
+                                                       #   [T * Hq, D], the whole of q
             k_ref, v_ref,                              # [N, B, D]  one kv head of the cache
-            o_ref,                                     # [R, D]  (f32 partial sum if split)
-            *lm_refs,                                  # f32 [R] row max, row sum (if split)
+            o_ref,                                     # like q_ref (f32 partial sum if split)
+            *lm_refs,                                  # f32 [R] / [T * Hq] row max, row sum
             sm_scale: float, soft_cap: float | None, sliding_window: int | None,
-            group_padded: int, pages_per_block: int, num_splits: int,
-            heads_fastest: bool, kv_format: str | None = None):
+            rows: int, q_heads: int, group: int, group_padded: int, pages_per_block: int,
+            num_splits: int, heads_fastest: bool, direct: bool, mask_split: bool,
+            prefetch: bool, kv_format: str | None = None):
     tile, split = pl.program_id(1 if heads_fastest else 0), pl.program_id(2)
-    rows, head_dim = q_ref.shape
+    kv_head = pl.program_id(0 if heads_fastest else 1)
+    head_dim = q_ref.shape[-1]
     block_size = k_ref.shape[1]
     block_kv = pages_per_block * block_size
 
@@ -78,52 +81,97 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # int32 [NT] each
     my_lo = jnp.minimum(lo + split * per_split, hi)
     my_hi = jnp.minimum(my_lo + per_split, hi)
 
-    row_token = lax.div(lax.broadcasted_iota(jnp.int32, (rows,), 0), group_padded)
+    row = lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    row_token = lax.div(row, group_padded)
     row_pos = pos0 + row_token                                   # [R] absolute position
     row_real = row_token < count
-    q = q_ref[...]
+    if direct:  # this tile's rows of q, read in place: row (t, g) is q[start + t, h * G + g]
+        row_head = lax.rem(row, group_padded)
+        row_real &= row_head < group
+        flat = (start_ref[tile] + row_token) * q_heads + kv_head * group + row_head  # [R]
+        q = q_ref[jnp.where(row_real, flat, 0)]
+        q = jnp.where(row_real[:, None], q, jnp.zeros_like(q))
+        # where the output rows go: padding rows to spare rows past the real ones (their
+        # stores are masked off; distinct rows keep interpret mode's scatter exact)
+        spare = o_ref.shape[0] - rows
+        flat = jnp.where(row_real, flat, spare + row)
+        cols = lax.broadcasted_iota(jnp.int32, (rows, head_dim), 1)
+        out_at = (flat[:, None], cols)
+    else:
+        q = q_ref[...]
     num_pages = k_ref.shape[0]
 
-    def body(j, carry):
-        m_prev, l_prev, acc_prev = carry
+    def load_block(j):  # [K, D] K and V of KV block j (as stored)
+        j = jnp.minimum(j, table_blocks - 1)
         pages = block_tables_ref[seq, pl.ds(j * pages_per_block, pages_per_block)]
         pages = jnp.clip(pages, 0, num_pages - 1)   # table slots past the end may hold junk
-        k = k_ref[pages].reshape(block_kv, head_dim)
-        v = v_ref[pages].reshape(block_kv, head_dim)
+        return (k_ref[pages].reshape(block_kv, head_dim),
+                v_ref[pages].reshape(block_kv, head_dim))
+
+    def body(j, carry, masked: bool):
+        if prefetch:  # this block's pages came with the carry; the next one's load now,
+            # ahead of the math (the last iteration reloads its own block: no new bytes)
+            m_prev, l_prev, acc_prev, k, v = carry
+            k_next, v_next = load_block(jnp.maximum(jnp.minimum(j + 1, my_hi - 1), 0))
+        else:
+            m_prev, l_prev, acc_prev = carry
+            k, v = load_block(j)
         if kv_format is not None:  # byte pages (kv_quant): their values, in q's dtype
             k, v = decode(k, kv_format, q.dtype), decode(v, kv_format, q.dtype)
-        col = j * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)   # [K]
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=dot_precision(q.dtype),
                             preferred_element_type=jnp.float32) * sm_scale  # [R, K]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        mask = ((col[None, :] <= row_pos[:, None]) & (col[None, :] < kv_len)
-                & row_real[:, None])
-        if sliding_window is not None:
-            mask &= col[None, :] > row_pos[:, None] - sliding_window
-        s = jnp.where(mask, s, tiling.MASK_VALUE)
+        if masked:
+            col = j * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)   # [K]
+            mask = ((col[None, :] <= row_pos[:, None]) & (col[None, :] < kv_len)
+                    & row_real[:, None])
+            if sliding_window is not None:
+                mask &= col[None, :] > row_pos[:, None] - sliding_window
+            s = jnp.where(mask, s, tiling.MASK_VALUE)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         alpha = jnp.exp(m_prev - m_next)
-        p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)
+        p = jnp.exp(s - m_next[:, None])
+        if masked:
+            p = jnp.where(mask, p, 0.0)
+            v = jnp.where((col < kv_len)[:, None], v, jnp.zeros_like(v))  # junk past the end
         l_next = alpha * l_prev + jnp.sum(p, axis=1)
-        v = jnp.where((col < kv_len)[:, None], v, jnp.zeros_like(v))  # junk past the end
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                              precision=dot_precision(v.dtype),
                              preferred_element_type=jnp.float32)     # [R, D]
-        return m_next, l_next, acc_prev * alpha[:, None] + pv
+        carry = (m_next, l_next, acc_prev * alpha[:, None] + pv)
+        return carry + (k_next, v_next) if prefetch else carry
 
-    m0 = jnp.full((rows,), tiling.MASK_VALUE, jnp.float32)
-    l0 = jnp.zeros((rows,), jnp.float32)
-    acc0 = jnp.zeros((rows, head_dim), jnp.float32)
-    m, l, acc = lax.fori_loop(my_lo, my_hi, body, (m0, l0, acc0))
+    carry = (jnp.full((rows,), tiling.MASK_VALUE, jnp.float32),
+             jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, head_dim), jnp.float32))
+    if prefetch:
+        carry += load_block(my_lo)
+    if mask_split and sliding_window is None:
+        # Blocks every real row sees whole (all their keys at or before the tile's first
+        # position, so before kv_len too) skip the mask; padding rows there are zero
+        # queries whose results are dropped. A decode tile's blocks are all such but its last.
+        whole_hi = jnp.clip((pos0 + 1) // block_kv, my_lo, my_hi)
+        carry = lax.fori_loop(my_lo, whole_hi, functools.partial(body, masked=False), carry)
+    else:
+        whole_hi = my_lo
+    m, l, acc = lax.fori_loop(whole_hi, my_hi, functools.partial(body, masked=True), carry)[:3]
 
     if num_splits == 1:
-        o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+        out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+        if direct:  # each real row to its token's place; the others are not written
+            plgpu.store(o_ref.at[out_at], out, mask=row_real[:, None])
+        else:
+            o_ref[...] = out
     else:
         m_ref, l_ref = lm_refs
-        o_ref[...] = acc
-        m_ref[...] = m
-        l_ref[...] = l
+        if direct:
+            plgpu.store(o_ref.at[out_at], acc, mask=row_real[:, None])
+            plgpu.store(m_ref.at[flat], m, mask=row_real)
+            plgpu.store(l_ref.at[flat], l, mask=row_real)
+        else:
+            o_ref[...] = acc
+            m_ref[...] = m
+            l_ref[...] = l
 
 
 def choose_blocks(*, num_tokens: int, max_num_seqs: int, group: int, block_size: int,
@@ -156,7 +204,7 @@ def choose_blocks(*, num_tokens: int, max_num_seqs: int, group: int, block_size:
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "interpret", "block_q", "block_kv",
     "num_kv_splits", "num_warps", "num_stages", "layer", "kv_format", "heads_fastest",
-    "target_programs"))
+    "target_programs", "direct_io", "mask_split", "prefetch"))
 def ragged_paged_attention_gpu(
         q: jax.Array,             # [T, Hq, D]
         k_cache: jax.Array,       # [N, B, Hkv, D], or [L, N, B, Hkv, D] with ``layer``
@@ -171,7 +219,9 @@ def ragged_paged_attention_gpu(
         num_kv_splits: int | None = None, num_warps: int | None = None,
         num_stages: int | None = None, layer: int | None = None,
         kv_format: str | None = None, heads_fastest: bool | None = None,
-        target_programs: int | None = None) -> jax.Array:  # [T, Hq, D]
+        target_programs: int | None = None, direct_io: bool | None = None,
+        mask_split: bool | None = None,
+        prefetch: bool | None = None) -> jax.Array:  # [T, Hq, D]
     """The Pallas GPU (Triton) kernel; shapes are checked by the public function.
     ``kv_format``: the caches are bytes of that format, converted as pages load.
     Tiling knobs left None come from ``gpu_config.config_for``."""
@@ -183,12 +233,15 @@ def ragged_paged_attention_gpu(
     if reason:
         raise ValueError(reason)
     compute_dtype = q.dtype if kv_format is not None else k_cache.dtype
+    out_dtype = q.dtype
     config = config_for(decode=num_tokens <= max_num_seqs,
                         kv_itemsize=jnp.dtype(k_cache.dtype).itemsize,
                         compute_itemsize=jnp.dtype(compute_dtype).itemsize,
-                        head_dim=head_dim, block_size=block_size, block_q=block_q,
+                        head_dim=head_dim, block_size=block_size,
+                        group_padded=tiling.next_pow2(group), block_q=block_q,
                         block_kv=block_kv, num_warps=num_warps, num_stages=num_stages,
-                        heads_fastest=heads_fastest, target_programs=target_programs)
+                        heads_fastest=heads_fastest, target_programs=target_programs,
+                        direct_io=direct_io, mask_split=mask_split, prefetch=prefetch)
     block_q, group_padded, pages_per_block, splits = choose_blocks(
         num_tokens=num_tokens, max_num_seqs=max_num_seqs, group=group,
         block_size=block_size, max_blocks_per_seq=max_blocks, num_kv_heads=num_kv_heads,
@@ -199,8 +252,13 @@ def ragged_paged_attention_gpu(
 
     tiles = tiling.build_tile_table(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens,
                                     block_q=block_q, num_tiles=num_tiles)
-    q_tiles = tiling.tile_queries(q.astype(compute_dtype), tiles, num_kv_heads=num_kv_heads,
-                                  group_padded=group_padded, block_q=block_q)
+    direct = config.direct_io
+    q = q.astype(compute_dtype)
+    if direct:  # the kernel gathers its rows of q and scatters its output rows itself
+        q_in = q.reshape(num_tokens * num_q_heads, head_dim)
+    else:
+        q_in = tiling.tile_queries(q, tiles, num_kv_heads=num_kv_heads,
+                                   group_padded=group_padded, block_q=block_q)
     padded_blocks = pl.cdiv(max_blocks, pages_per_block) * pages_per_block
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_blocks - max_blocks)))
 
@@ -213,33 +271,52 @@ def ragged_paged_attention_gpu(
             return lambda h, t, s: index_map(t, h, s)
         return index_map
 
-    tile_spec = pl.BlockSpec((None, None, rows, head_dim), ids(lambda t, h, s: (h, t, 0, 0)))
     if layer is None:
         cache_spec = pl.BlockSpec((num_blocks, block_size, None, head_dim),
                                   ids(lambda t, h, s: (0, 0, h, 0)))
     else:  # the layer's pages of the whole cache, selected by the BlockSpec: no copy
         cache_spec = pl.BlockSpec((None, num_blocks, block_size, None, head_dim),
                                   ids(lambda t, h, s: (layer, 0, 0, h, 0)))
-    if splits == 1:
-        out_shape = jax.ShapeDtypeStruct(q_tiles.shape, q.dtype)
-        out_specs = tile_spec
+    flat_rows = num_tokens * num_q_heads + rows  # + spare rows for a tile's padding rows
+    if direct:
+        q_spec = whole
+        if splits == 1:
+            out_shape = jax.ShapeDtypeStruct((flat_rows, head_dim), q.dtype)
+            out_specs = whole
+        else:
+            out_shape = (jax.ShapeDtypeStruct((splits, flat_rows, head_dim), jnp.float32),
+                         jax.ShapeDtypeStruct((splits, flat_rows), jnp.float32),
+                         jax.ShapeDtypeStruct((splits, flat_rows), jnp.float32))
+            out_specs = (pl.BlockSpec((None, flat_rows, head_dim),
+                                      ids(lambda t, h, s: (s, 0, 0))),
+                         pl.BlockSpec((None, flat_rows), ids(lambda t, h, s: (s, 0))),
+                         pl.BlockSpec((None, flat_rows), ids(lambda t, h, s: (s, 0))))
     else:
-        acc_shape = (splits, num_kv_heads, num_tiles, rows)
-        out_shape = (jax.ShapeDtypeStruct(acc_shape + (head_dim,), jnp.float32),
-                     jax.ShapeDtypeStruct(acc_shape, jnp.float32),
-                     jax.ShapeDtypeStruct(acc_shape, jnp.float32))
-        out_specs = (pl.BlockSpec((None, None, None, rows, head_dim),
-                                  ids(lambda t, h, s: (s, h, t, 0, 0))),
-                     pl.BlockSpec((None, None, None, rows), ids(lambda t, h, s: (s, h, t, 0))),
-                     pl.BlockSpec((None, None, None, rows), ids(lambda t, h, s: (s, h, t, 0))))
+        q_spec = pl.BlockSpec((None, None, rows, head_dim), ids(lambda t, h, s: (h, t, 0, 0)))
+        if splits == 1:
+            out_shape = jax.ShapeDtypeStruct(q_in.shape, q.dtype)
+            out_specs = q_spec
+        else:
+            acc_shape = (splits, num_kv_heads, num_tiles, rows)
+            out_shape = (jax.ShapeDtypeStruct(acc_shape + (head_dim,), jnp.float32),
+                         jax.ShapeDtypeStruct(acc_shape, jnp.float32),
+                         jax.ShapeDtypeStruct(acc_shape, jnp.float32))
+            out_specs = (pl.BlockSpec((None, None, None, rows, head_dim),
+                                      ids(lambda t, h, s: (s, h, t, 0, 0))),
+                         pl.BlockSpec((None, None, None, rows),
+                                      ids(lambda t, h, s: (s, h, t, 0))),
+                         pl.BlockSpec((None, None, None, rows),
+                                      ids(lambda t, h, s: (s, h, t, 0))))
     kernel = functools.partial(
         _kernel, sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window,
-        group_padded=group_padded, pages_per_block=pages_per_block, num_splits=splits,
-        heads_fastest=fastest, kv_format=kv_format)
+        rows=rows, q_heads=num_q_heads, group=group, group_padded=group_padded,
+        pages_per_block=pages_per_block, num_splits=splits, heads_fastest=fastest,
+        direct=direct, mask_split=config.mask_split, prefetch=config.prefetch,
+        kv_format=kv_format)
     result = pl.pallas_call(
         kernel,
         grid=grid,
-        in_specs=[whole, whole, whole, whole, whole, tile_spec, cache_spec, cache_spec],
+        in_specs=[whole] * 6 + [q_spec, cache_spec, cache_spec],
         out_specs=out_specs,
         out_shape=out_shape,
         # Triton's compiler params also select the Triton lowering (not Mosaic GPU).
@@ -249,8 +326,19 @@ def ragged_paged_attention_gpu(
                                            jnp.dtype(k_cache.dtype).itemsize),
         interpret=interpret,
         name=(f"ragged_paged_attention_gpu_q{rows}_kv{pages_per_block * block_size}_s{splits}"
-              f"_w{config.num_warps}_p{config.num_stages}{'_h' if fastest else ''}"),
-    )(tiles.seq, tiles.pos0, tiles.count, tiles.kv_len, tables, q_tiles, k_cache, v_cache)
+              f"_w{config.num_warps}_p{config.num_stages}{'_h' if fastest else ''}"
+              f"{'_d' if direct else ''}{'_m' if config.mask_split else ''}"
+              f"{'_f' if config.prefetch else ''}"),
+    )(tiles.seq, tiles.pos0, tiles.count, tiles.kv_len, tiles.start, tables, q_in, k_cache,
+      v_cache)
     out = result if splits == 1 else tiling.combine_splits(*result)
-    return tiling.untile_outputs(out, tiles, num_q_heads=num_q_heads, block_q=block_q,
-                                 dtype=q.dtype)
+    if direct:
+        out = out[:num_tokens * num_q_heads]
+    else:
+        return tiling.untile_outputs(out, tiles, num_q_heads=num_q_heads, block_q=block_q,
+                                     dtype=out_dtype)
+    # rows of padding tokens were never written: zero them (one elementwise pass, fused
+    # with the split merge when there is one)
+    valid = jnp.arange(num_tokens, dtype=jnp.int32) < cu_q_lens[num_seqs[0]]      # [T]
+    out = out.reshape(num_tokens, num_q_heads, head_dim)
+    return jnp.where(valid[:, None, None], out, 0).astype(out_dtype)

@@ -52,6 +52,11 @@ class GpuKernelConfig:
     num_stages: int = 2          # Triton's software pipeline depth for the loop's loads
     target_programs: int = 1024  # programs the grid should have before the KV is split
     heads_fastest: bool = False  # grid (kv head, tile, split) instead of (tile, kv head, split)
+    direct_io: bool = True       # the kernel gathers its q rows and writes its output rows in
+                                 # place (False: XLA tiles q before the call and untiles after)
+    mask_split: bool = True      # KV blocks every row sees whole run a loop without the mask
+    prefetch: bool = False       # each loop step loads the next block's pages into registers
+                                 # (with num_stages 1: byte caches then skip shared memory)
 
     def replace(self, **changes) -> "GpuKernelConfig":
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -119,27 +124,50 @@ def shared_memory_budget(kind: str) -> int:
     return SHARED_MEMORY_OTHER - SHARED_MEMORY_SPARE
 
 
-def fit_shared_memory(config: GpuKernelConfig, *, head_dim: int, itemsize: int,
-                      block_size: int, kind: str) -> GpuKernelConfig:
-    """``config`` with fewer pipeline stages, then fewer KV tokens a step, until the
-    buffered K and V tiles (``num_stages`` copies of ``block_kv x head_dim`` each, in the
-    wider of the cache's and the queries' dtype) fit the device's shared memory."""
+def fit_shared_memory(config: GpuKernelConfig, *, head_dim: int, kv_itemsize: int,
+                      compute_itemsize: int, block_size: int, decode: bool,
+                      group_padded: int, kind: str) -> GpuKernelConfig:
+    """``config`` with fewer pipeline stages, then fewer KV tokens a step (down to a page),
+    then fewer query tokens a tile, until what the kernel keeps in shared memory fits the
+    device's: ``num_stages`` buffered K and V tiles
+    (``block_kv x head_dim`` each, in the cache's dtype), for a byte cache one converted
+    tile in the queries' dtype, and the ``rows x head_dim`` query tile. (Measured against
+    Triton's own figure: float32, head_dim 256, 64 keys, 2 stages, 16 rows asked an H100
+    for 278,784 bytes; 1 stage, 64 rows asked an A100 for 196,608.)"""
     budget = shared_memory_budget(kind)
     block_kv, stages = config.block_kv, config.num_stages
-    need = lambda: 2 * max(stages, 1) * block_kv * head_dim * itemsize  # noqa: E731
+    rows = query_rows(config, decode=decode, group_padded=group_padded)
+    block_q = config.block_q
+
+    def need() -> int:
+        converted = block_kv * head_dim * compute_itemsize if kv_itemsize < compute_itemsize else 0
+        return (2 * max(stages, 1) * block_kv * head_dim * kv_itemsize + converted
+                + rows * head_dim * compute_itemsize)
+
     while need() > budget and stages > 1:
         stages -= 1
     while need() > budget and block_kv > max(16, block_size):
         block_kv //= 2
-    return dataclasses.replace(config, block_kv=block_kv, num_stages=stages)
+    while need() > budget and rows > 16 and rows // group_padded > 1:
+        rows //= 2
+        block_q = rows // group_padded
+    return dataclasses.replace(config, block_kv=block_kv, num_stages=stages, block_q=block_q)
+
+
+def query_rows(config: GpuKernelConfig, *, decode: bool, group_padded: int) -> int:
+    """Rows of a query tile: ``block_q`` tokens (default 16 rows decode, 64 prefill) times
+    the padded group, at least 16 (what ``gpu.choose_blocks`` makes of it)."""
+    block_q = config.block_q or max(1, (16 if decode else 64) // group_padded)
+    return max(16, block_q * group_padded)
 
 
 def config_for(*, decode: bool, kv_itemsize: int, compute_itemsize: int, head_dim: int,
-               block_size: int, kind: str | None = None, **given) -> GpuKernelConfig:
+               block_size: int, group_padded: int = 1, kind: str | None = None,
+               **given) -> GpuKernelConfig:
     """The kernel's configuration for one call (see the module docstring): the table's,
     with the knobs ``given`` (not None) in their place, fitted to shared memory."""
     kind = device_kind() if kind is None else kind
     config = tuned("decode" if decode else "prefill", kv_itemsize, kind).replace(**given)
-    return fit_shared_memory(config, head_dim=head_dim,
-                             itemsize=max(kv_itemsize, compute_itemsize),
-                             block_size=block_size, kind=kind)
+    return fit_shared_memory(config, head_dim=head_dim, kv_itemsize=kv_itemsize,
+                             compute_itemsize=compute_itemsize, block_size=block_size,
+                             decode=decode, group_padded=group_padded, kind=kind)

@@ -106,11 +106,18 @@ def test_gpu_kv_splits_match_reference(splits):
 
 
 # Tunings the GPU kernel's table can hold (``gpu_config.GpuKernelConfig``): the grid's
-# order, KV tokens a step, warps, stages and the split target change no result.
+# order, KV tokens a step, warps, stages, the split target, q / output read and written
+# in place or tiled by XLA, the unmasked loop over whole blocks, the next block's pages
+# loaded a step ahead: none changes a result.
 GPU_TUNINGS = {
     "heads_fastest_split": dict(heads_fastest=True, block_kv=16, target_programs=4096),
     "kv128_w8_s3": dict(block_kv=128, num_warps=8, num_stages=3),
     "heads_fastest_q32": dict(heads_fastest=True, block_q=32, block_kv=32, num_stages=4),
+    "tiled_io_split": dict(direct_io=False, block_kv=16, target_programs=4096),
+    "tiled_io_masked": dict(direct_io=False, mask_split=False, block_kv=32),
+    "masked_only_split": dict(mask_split=False, block_kv=16, target_programs=4096),
+    "prefetch_split": dict(prefetch=True, num_stages=1, block_kv=16, target_programs=4096),
+    "prefetch_tiled_io": dict(prefetch=True, direct_io=False, block_kv=32),
 }
 
 
@@ -149,7 +156,7 @@ def test_gpu_tuning_table_is_read(tmp_path, monkeypatch):
     # float32 head_dim 256: the tiling that overflowed an H100's shared memory is capped
     wide = gpu_config.config_for(decode=False, kind="NVIDIA H100 80GB HBM3", kv_itemsize=4,
                                  compute_itemsize=4, head_dim=256, block_size=16)
-    assert 2 * wide.num_stages * wide.block_kv * 256 * 4 <= 203 * 1024
+    assert 2 * wide.num_stages * wide.block_kv * 256 * 4 + 64 * 256 * 4 <= 203 * 1024
     table.write_text(json.dumps({"entries": [{"phase": "decode", "config": {"tile": 3}}]}))
     monkeypatch.setenv(gpu_config.ENV_TUNING, str(table) + ".other")
     table.rename(str(table) + ".other")

@@ -14,6 +14,7 @@ import pytest
 
 from pallas_kernels.kv_quant import KV_FORMATS, decode, encode, lookup_table
 from pallas_kernels.ragged_paged_attention import cpu, ragged_paged_attention
+from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 from pallas_kernels.write_and_attend import write_and_attend
 from tests.kernels.cases import make_case
 from tests.kernels.mode import BACKENDS, INTERPRET, require_backend
@@ -115,6 +116,24 @@ def test_pallas_kernels_over_bytes(backend, kv_format, layered_cache):
         got = ragged_paged_attention(q, k_all, v_all, *rest, layer=1, **kw)
     else:
         got = ragged_paged_attention(q, k_bytes, v_bytes, *rest, **kw)
+    n = case.num_real_tokens
+    np.testing.assert_allclose(np.asarray(got)[:n], np.asarray(want)[:n], rtol=2e-5,
+                               atol=2e-5 * float(np.abs(np.asarray(want)[:n]).max()))
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("tuning", [dict(prefetch=True, num_stages=1, block_kv=16,
+                                         target_programs=4096),
+                                    dict(direct_io=False, mask_split=False, block_kv=32)],
+                         ids=["prefetch_split", "tiled_masked"])
+def test_gpu_kernel_tunings_over_bytes(kv_format, tuning):
+    """The GPU kernel's tilings for byte caches (``gpu_config``), interpret mode."""
+    require_backend("gpu")
+    case, q, k_bytes, v_bytes, rest = _byte_case(kv_format, LENS[2], 2)
+    want = ragged_paged_attention(q, decode(k_bytes, kv_format), decode(v_bytes, kv_format),
+                                  *rest, sm_scale=0.125, backend="reference")
+    got = ragged_paged_attention_gpu(q, k_bytes, v_bytes, *rest, sm_scale=0.125,
+                                     interpret=INTERPRET, kv_format=kv_format, **tuning)
     n = case.num_real_tokens
     np.testing.assert_allclose(np.asarray(got)[:n], np.asarray(want)[:n], rtol=2e-5,
                                atol=2e-5 * float(np.abs(np.asarray(want)[:n]).max()))
