@@ -5,8 +5,10 @@ The host picks a batch's sampling program (``core.batch.step_features.features_o
 where a conditional inside a program makes the launch wait for the device, and on the
 CPU, where the conditionals' results are fresh copies of the [S, V] logits
 (``docs/benchmarks/design_measurements.md``). A TPU runs the program that decides with
-conditionals on the device for every batch. A GPU also runs a decode call's K iterations
-as a loop of known length (no early exit).
+conditionals on the device for every batch. On a GPU that program (the one for batches
+needing more than greedy or plain sampling) has no conditional either: traced there, it
+does all the optional sampling work for every row (``runtime.step.branch_free``). A GPU
+also runs a decode call's K iterations as a loop of known length (no early exit).
 """
 
 from __future__ import annotations

@@ -138,6 +138,8 @@ def test_gpu_tuning_table_is_read(tmp_path, monkeypatch):
 
     from pallas_kernels.ragged_paged_attention import gpu_config
 
+    monkeypatch.setattr(gpu_config, "TUNED_FILE", tmp_path / "none.json")  # no committed table
+    gpu_config._table.cache_clear()
     table = tmp_path / "tuning.json"
     table.write_text(json.dumps({"entries": [
         {"device": "H100", "phase": "decode", "kv_bytes": 2, "config": {"block_kv": 128}},
@@ -162,6 +164,23 @@ def test_gpu_tuning_table_is_read(tmp_path, monkeypatch):
     table.rename(str(table) + ".other")
     with pytest.raises(ValueError, match="unknown config fields"):
         gpu_config.config_for(decode=True, kind="H100", **kw)
+    gpu_config._table.cache_clear()
+
+
+def test_committed_gpu_tuning_is_read():
+    """``gpu_tuned.json`` (measured on a lent GPU) parses, says where it was measured,
+    names only known knobs, and its decode entry is what an H100 gets."""
+    import json
+
+    from pallas_kernels.ragged_paged_attention import gpu_config
+
+    entries = gpu_config._entries_from(gpu_config.TUNED_FILE)
+    assert {e["phase"] for e in entries} == {"decode", "prefill"}
+    assert "measured" in json.loads(gpu_config.TUNED_FILE.read_text())
+    kw = dict(kv_itemsize=2, compute_itemsize=2, head_dim=128, block_size=16, group_padded=4)
+    decode = gpu_config.config_for(decode=True, kind="NVIDIA H100 80GB HBM3", **kw)
+    want = next(e["config"] for e in entries if e["phase"] == "decode" and e["kv_bytes"] == 2)
+    assert all(getattr(decode, k) == v for k, v in want.items())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -13,9 +13,10 @@ the batch's numpy arrays, and a set of features is its own program (``suffix`` n
 it). A feature that no row needs is left out of the program; one that some row needs runs
 for every row, which is what the conditional's taken branch does: the tokens are the same
 either way. The runner runs one such program, ``BASE_FEATURES`` (greedy and plain
-sampling, what most batches need), and the program with conditionals for any other batch
-(``features_of``); the planner compiles ``ALL_FEATURES``, the largest. A TPU keeps the
-conditionals for every batch.
+sampling, what most batches need), and for any other batch the program that runs any batch
+(``features_of``: None), which on a GPU is traced with ``ALL_FEATURES`` (every optional
+part for every row, no conditional: ``runtime.step.branch_free``); the planner compiles
+``ALL_FEATURES``, the largest. A TPU keeps the conditionals for every batch.
 
 Invariant: a feature is False only when the device's own predicate would be false for
 the batch (computed over the same padded arrays, padding rows included).
