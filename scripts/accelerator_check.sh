@@ -12,8 +12,10 @@
 #                     matrix rate, the Pallas GPU attention kernel's tilings searched and
 #                     timed at Llama-3-8B decode shapes (64 x 2,048, 8 x 16,384, 256 x 512;
 #                     bf16, int8, fp8 KV) against JAX's shipped kernel, and prefill chunks in
-#                     TFLOP/s; writes gpu_tuned.json, which the later steps read
-#                     (JAXPAGE_GPU_ATTENTION_TUNING; TUNE_BUDGET seconds of search, default 150);
+#                     TFLOP/s (bf16 decode first, then prefill, then the byte formats); writes
+#                     gpu_tuned.json, which the later steps read (JAXPAGE_GPU_ATTENTION_TUNING;
+#                     TUNE_BUDGET seconds of search, default 150; TUNE_ARGS more flags, e.g.
+#                     "--no-search" to time the committed table only, in about a minute);
 #   step_phases       issue [18]: scripts/bench_step_phases.py on preset:llama3-8b: the
 #                     64 x (1,024 + 128) run split into prefill (against the FLOP bound) and
 #                     decode (weights + KV at the copy bandwidth), batch-1 decode against the
@@ -99,7 +101,7 @@ run_step() {  # name, then the command; output to $dir/<name>.log, status to the
 
 # Issue [18]: the attention kernel tuned and timed first; the steps after it read its table.
 run_step tune_attention "$PYTHON" scripts/tune_gpu_attention.py --budget-s "${TUNE_BUDGET:-150}" \
-    --json "$dir/tune_attention.json" --tuning-out "$dir/gpu_tuned.json"
+    --json "$dir/tune_attention.json" --tuning-out "$dir/gpu_tuned.json" ${TUNE_ARGS:-}
 if [ -s "$dir/gpu_tuned.json" ]; then
     export JAXPAGE_GPU_ATTENTION_TUNING="$(realpath "$dir/gpu_tuned.json")"
 fi

@@ -71,15 +71,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def timed(fn, *args, iters: int, warmup: int, before=None) -> float:
-    """Median seconds per call of an already-jitted ``fn`` (results awaited); ``before``
-    runs ahead of each timed call, untimed."""
+def timed(fn, *args, iters: int, warmup: int, before=None, repeats: int = 3) -> float:
+    """Seconds per call of an already-jitted ``fn``: ``iters`` calls launched back to back
+    and awaited once, the median of ``repeats`` such runs (the device's throughput, as
+    ``scripts/tune_gpu_attention.py`` times it; awaiting every call would add the host's
+    round trip to each). With ``before`` (run ahead of each call, untimed: the CPU's cache
+    eviction) every call is awaited and timed alone, the median taken."""
     for _ in range(max(1, warmup)):
         jax.block_until_ready(fn(*args))
     times = []
+    if before is None:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready([fn(*args) for _ in range(iters)])
+            times.append((time.perf_counter() - start) / iters)
+        return statistics.median(times)
     for _ in range(iters):
-        if before is not None:
-            before()
+        before()
         start = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)

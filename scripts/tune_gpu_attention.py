@@ -76,6 +76,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--top", type=int, default=3, help="configurations run on every shape")
     p.add_argument("--quick", action="store_true", help="a few configurations only")
+    p.add_argument("--no-search", action="store_true",
+                   help="time the kernel's own table (gpu_tuned.json or "
+                        "JAXPAGE_GPU_ATTENTION_TUNING) at every shape, with the untuned "
+                        "defaults and its variants beside it; search nothing")
     p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--tuning-out", type=Path, default=None)
@@ -219,6 +223,14 @@ def prefill_candidates(quick: bool) -> list[GpuKernelConfig]:
                      for bq, kv, w, st, pf in PREFILL_TILINGS]
 
 
+def table_config(*, decode: bool, kv_itemsize: int) -> GpuKernelConfig:
+    """What the kernel runs here when no knob is given: its table's entry, fitted."""
+    return config_for(decode=decode, kv_itemsize=kv_itemsize, compute_itemsize=2,
+                      head_dim=HEADS["head_dim"], block_size=HEADS["block_size"],
+                      group_padded=HEADS["num_q_heads"] // HEADS["num_kv_heads"],
+                      kind=jax.devices()[0].device_kind)
+
+
 def effective(configs, *, decode: bool, kv_itemsize: int) -> list[GpuKernelConfig]:
     """What the kernel runs for each (fitted to this device's shared memory), without
     repeats, in order."""
@@ -354,12 +366,14 @@ def tune_decode(args, ceilings, shapes, kv_format, deadline) -> dict:
     moved = [decode_bytes(b) for b in batches]
     searched = []
     kv_itemsize = batches[0]["k"].dtype.itemsize
-    for config in effective(decode_candidates(args.quick), decode=True, kv_itemsize=kv_itemsize):
+    candidates = ([table_config(decode=True, kv_itemsize=kv_itemsize)] if args.no_search
+                  else decode_candidates(args.quick))
+    for config in effective(candidates, decode=True, kv_itemsize=kv_itemsize):
         if searched and time.perf_counter() > deadline:
             break
         searched.append(try_config(batches[0], config, wants[0], args, moved[0]))
     ok = [r for r in searched if "ms" in r]
-    if ok and not args.quick and time.perf_counter() < deadline:
+    if ok and not (args.quick or args.no_search) and time.perf_counter() < deadline:
         best = GpuKernelConfig(**min(ok, key=lambda r: r["ms"])["config"])
         for config in effective(refine_candidates(best), decode=True, kv_itemsize=kv_itemsize):
             if time.perf_counter() > deadline:
@@ -401,7 +415,11 @@ def tune_prefill(args, ceilings, shapes, deadline) -> dict:
     want = np.asarray(kernel_fn(batches[0], DEFAULTS["prefill"], args.interpret)()
                       .astype(jnp.float32)) if "ms" in base else None
     searched = [base]
-    for config in effective(prefill_candidates(args.quick)[1:], decode=False, kv_itemsize=2):
+    candidates = ([table_config(decode=False, kv_itemsize=2)] if args.no_search
+                  else prefill_candidates(args.quick)[1:])
+    for config in effective(candidates, decode=False, kv_itemsize=2):
+        if config == DEFAULTS["prefill"]:
+            continue
         if time.perf_counter() > deadline:
             break
         searched.append(try_config(batches[0], config, want, args, flops=flops[0]))
@@ -530,7 +548,7 @@ def main(argv=None) -> int:
                                                   prefill=prefill_result, tuning=tuning),
                                              indent=1, default=str))
 
-    for kv_format in formats:
+    def decode_part(kv_format):
         deadline = time.perf_counter() + args.budget_s * shares[kv_format] / total
         result = tune_decode(args, ceilings, decode_shapes, kv_format, deadline)
         decode_results.append(result)
@@ -543,7 +561,9 @@ def main(argv=None) -> int:
               f"({len(result['searched'])} searched, {time.perf_counter() - began:.0f} s)",
               flush=True)
         print("\n".join(decode_table(result, ceilings)), flush=True)
-    if prefill_shapes:
+
+    def prefill_part():
+        nonlocal prefill_result
         deadline = time.perf_counter() + args.budget_s * shares["prefill"] / total
         prefill_result = tune_prefill(args, ceilings, prefill_shapes, deadline)
         entries.append(dict(device=device.device_kind, phase="prefill", kv_bytes=2,
@@ -551,6 +571,17 @@ def main(argv=None) -> int:
         save()
         print(f"prefill: chosen {prefill_result['chosen']} ({time.perf_counter() - began:.0f} s)",
               flush=True)
+        print("\n".join(prefill_table(prefill_result, ceilings)), flush=True)
+
+    # bf16 decode, then prefill, then the byte formats: a time limit cuts the last first
+    first = [f for f in formats if f == "bfloat16"]
+    for kv_format in first:
+        decode_part(kv_format)
+    if prefill_shapes:
+        prefill_part()
+    for kv_format in formats:
+        if kv_format not in first:
+            decode_part(kv_format)
     if args.tuning_out:
         os.environ[ENV_TUNING] = str(args.tuning_out)
 
