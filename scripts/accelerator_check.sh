@@ -31,8 +31,9 @@
 #                     call by phase and the fraction of wall time the device waits for the
 #                     host, tiny preset, K=1 and K=8 (HOST_RUNNING, default 16,256,1024;
 #                     HOST_WAITING, default 0,10000; HOST_REPEATS, default 5);
-#   kernel_tests      the GPU attention kernel's tests (and its tunings') compiled for the device
-#                     (JAXPAGE_KERNELS_ON_DEVICE=1: not interpret mode) against the jnp reference;
+#   kernel_tests      the GPU attention kernel's tests (and its tunings', byte caches too)
+#                     compiled for the device (JAXPAGE_KERNELS_ON_DEVICE=1: not interpret mode)
+#                     against the jnp reference, over KERNEL_TEST_WORKERS processes (pytest-xdist);
 #   kernel_tests_all  every Pallas kernel test file so compiled (not in the default steps);
 #   bench_kernels     scripts/bench_kernels.py: Llama-3-8B decode attention, batch 64, context
 #                     2048, bf16, against the measured bandwidth (and JAX's shipped kernel on a GPU);
@@ -107,8 +108,12 @@ if [ -s "$dir/gpu_tuned.json" ]; then
 fi
 run_step step_phases "$PYTHON" scripts/bench_step_phases.py --model preset:llama3-8b \
     --dtype bfloat16 --json "$dir/step_phases.json" --trace-dir "${TRACE_DIR:-$(mktemp -d)}"
-run_step kernel_tests env JAXPAGE_KERNELS_ON_DEVICE=1 "$PYTHON" -m pytest -q -x -p no:cacheprovider \
-    tests/kernels/test_attention_kernels.py -k "gpu or tuning"
+# each case compiles its kernel (~6 s there, on one core): spread the cases over worker
+# processes where pytest-xdist is installed, each taking GPU memory as it needs it
+workers=$("$PYTHON" -c 'import xdist' 2>/dev/null && echo "-n ${KERNEL_TEST_WORKERS:-8}")
+run_step kernel_tests env JAXPAGE_KERNELS_ON_DEVICE=1 XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    "$PYTHON" -m pytest -q -x -p no:cacheprovider $workers \
+    tests/kernels/test_attention_kernels.py tests/kernels/test_kv_quant.py -k "gpu or tuning"
 
 # Issue [16]: an 8B model ready within a minute cold, 10 s warm (the second start loads);
 # then the same 64 x (1,024 + 128) run started cold (ready set, the rest compiled in the

@@ -88,21 +88,13 @@ def test_host_decided_programs_have_no_branch_the_host_waits_for(kind, features)
         assert re.search(r" while\(.*known_trip_count", text)
 
 
-def test_device_decided_programs_have_none_either_on_a_gpu():
-    """The program a GPU runs for a batch that needs more than greedy or plain sampling
-    (top-k / top-p, penalties, log-probabilities, min_tokens, logit biases): traced on a
-    GPU, it does all of that work for every row, with no conditional
-    (``runtime.step.branch_free``), and its decode loop has a known length."""
-    for kind in ("step", "verify", "decode"):
-        text = _compiled_text(kind, None)
-        assert _host_waits(text) == [], kind
-
-
 def test_every_program_the_engine_builds_never_waits_on_a_gpu():
     """Every program of an engine's set on an H100 (``AbstractEngine.programs("all")``,
     what a live engine compiles over its life): the single steps and decode loops of
-    every bucket, host- and device-decided, the speculative verify steps, block moves and
-    the penalty fill, with the first layers of the default model."""
+    every bucket, host- and device-decided (the program a batch with top-k / top-p,
+    penalties, log-probabilities, min_tokens or logit biases runs: on a GPU it does all of
+    that for every row, ``runtime.step.branch_free``), the speculative verify steps, block
+    moves and the penalty fill, with the first layer of the default model."""
     from jaxpage.config import EngineConfig
     from jaxpage.planning.abstract_engine import AbstractEngine
 
