@@ -66,7 +66,8 @@ def _sort_threshold(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     """
     vocab = logits.shape[-1]
     sampled = temperature > 0                                               # [S]
-    needs_sort = jnp.any(sampled & ((top_k > 0) & (top_k < vocab) | (top_p < 1.0)))
+    cuts = sampled & ((top_k > 0) & (top_k < vocab) | (top_p < 1.0))       # [S]
+    needs_sort = jnp.any(cuts)
 
     def sorted_threshold() -> jax.Array:                                    # [S]
         ordered = -jnp.sort(-logits, axis=-1)                               # [S, V] descending
@@ -77,7 +78,10 @@ def _sort_threshold(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
         before = jnp.cumsum(probs, axis=-1) - probs   # probability mass ranked above each token
         keep = (before < top_p[:, None]) & (rank < k[:, None])
         num_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
-        return jnp.take_along_axis(ordered, (num_keep - 1)[:, None], axis=-1)[:, 0]
+        threshold = jnp.take_along_axis(ordered, (num_keep - 1)[:, None], axis=-1)[:, 0]
+        # a row that asks for no cut keeps every token: its float32 cumsum can reach 1.0
+        # before the tail and must not drop it because a batch-mate needed the sort
+        return jnp.where(cuts, threshold, -jnp.inf)
 
     def no_threshold() -> jax.Array:
         return jnp.full((logits.shape[0],), -jnp.inf, logits.dtype)

@@ -281,7 +281,7 @@ def ragged_paged_attention_gpu(
     if direct:
         q_spec = whole
         if splits == 1:
-            out_shape = jax.ShapeDtypeStruct((flat_rows, head_dim), q.dtype)
+            out_shape = jax.ShapeDtypeStruct((flat_rows, head_dim), out_dtype)
             out_specs = whole
         else:
             out_shape = (jax.ShapeDtypeStruct((splits, flat_rows, head_dim), jnp.float32),
@@ -294,7 +294,7 @@ def ragged_paged_attention_gpu(
     else:
         q_spec = pl.BlockSpec((None, None, rows, head_dim), ids(lambda t, h, s: (h, t, 0, 0)))
         if splits == 1:
-            out_shape = jax.ShapeDtypeStruct(q_in.shape, q.dtype)
+            out_shape = jax.ShapeDtypeStruct(q_in.shape, out_dtype)
             out_specs = q_spec
         else:
             acc_shape = (splits, num_kv_heads, num_tiles, rows)

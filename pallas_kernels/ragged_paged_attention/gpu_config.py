@@ -31,6 +31,8 @@ from pathlib import Path
 
 import jax
 
+from pallas_kernels.ragged_paged_attention.tiling import next_pow2
+
 TUNED_FILE = Path(__file__).with_name("gpu_tuned.json")
 ENV_TUNING = "JAXPAGE_GPU_ATTENTION_TUNING"
 PHASES = ("decode", "prefill")
@@ -135,7 +137,10 @@ def fit_shared_memory(config: GpuKernelConfig, *, head_dim: int, kv_itemsize: in
     Triton's own figure: float32, head_dim 256, 64 keys, 2 stages, 16 rows asked an H100
     for 278,784 bytes; 1 stage, 64 rows asked an A100 for 196,608.)"""
     budget = shared_memory_budget(kind)
-    block_kv, stages = config.block_kv, config.num_stages
+    # the KV tokens the kernel loads a step (``gpu.choose_blocks``): a power of two of at
+    # least 16, and at least a page
+    block_kv = max(next_pow2(max(config.block_kv, 16)), block_size)
+    stages = config.num_stages
     rows = query_rows(config, decode=decode, group_padded=group_padded)
     block_q = config.block_q
 

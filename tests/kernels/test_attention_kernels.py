@@ -169,18 +169,20 @@ def test_gpu_tuning_table_is_read(tmp_path, monkeypatch):
 
 def test_committed_gpu_tuning_is_read():
     """``gpu_tuned.json`` (measured on a lent GPU) parses, says where it was measured,
-    names only known knobs, and its decode entry is what an H100 gets."""
+    names only known knobs, and every entry is what the kernel runs at the heads it was
+    tuned on (Llama-3-8B's: the shared-memory fit leaves it as measured)."""
     import json
 
     from pallas_kernels.ragged_paged_attention import gpu_config
 
     entries = gpu_config._entries_from(gpu_config.TUNED_FILE)
-    assert {e["phase"] for e in entries} == {"decode", "prefill"}
-    assert "measured" in json.loads(gpu_config.TUNED_FILE.read_text())
-    kw = dict(kv_itemsize=2, compute_itemsize=2, head_dim=128, block_size=16, group_padded=4)
-    decode = gpu_config.config_for(decode=True, kind="NVIDIA H100 80GB HBM3", **kw)
-    want = next(e["config"] for e in entries if e["phase"] == "decode" and e["kv_bytes"] == 2)
-    assert all(getattr(decode, k) == v for k, v in want.items())
+    assert entries and "measured" in json.loads(gpu_config.TUNED_FILE.read_text())
+    for kind in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
+        for entry in entries:
+            got = gpu_config.config_for(
+                decode=entry["phase"] == "decode", kv_itemsize=entry["kv_bytes"],
+                compute_itemsize=2, head_dim=128, block_size=16, group_padded=4, kind=kind)
+            assert {k: getattr(got, k) for k in entry["config"]} == entry["config"], entry
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

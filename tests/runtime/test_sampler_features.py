@@ -108,3 +108,23 @@ def test_logit_bias_adds_to_the_named_tokens_only():
     want = np.zeros((2, 8), np.float32)
     want[0, 3], want[0, 5] = 2.0, -100.0
     np.testing.assert_array_equal(got, want)
+
+
+def test_a_row_without_top_k_or_top_p_keeps_every_token_beside_one_that_cuts():
+    """The sort runs for the whole batch when one sampled row asks for top-p (and on a GPU
+    for every batch the device-decided program runs, ``runtime.step.branch_free``); a
+    sampled row with neither top-k nor top-p then keeps its whole vocabulary, even where
+    its float32 running sum reaches 1.0 before the tail (a peaked row over a large
+    vocabulary), and a greedy row's threshold is never read."""
+    vocab = 32768
+    logits = np.full((3, vocab), -30.0, np.float32)
+    logits[:, 0] = 30.0                                   # one token holds almost all the mass
+    logits = jnp.asarray(logits)
+    temperature = jnp.asarray([1.0, 1.0, 0.0], jnp.float32)
+    top_k = jnp.asarray([0, 0, 0], jnp.int32)
+    top_p = jnp.asarray([0.5, 1.0, 1.0], jnp.float32)
+    for features in (None, ALL_FEATURES):
+        threshold = np.asarray(sampler._sort_threshold(logits, temperature, top_k, top_p,
+                                                       features))
+        assert threshold[0] == 30.0                       # top-p 0.5 keeps the one token
+        assert threshold[1] == -np.inf                    # no cut asked: none made
