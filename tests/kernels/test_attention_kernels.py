@@ -159,6 +159,15 @@ def test_gpu_tuning_table_is_read(tmp_path, monkeypatch):
     wide = gpu_config.config_for(decode=False, kind="NVIDIA H100 80GB HBM3", kv_itemsize=4,
                                  compute_itemsize=4, head_dim=256, block_size=16)
     assert 2 * wide.num_stages * wide.block_kv * 256 * 4 + 64 * 256 * 4 <= 203 * 1024
+    # an A100 at block 64 (two query heads a KV head): Triton asked 196,608 bytes of its
+    # 166,912 for one stage of 64 keys and 64 query rows; the fit takes the fewest rows
+    # (a page of keys cannot shrink), which compiled (the estimate keeps 24 KiB spare)
+    a100 = gpu_config.config_for(decode=False, kind="NVIDIA A100-SXM4-80GB", kv_itemsize=4,
+                                 compute_itemsize=4, head_dim=256, block_size=64,
+                                 group_padded=2)
+    rows = gpu_config.query_rows(a100, decode=False, group_padded=2)
+    assert (a100.num_stages, a100.block_kv, rows) == (1, 64, 16)
+    assert 2 * 64 * 256 * 4 + rows * 256 * 4 <= 166_912
     table.write_text(json.dumps({"entries": [{"phase": "decode", "config": {"tile": 3}}]}))
     monkeypatch.setenv(gpu_config.ENV_TUNING, str(table) + ".other")
     table.rename(str(table) + ".other")
