@@ -365,6 +365,17 @@ def shipped_kernel(b, args) -> dict:
     return best
 
 
+def fastest_everywhere(finalists, per_shape, rate: str, default: GpuKernelConfig):
+    """The finalist with the best geometric mean of ``rate`` over the shapes, among those
+    that ran and matched the reference at every shape (``default`` when none did)."""
+    scores = []
+    for i, config in enumerate(finalists):
+        rows = [s["rows"][i] for s in per_shape]
+        if all(r.get(rate) and usable(r) for r in rows):
+            scores.append((geomean([r[rate] for r in rows]), i))
+    return finalists[max(scores)[1]] if scores else default
+
+
 def geomean(values):
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else 0.0
 
@@ -401,12 +412,7 @@ def tune_decode(args, ceilings, shapes, kv_format, deadline) -> dict:
         per_shape.append(dict(batch=bs, context=ctx, bytes=nbytes, rows=rows,
                               shipped=shipped_kernel(b, args),
                               around_ms=around_kernel_ms(b, finalists[0], args)))
-    scores = []
-    for i, config in enumerate(finalists):
-        rates = [s["rows"][i].get("gb_s") for s in per_shape]
-        if all(rates) and all(usable(s["rows"][i]) for s in per_shape):
-            scores.append((geomean(rates), i))
-    chosen = finalists[max(scores)[1]] if scores else DEFAULTS["decode"]
+    chosen = fastest_everywhere(finalists, per_shape, "gb_s", DEFAULTS["decode"])
     for s in per_shape:
         s["shipped"]["gb_s"] = (s["bytes"] / s["shipped"]["ms"] * 1e-6
                                 if "ms" in s["shipped"] else None)
@@ -443,12 +449,7 @@ def tune_prefill(args, ceilings, shapes, deadline) -> dict:
         per_shape.append(dict(seqs=seqs, new=new, cached=cached, flops=f,
                               rows=[try_config(b, c, ref, args, flops=f) for c in finalists],
                               around_ms=around_kernel_ms(b, finalists[0], args)))
-    scores = []
-    for i, config in enumerate(finalists):
-        rates = [s["rows"][i].get("tflop_s") for s in per_shape]
-        if all(rates) and all(usable(s["rows"][i]) for s in per_shape):
-            scores.append((geomean(rates), i))
-    chosen = finalists[max(scores)[1]] if scores else DEFAULTS["prefill"]
+    chosen = fastest_everywhere(finalists, per_shape, "tflop_s", DEFAULTS["prefill"])
     return dict(searched=searched, per_shape=per_shape, chosen=chosen.to_json(),
                 best=finalists[0].to_json())
 
