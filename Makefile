@@ -30,7 +30,7 @@ generate: install                             # one chat answer, streamed to the
 	$(PYTHON) -m jaxpage.cli generate --chat "$(PROMPT)"
 
 test: install-test install-compilers          # the default suite (CI): cases marked slow are skipped
-	JAX_PLATFORMS=cpu $(PYTHON) -m pytest -m "not slow" --durations=30
+	JAX_PLATFORMS=cpu $(PYTHON) -m pytest -m "not slow" --durations=60
 
 test-all: install-test install-compilers      # everything, slow cases included
 	JAX_PLATFORMS=cpu $(PYTHON) -m pytest

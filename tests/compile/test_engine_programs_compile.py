@@ -92,7 +92,9 @@ def test_smollm2_every_bucket_on_one_v5e_chip():
 
 
 @pytest.mark.parametrize("target,tp,layers", [
-    ("v5e:2x4", 8, 4), ("v6e:1x1", 1, 4), ("h100", 1, 4),
+    # v6e's single chip compiles for ~100 s on 2 cores: the TPU case of the default suite
+    # is the v5e slice (and SmolLM2's single v5e chip above)
+    ("v5e:2x4", 8, 4), pytest.param("v6e:1x1", 1, 4, marks=pytest.mark.slow), ("h100", 1, 4),
     *(pytest.param(target, tp, 32, marks=pytest.mark.slow)
       for target, tp in (("v5e:2x4", 8), ("v6e:1x1", 1), ("h100", 1)))])
 def test_llama3_8b_largest_buckets(target, tp, layers):

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = """
@@ -63,6 +65,7 @@ def test_second_start_loads_every_program(tiny_checkpoints, tmp_path):
     assert again == {**cold, "loaded": 0}
 
 
+@pytest.mark.slow  # ~30 s: two starts; the plain second start above is the default suite's
 def test_a_ready_engine_second_start_compiles_nothing(tiny_checkpoints, tmp_path):
     """``warmup="ready"``, twice with one cache: the first start compiles its whole program
     set (the ready set, then the rest in the background), the second loads every one."""

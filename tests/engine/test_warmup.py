@@ -43,6 +43,7 @@ def test_nothing_compiles_after_warmup(tiny_checkpoints, compile_events):
     assert compile_events == []
 
 
+@pytest.mark.slow  # ~27 s; a draft model's warmup is test_draft_model.py's default case
 def test_nothing_compiles_after_warmup_with_speculation(tiny_checkpoints, compile_events):
     llm = LLM(tiny_checkpoints["llama"], max_model_len=64, max_num_seqs=4,
               max_num_batched_tokens=32, block_size=8, num_kv_blocks=32, warmup=True,
