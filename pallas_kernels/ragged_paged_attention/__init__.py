@@ -14,7 +14,8 @@ the reference.
 platform; asking for ``"gpu"`` / ``"tpu"`` on another platform without it raises a
 ``ValueError``. ``interpret`` does nothing for the reference. Under ``"auto"`` a GPU falls
 back to the reference for shapes the Triton kernel cannot tile (a head_dim or block_size
-that is not a power of two); an explicit ``"gpu"`` raises a ``ValueError`` for them.
+that is not a power of two, or a page too large for the device's shared memory); an
+explicit ``"gpu"`` raises a ``ValueError`` for them.
 The Pallas backends need ``sm_scale`` (and ``soft_cap``) as Python numbers: they are
 compile-time constants of the kernel.
 """
@@ -154,7 +155,12 @@ def _dispatch(resolved: str, backend: str, interpret: bool, head_dim: int, layer
         return ragged_paged_attention_cpu(*args, **kwargs)
     if resolved == "gpu":
         import pallas_kernels.ragged_paged_attention.gpu as gpu
-        reason = gpu.unsupported_reason(head_dim=head_dim, block_size=k_cache.shape[-3])
+        compute = q.dtype if kwargs.get("kv_format") else k_cache.dtype
+        reason = gpu.unsupported_reason(head_dim=head_dim, block_size=k_cache.shape[-3],
+                                        kv_itemsize=(None if interpret else
+                                                     jnp.dtype(k_cache.dtype).itemsize),
+                                        compute_itemsize=jnp.dtype(compute).itemsize,
+                                        group=q.shape[1] // k_cache.shape[-2])
         if reason and backend == "auto":
             return ragged_paged_attention_reference(*args, **kwargs)  # shapes Triton can't tile
         return gpu.ragged_paged_attention_gpu(*args, interpret=interpret, **kwargs)

@@ -37,18 +37,28 @@ from jax.experimental.pallas import triton as plgpu
 
 import pallas_kernels.ragged_paged_attention.tiling as tiling
 from pallas_kernels.kv_quant import decode
-from pallas_kernels.ragged_paged_attention.gpu_config import GpuKernelConfig, config_for
+from pallas_kernels.ragged_paged_attention.gpu_config import (
+    GpuKernelConfig, config_for, device_kind, too_large_reason)
 from pallas_kernels.precision import dot_precision
 
 MIN_DOT = 16  # Triton's tensor-core dot wants every dimension >= 16
 
 
-def unsupported_reason(*, head_dim: int, block_size: int) -> str | None:
-    """Why this kernel cannot take these shapes (None when it can)."""
+def unsupported_reason(*, head_dim: int, block_size: int, kv_itemsize: int | None = None,
+                       compute_itemsize: int | None = None, group: int = 1,
+                       kind: str | None = None) -> str | None:
+    """Why this kernel cannot take these shapes (None when it can). With the element
+    sizes, also whether one page's tiles fit the device's shared memory
+    (``gpu_config.too_large_reason``; ``kind``: the device kind, default the device's)."""
     for name, value in (("head_dim", head_dim), ("block_size", block_size)):
         if value & (value - 1):
             return f"the Pallas GPU kernel needs a power-of-two {name}, got {value}"
-    return None
+    if kv_itemsize is None:
+        return None
+    return too_large_reason(head_dim=head_dim, block_size=block_size, kv_itemsize=kv_itemsize,
+                            compute_itemsize=compute_itemsize or kv_itemsize,
+                            group_padded=tiling.next_pow2(group),
+                            kind=device_kind() if kind is None else kind)
 
 
 def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] each
@@ -229,10 +239,13 @@ def ragged_paged_attention_gpu(
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape[-4:]
     max_num_seqs, max_blocks = block_tables.shape
     group = num_q_heads // num_kv_heads
-    reason = unsupported_reason(head_dim=head_dim, block_size=block_size)
+    compute_dtype = q.dtype if kv_format is not None else k_cache.dtype
+    kv_itemsize = jnp.dtype(k_cache.dtype).itemsize
+    reason = unsupported_reason(head_dim=head_dim, block_size=block_size,
+                                kv_itemsize=None if interpret else kv_itemsize,  # no device
+                                compute_itemsize=jnp.dtype(compute_dtype).itemsize, group=group)
     if reason:
         raise ValueError(reason)
-    compute_dtype = q.dtype if kv_format is not None else k_cache.dtype
     out_dtype = q.dtype
     config = config_for(decode=num_tokens <= max_num_seqs,
                         kv_itemsize=jnp.dtype(k_cache.dtype).itemsize,

@@ -145,9 +145,9 @@ def fit_shared_memory(config: GpuKernelConfig, *, head_dim: int, kv_itemsize: in
     block_q = config.block_q
 
     def need() -> int:
-        converted = block_kv * head_dim * compute_itemsize if kv_itemsize < compute_itemsize else 0
-        return (2 * max(stages, 1) * block_kv * head_dim * kv_itemsize + converted
-                + rows * head_dim * compute_itemsize)
+        return shared_memory_need(stages=stages, block_kv=block_kv, rows=rows,
+                                  head_dim=head_dim, kv_itemsize=kv_itemsize,
+                                  compute_itemsize=compute_itemsize)
 
     while need() > budget and stages > 1:
         stages -= 1
@@ -157,6 +157,32 @@ def fit_shared_memory(config: GpuKernelConfig, *, head_dim: int, kv_itemsize: in
         rows //= 2
         block_q = rows // group_padded
     return dataclasses.replace(config, block_kv=block_kv, num_stages=stages, block_q=block_q)
+
+
+def shared_memory_need(*, stages: int, block_kv: int, rows: int, head_dim: int,
+                       kv_itemsize: int, compute_itemsize: int) -> int:
+    """Bytes of shared memory the kernel keeps (``fit_shared_memory``'s estimate)."""
+    converted = block_kv * head_dim * compute_itemsize if kv_itemsize < compute_itemsize else 0
+    return (2 * max(stages, 1) * block_kv * head_dim * kv_itemsize + converted
+            + rows * head_dim * compute_itemsize)
+
+
+def too_large_reason(*, head_dim: int, block_size: int, kv_itemsize: int,
+                     compute_itemsize: int, group_padded: int, kind: str) -> str | None:
+    """Why even the smallest tiling (one stage, one page of keys a step, the fewest query
+    rows) overflows the device's shared memory; None when it fits. The kernel loads whole
+    pages, so a page of a wide float32 head can be too much on its own (head_dim 256,
+    128-token pages: 256 KiB of K and V against an H100's 227 KiB)."""
+    need = shared_memory_need(stages=1, block_kv=max(16, block_size),
+                              rows=max(16, group_padded), head_dim=head_dim,
+                              kv_itemsize=kv_itemsize, compute_itemsize=compute_itemsize)
+    budget = shared_memory_budget(kind)
+    if need <= budget:
+        return None
+    return (f"the Pallas GPU kernel needs {need:,} bytes of shared memory for one page of "
+            f"{block_size} tokens at head_dim {head_dim} in {kv_itemsize}-byte elements, "
+            f"more than the {budget:,} it may use on {kind or 'this GPU'}: use a smaller "
+            f"block_size or a narrower dtype")
 
 
 def query_rows(config: GpuKernelConfig, *, decode: bool, group_padded: int) -> int:

@@ -105,6 +105,30 @@ def test_kernels_compile_for_target(target, family, dtype_name, block_size):
                       new, new, ((64,), jnp.int32))
 
 
+def test_a_page_too_large_for_shared_memory_falls_back_on_auto_and_is_refused_on_gpu():
+    """float32, head_dim 256, 128-token pages: one page of K and V is 256 KiB, more than an
+    H100 block may hold, and the kernel loads whole pages. ``backend="auto"`` compiles the
+    reference for it; ``backend="gpu"`` raises a ValueError naming the need and the limit
+    (Triton failed to compile it before, from inside jit)."""
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+    device = target_devices("h100")[0]
+    specs = [((8, 2, 256), jnp.float32), ((16, 128, 1, 256), jnp.float32),
+             ((16, 128, 1, 256), jnp.float32), ((8,), jnp.int32), ((8, 4), jnp.int32),
+             ((9,), jnp.int32), ((1,), jnp.int32)]
+    compiled = compile_on_device(device, ragged_paged_attention, *specs,
+                                 static_kwargs=dict(sm_scale=0.0625, backend="auto"))
+    assert "__gpu$xla.gpu.triton" not in compiled.as_text()   # no Pallas call: the reference
+    with pytest.raises(ValueError, match=r"needs 278,528 bytes of shared memory.*block_size"):
+        compile_on_device(device, ragged_paged_attention, *specs,
+                          static_kwargs=dict(sm_scale=0.0625, backend="gpu"))
+    # bfloat16 pages of the same shape fit (128 KiB of K and V)
+    bf16 = [(shape, jnp.bfloat16 if dtype == jnp.float32 else dtype) for shape, dtype in specs]
+    compiled = compile_on_device(device, ragged_paged_attention, *bf16,
+                                 static_kwargs=dict(sm_scale=0.0625, backend="gpu"))
+    assert "__gpu$xla.gpu.triton" in compiled.as_text()   # the Pallas kernel
+
+
 KV_FORMAT_CASES = [("v5e:1x1", "int8", "llama3_8b", 16), ("v6e:1x1", "fp8_e4m3", "smollm2", 32),
                    ("v5p:2x2x1", "fp8_e5m2", "qwen2_7b", 64), ("h100", "fp8_e4m3", "llama3_8b", 16),
                    ("a100", "int8", "smollm2", 32), ("v5e:1x1", "fp8_e4m3", "gemma_d256_tp8", 16),
