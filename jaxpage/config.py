@@ -24,8 +24,8 @@ def _require(condition: bool, message: str) -> None:
 
 # jaxpage's own modes, then the pre-quantized checkpoint methods (checked against the
 # checkpoint: ``jaxpage.models.prequantized``), vLLM's kernel-specific aliases included
-SUPPORTED_QUANTIZATION = (None, "int8", "int4", "gguf", "compressed-tensors", "awq", "gptq",
-                          "awq_marlin", "gptq_marlin")
+SUPPORTED_QUANTIZATION = (None, "int8", "int4", "gguf", "compressed-tensors", "fp8", "awq",
+                          "gptq", "awq_marlin", "gptq_marlin")
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 

@@ -68,6 +68,7 @@ class SafetensorsSource(HFTensorSource):
 
 # safetensors dtypes that its numpy reader cannot build, as ml_dtypes' numpy types
 _RAW_DTYPES = {"F8_E4M3": jnp.float8_e4m3fn, "F8_E5M2": jnp.float8_e5m2,
+               "F8_E8M0": jnp.float8_e8m0fnu,  # power-of-two scales (FP8 "ue8m0")
                "BF16": jnp.bfloat16}
 
 

@@ -1,5 +1,5 @@
-"""Pre-quantized checkpoints (compressed-tensors, AWQ, GPTQ) read as stored, against
-Hugging Face loading the same folder.
+"""Pre-quantized checkpoints (compressed-tensors, Hugging Face FP8, AWQ, GPTQ) read as
+stored, against Hugging Face loading the same folder.
 
 The folders under ``tests/data/quantized/`` were made from one tiny random Llama by each
 format's own tool (llm-compressor 0.14 / compressed-tensors 0.20, AutoAWQ 0.2.9,
@@ -171,5 +171,106 @@ def test_an_unsupported_format_is_named_with_the_supported_ones(method, tmp_path
     config["quantization_config"] = {"quant_method": method, "load_in_4bit": True}
     with open(folder / "config.json", "w") as f:
         json.dump(config, f)
-    with pytest.raises(ValueError, match=f"'{method}'.*compressed-tensors, awq, gptq"):
+    with pytest.raises(ValueError, match=f"'{method}'.*compressed-tensors, fp8, awq, gptq"):
         LLM(model=str(folder), **ENGINE)
+
+
+def hf_fp8_checkpoint(directory, *, block, scale_fmt="float", scheme="dynamic") -> str:
+    """``float_source`` quantized to Hugging Face's fine-grained FP8 by ``transformers``' own
+    quantizer (``Fp8Quantize``, the op behind ``FineGrainedFP8Config``; it needs a GPU only
+    to run the model, not to write it), the LM head kept in float as the format does. With
+    ``scheme="static"`` every linear also gets a per-tensor ``activation_scale``."""
+    import types
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    config = FineGrainedFP8Config(weight_block_size=block, scale_fmt=scale_fmt,
+                                  activation_scheme=scheme, modules_to_not_convert=["lm_head"])
+    quantize = Fp8Quantize(types.SimpleNamespace(quantization_config=config))
+    source = os.path.join(ROOT, "float_source")
+    tensors = {}
+    for name, value in load_file(os.path.join(source, "model.safetensors")).items():
+        if not name.endswith("proj.weight"):
+            tensors[name] = value
+            continue
+        tensors.update(quantize.convert({name: value}))
+        if scheme == "static":
+            tensors[name.replace(".weight", ".activation_scale")] = torch.tensor(0.01 * len(name))
+    os.makedirs(directory, exist_ok=True)
+    save_file(tensors, os.path.join(directory, "model.safetensors"))
+    with open(os.path.join(source, "config.json")) as f:
+        hf_config = json.load(f)
+    hf_config["quantization_config"] = json.loads(json.dumps(config.to_dict()))
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(hf_config, f)
+    return str(directory)
+
+
+HF_FP8 = {"block32": dict(block=[32, 32]), "block32_ue8m0": dict(block=[32, 32], scale_fmt="ue8m0"),
+          "per_tensor": dict(block=None), "per_tensor_static": dict(block=None, scheme="static")}
+
+
+@pytest.mark.parametrize("case", list(HF_FP8))
+def test_hf_fp8_checkpoint_gives_hugging_faces_logits_and_tokens(case, tmp_path):
+    """A fine-grained FP8 checkpoint (block or per-tensor scales, float32 or power-of-two
+    ue8m0 scales) through ``LLM(model=path)``: Hugging Face dequantizes it on the CPU, and
+    so does jaxpage (no FP8 units): the same logits to float32 rounding and greedy tokens."""
+    from jaxpage import LLM
+    from tests.reference import hf_greedy
+
+    path = hf_fp8_checkpoint(tmp_path / case, **HF_FP8[case])
+    llm = LLM(model=path, **ENGINE)
+    assert llm.get_stats()["quantization"] == "fp8"
+    plan = llm.llm_engine.runner.quant_plan
+    assert set(plan) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                         "down_proj"}                     # the LM head stays float
+    block = HF_FP8[case]["block"]
+    assert plan["down_proj"].group_size == (block[1] if block else None)
+    # per-tensor weights multiply FP8 activations where the chip can (W8A8), blocks never
+    assert plan["q_proj"].activations == (None if block else HF_FP8[case].get("scheme",
+                                                                               "dynamic"))
+    ids = [3, 17, 42, 9, 88, 5, 61, 23]
+    model = load_hf_model(path)
+    logits, greedy = _logits_and_greedy(llm, ids)
+    assert np.abs(logits - hf_logits(model, ids)).max() < 1e-4
+    assert greedy == hf_greedy(model, ids, 12, None)
+
+
+def test_hf_fp8_static_activations_are_read_as_stored(tmp_path, native_w8a8):
+    """``activation_scheme: "static"``: each linear's stored ``activation_scale`` is the
+    input scale its activations are quantized by where the chip multiplies FP8."""
+    from jaxpage import LLM
+
+    path = hf_fp8_checkpoint(tmp_path / "static", block=None, scheme="static")
+    llm = LLM(model=path, **ENGINE)
+    assert llm.llm_engine.runner.quant_plan["o_proj"].activations == "static"
+    name = "model.layers.1.self_attn.o_proj.activation_scale"
+    stored = 0.01 * len(name.replace(".activation_scale", ".weight"))
+    o_proj = llm.llm_engine.runner.params["layers"][1]["o_proj"]
+    assert float(np.asarray(o_proj["input_scale"]).reshape(-1)[0]) == pytest.approx(stored)
+
+
+def test_hf_fp8_configs_and_shapes_are_checked(tmp_path):
+    from jaxpage import LLM
+
+    path = hf_fp8_checkpoint(tmp_path / "fp8", block=[32, 32])
+    assert LLM(model=path, quantization="fp8", **ENGINE).get_stats()["quantization"] == "fp8"
+    with pytest.raises(ValueError, match="quantized with 'fp8'"):
+        LLM(model=path, quantization="awq", **ENGINE)
+    with pytest.raises(ValueError, match="reads a checkpoint stored in that format"):
+        LLM(model=os.path.join(ROOT, "float_source"), quantization="fp8", **ENGINE)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    for key, value, message in (("weight_block_size", [64, 64], r"weight_scale_inv has shape"),
+                                ("weight_block_size", [32], "two positive integers"),
+                                ("activation_scheme", "tensor", "activation_scheme='tensor'"),
+                                ("scale_fmt", "e4m3", "scale_fmt='e4m3'")):
+        changed = json.loads(json.dumps(config))
+        changed["quantization_config"][key] = value
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(changed, f)
+        with pytest.raises(ValueError, match=message):
+            LLM(model=path, **ENGINE)

@@ -30,14 +30,20 @@ def test_int8_weights_and_int8_kv_tp_1_2_4(tp_checkpoints, tp_prompts):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fixture", ["gptq_actorder", "ct_fp8_static"])
-def test_prequantized_checkpoint_tp_1_2(fixture):
+@pytest.mark.parametrize("fixture", ["gptq_actorder", "ct_fp8_static", "hf_fp8_block32"])
+def test_prequantized_checkpoint_tp_1_2(fixture, tmp_path):
     """A pre-quantized checkpoint's stored parts shard like their weights (an act-order
-    permutation and a static activation scale are replicated): the same greedy tokens at
-    tensor_parallel_size 1 and 2."""
+    permutation and a static activation scale are replicated; FP8 block scales split with
+    their weight): the same greedy tokens at tensor_parallel_size 1 and 2."""
     import os
 
-    model = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "quantized", fixture)
+    from tests.models.test_prequantized import hf_fp8_checkpoint
+
+    if fixture == "hf_fp8_block32":
+        model = hf_fp8_checkpoint(tmp_path / fixture, block=[32, 32])
+    else:
+        model = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "quantized",
+                             fixture)
     prompts = [[1, 5, 9, 17, 33, 65], [200, 7, 3, 99, 150, 42, 250]]
     result = run_worker("tensor_parallel", dict(
         model=model, tp_sizes=[1, 2], prompts=prompts, max_tokens=8,

@@ -1,6 +1,8 @@
-"""Pre-quantized Hugging Face checkpoints, read as stored: compressed-tensors, AWQ, GPTQ.
+"""Pre-quantized Hugging Face checkpoints, read as stored: compressed-tensors, Hugging
+Face's FP8, AWQ, GPTQ.
 
-A checkpoint quantized by its format's own tool (llm-compressor, AutoAWQ, GPTQModel) says
+A checkpoint quantized by its format's own tool (llm-compressor, AutoAWQ, GPTQModel,
+``transformers``' ``FineGrainedFP8Config``) says
 so in ``config.json``'s ``quantization_config`` (or an older ``quant_config.json`` /
 ``quantize_config.json`` beside it). ``stored_quantization`` reads that into a
 ``StoredQuantization``; its ``plan`` names the parameters stored quantized (found by
@@ -14,6 +16,9 @@ into ``jaxpage.models.quantize``'s parts in our ``[in, out]`` layout, the same w
   ``pack-quantized`` (4 or 8 bits, packed eight or four to an int32 along the input,
   stored as value + 2^(bits-1); optional ``weight_zero_point``, packed along the output):
   int8 codes (a zero where the zero points are not zero), or 4-bit codes with a zero;
+* Hugging Face FP8 (``quant_method: "fp8"``: e4m3 ``weight`` and ``weight_scale_inv`` per
+  ``weight_block_size`` block or per tensor; ``fp8.py``): FP8 codes, the scale spread to
+  ``[G, N]``;
 * AWQ (GEMM layout): ``qweight`` int32 ``[K, N / 8]`` and ``qzeros`` ``[G, N / 8]``
   packed along the output in the order 0, 2, 4, 6, 1, 3, 5, 7; ``scales [G, N]``;
   ``W = (q - z) * s``;
@@ -41,14 +46,15 @@ import numpy as np
 from jaxpage.models.prequantized.awq import AWQ
 from jaxpage.models.prequantized.base import StoredQuantization
 from jaxpage.models.prequantized.compressed_tensors import COMPRESSED_FORMATS, CompressedTensors
+from jaxpage.models.prequantized.fp8 import HfFp8
 from jaxpage.models.prequantized.gptq import GPTQ
 from jaxpage.models.quantize import FP8_DTYPE, QuantFormat
 
-STORED_METHODS = ("compressed-tensors", "awq", "gptq")
-READERS = {"compressed-tensors": CompressedTensors, "awq": AWQ, "gptq": GPTQ}
+STORED_METHODS = ("compressed-tensors", "fp8", "awq", "gptq")
+READERS = {"compressed-tensors": CompressedTensors, "fp8": HfFp8, "awq": AWQ, "gptq": GPTQ}
 # ``quantization=`` names that mean a stored method (vLLM's kernel-specific names too)
 METHOD_ALIASES = {"compressed-tensors": "compressed-tensors",
-                  "compressed_tensors": "compressed-tensors", "awq": "awq",
+                  "compressed_tensors": "compressed-tensors", "fp8": "fp8", "awq": "awq",
                   "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq"}
 
 

@@ -1,0 +1,94 @@
+"""Hugging Face's fine-grained FP8 checkpoints (``quant_method: "fp8"``): the format of
+DeepSeek-V3 / R1 and of the Qwen3 ``-FP8`` models, written by ``transformers``'
+``FineGrainedFP8Config``.
+
+Each quantized linear stores ``weight`` as float8 e4m3 ``[N, K]`` and ``weight_scale_inv``,
+the factor that multiplies the codes back (``W = q * s``): per block of
+``weight_block_size = [bn, bk]`` (``[ceil(N / bn), ceil(K / bk)]``), or one per tensor
+without a block size. ``scale_fmt: "ue8m0"`` stores each scale as a power of two in one
+byte (float8 e8m0). Modules in ``modules_to_not_convert`` (the LM head, as a rule) are
+stored in float and found by their tensors.
+
+Activations: ``activation_scheme: "static"`` stores a per-tensor ``activation_scale``;
+``"dynamic"`` scales at run time. A per-tensor weight runs W8A8 where the chip multiplies
+FP8 (``QuantFormat.activations``; dynamic activations per token, as vLLM runs these
+checkpoints), weight-only elsewhere. Block-scaled weights run weight-only everywhere (the
+scales become groups of ``bk`` input rows, each repeated over its ``bn`` output columns):
+their checkpoints quantize activations per token and per 128 channels, which no native
+path here multiplies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from jaxpage.models.prequantized.base import Getter, StoredQuantization
+from jaxpage.models.quantize import FP8_DTYPE, QuantFormat
+
+ACTIVATION_SCHEMES = ("dynamic", "static")
+SCALE_FORMATS = ("float", "ue8m0")
+
+
+class HfFp8(StoredQuantization):
+    """``quant_method: "fp8"`` (see the module)."""
+
+    def __init__(self, config: dict[str, Any], directory: str) -> None:
+        super().__init__(config, directory, "fp8")
+        block = config.get("weight_block_size")
+        if block is not None and (len(block) != 2 or any(int(b) < 1 for b in block)):
+            raise ValueError(f"{directory!r}: weight_block_size={block!r} must be two "
+                             "positive integers or null")
+        self.block = None if block is None else (int(block[0]), int(block[1]))
+        self.scheme = str(config.get("activation_scheme") or "dynamic").lower()
+        if self.scheme not in ACTIVATION_SCHEMES:
+            raise ValueError(f"{directory!r}: activation_scheme={self.scheme!r} is not one of "
+                             f"{ACTIVATION_SCHEMES}")
+        scale_fmt = config.get("scale_fmt") or "float"
+        if scale_fmt not in SCALE_FORMATS:
+            raise ValueError(f"{directory!r}: scale_fmt={scale_fmt!r} is not one of "
+                             f"{SCALE_FORMATS}")
+
+    def is_stored(self, module: str, names: set[str]) -> bool:
+        return f"{module}.weight_scale_inv" in names
+
+    def format_of(self, module: str, names: set[str]) -> QuantFormat:
+        if self.block is not None:
+            return QuantFormat(8, self.block[1], "fp8")
+        return QuantFormat(8, None, "fp8", activations=self.scheme)
+
+    def read(self, get: Getter, names: set[str], module: str,
+             fmt: QuantFormat) -> dict[str, np.ndarray]:
+        w = np.asarray(get(f"{module}.weight"))                              # [N, K] f8
+        if w.dtype != FP8_DTYPE:
+            if w.dtype.itemsize != 1:
+                raise ValueError(f"{self.directory!r}: {module}.weight is {w.dtype}, not FP8")
+            w = w.view(np.uint8).view(FP8_DTYPE)
+        n, k = w.shape
+        scale = np.asarray(get(f"{module}.weight_scale_inv")).astype(np.float32)
+        parts = {"codes": np.ascontiguousarray(w.T),
+                 "scale": self._scale_to_groups(scale, n, k, module)}
+        if fmt.activations == "static":
+            parts["input_scale"] = np.asarray(get(f"{module}.activation_scale"),
+                                              np.float32).reshape(-1)[:1]
+        return parts
+
+    def _scale_to_groups(self, scale: np.ndarray, n: int, k: int, module: str) -> np.ndarray:
+        """``weight_scale_inv`` -> float32 [G, N] for the weight [N, K] as stored."""
+        if self.block is None:
+            if scale.size != 1:
+                raise ValueError(f"{self.directory!r}: {module}.weight_scale_inv has shape "
+                                 f"{scale.shape}; without weight_block_size it is one scale")
+            return np.full((1, n), scale.reshape(()), np.float32)
+        bn, bk = self.block
+        expected = (-(-n // bn), -(-k // bk))
+        if scale.shape != expected:
+            raise ValueError(f"{self.directory!r}: {module}.weight_scale_inv has shape "
+                             f"{scale.shape}, not {expected} for a [{n}, {k}] weight in "
+                             f"blocks of {self.block}")
+        if k % bk:
+            raise ValueError(f"{self.directory!r}: {module} has {k} inputs, not a multiple of "
+                             f"its scale block's {bk}; jaxpage reads whole input blocks only")
+        rows = np.repeat(scale, bn, axis=0)[:n]                               # [N, K / bk]
+        return np.ascontiguousarray(rows.T)
