@@ -69,8 +69,9 @@ ENGINE_FLAGS = {
     "long_prefill_token_threshold": (int, "most prompt tokens one request takes a step (0: off)"),
     "num_scheduler_steps": (int, "decode iterations per device call when all decode"),
     "bucket_growth": (int, "factor between bucket rungs (2: powers of two; larger: fewer programs)"),
-    "quantization": (str, "int8, int4 or gguf (keep a GGUF file's Q8_0/Q4_0/Q4_1 blocks); "
-                     "pre-quantized checkpoints (compressed-tensors, awq, gptq) are detected"),
+    "quantization": (str, "int8, int4, fp8 (W8A8 where the GPU has FP8) or gguf (keep a GGUF "
+                     "file's Q8_0/Q4_0/Q4_1 blocks); pre-quantized checkpoints "
+                     "(compressed-tensors, fp8, awq, gptq) are detected"),
     "quantization_group_size": (int, "int8 / int4: input rows per scale (default 32; 0: per output channel)"),
     "hf_overrides": (_json_object, "JSON object of Hugging Face config keys to replace"),
     "speculative_config": (_json_object, "speculative decoding as a JSON object, e.g. "

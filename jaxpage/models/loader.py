@@ -139,7 +139,7 @@ def load_model(path: str | None, *, dtype: str = "float32", attention_backend: s
             raise ValueError(f"load_format={load_format!r}: {path!r} has no weights to read")
         if quantization == "gguf":
             raise ValueError(f"quantization='gguf' needs a GGUF file, not {path!r}")
-        if canonical_method(quantization or "") is not None:
+        if quantization not in QUANTIZATION_MODES and canonical_method(quantization or ""):
             raise ValueError(f"quantization={quantization!r} needs a checkpoint stored that "
                              f"way, not {path!r}")
         return _random_preset(path, dtype, attention_backend, mesh, hf_overrides,
@@ -266,8 +266,8 @@ def _source_plan(source: Any, path: str, run_arch: ArchConfig, quantization: str
         return stored.method, plan
     saved = getattr(source, "saved_quantization", None)
     if getattr(source, "architecture_is_saved", False) and saved is None and quantization in (
-            "int8", "int4"):  # a float orbax checkpoint: restored, then quantized
-        plan = mode_plan(quantization, quantizable_dims(run_arch), group_size)
+            "int8", "int4", "fp8"):  # a float orbax checkpoint: restored, then quantized
+        plan = _device_mode_plan(quantization, run_arch, group_size, mesh)
         source.quantizes_after_restore = True
         return quantization, plan
     if saved is not None or getattr(source, "architecture_is_saved", False):
@@ -278,10 +278,10 @@ def _source_plan(source: Any, path: str, run_arch: ArchConfig, quantization: str
                              f"loaded with quantization={quantization!r}: load the original "
                              "checkpoint to quantize it differently")
         return saved, dict(getattr(source, "quant_plan", {}) or {})
-    if canonical_method(quantization or "") is not None:
+    if quantization not in QUANTIZATION_MODES and canonical_method(quantization or "") is not None:
         raise ValueError(f"quantization={quantization!r} reads a checkpoint stored in that "
-                         f"format, but {path!r} is not one (use 'int8' / 'int4' to quantize "
-                         "it as it loads)")
+                         f"format, but {path!r} is not one (use 'int8' / 'int4' / 'fp8' to "
+                         "quantize it as it loads)")
     if quantization is None:
         plan: dict[str, QuantFormat] = (source.gguf_plan(run_arch) if lossless_blocks
                                         and hasattr(source, "gguf_plan") else {})
@@ -291,9 +291,17 @@ def _source_plan(source: Any, path: str, run_arch: ArchConfig, quantization: str
                              f"{path!r} is not a GGUF file (use 'int8' or 'int4')")
         plan = source.gguf_plan(run_arch)
     else:
-        plan = mode_plan(quantization, quantizable_dims(run_arch), group_size)
+        plan = _device_mode_plan(quantization, run_arch, group_size, mesh)
     source.quant_plan = plan
     return quantization, plan
+
+
+def _device_mode_plan(mode: str, arch: ArchConfig, group_size: int | None,
+                      mesh: Any) -> dict[str, QuantFormat]:
+    """``mode_plan`` for the device the weights go to (W8A8 codes ``[out, in]`` on a GPU
+    that multiplies them natively: ``prequantized.for_device``)."""
+    device = next(iter(mesh.devices.flat)) if mesh is not None else jax.devices()[0]
+    return for_device(mode_plan(mode, quantizable_dims(arch), group_size), device)
 
 
 def _random_preset(name: str, dtype: str, attention_backend: str, mesh: Any,
@@ -342,7 +350,7 @@ def _quantized_preset(name: str, hf_config: dict[str, Any], model_cls: Any, arch
     placement = Placement(mesh)
     arch = replicated_arch(arch, placement.tp_size) if mesh is not None else arch
     floats = nnx.to_pure_dict(nnx.split(model_cls(arch, dtype=jdtype, rngs=nnx.Rngs(0)))[1])
-    plan = mode_plan(quantization, quantizable_dims(arch), group_size)
+    plan = _device_mode_plan(quantization, arch, group_size, mesh)
     abstract = model_cls(arch, dtype=jdtype, attention_backend=attention_backend, rngs=None,
                          mesh=mesh, quant_plan=plan)
     graphdef, state = nnx.split(abstract)

@@ -17,6 +17,12 @@ Modes (``quantization=``):
   per group (default 32, same rule); the embedding and the LM head in int8 with groups of
   128 (as llama.cpp's Q4_K_M keeps them at 6-8 bits). On SmolLM2 groups of 128 or a 4-bit
   embedding cost 6-44% perplexity; this costs 0.2% (``docs/quantization.md``).
+* ``"fp8"``: the decoder layers' linear weights as float8 e4m3 codes with one scale per
+  output channel (``max |w| / 448``), their activations quantized per token where the chip
+  multiplies FP8 (W8A8, ``QuantFormat.activations``) and weight-only elsewhere; the
+  embedding and the LM head stay in the model dtype. vLLM's ``--quantization fp8`` on a
+  float checkpoint. (On a checkpoint stored as Hugging Face FP8, ``"fp8"`` names that
+  stored method instead: ``jaxpage.models.prequantized``.)
 * ``"gguf"``: a GGUF file's Q8_0, Q4_0 and Q4_1 tensors as stored (blocks of 32 along the
   input, repacked once into the formats above, bit for bit the same weights); tensors of
   other types are dequantized to the model dtype as without quantization.
@@ -35,13 +41,14 @@ from typing import Any, Iterable, Iterator
 import jax.numpy as jnp
 import numpy as np
 
-QUANTIZATION_MODES = ("int8", "int4", "gguf")
+QUANTIZATION_MODES = ("int8", "int4", "fp8", "gguf")
 QUANTIZABLE = ("embed", "lm_head", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                "up_proj", "down_proj")
 PARTS = ("codes", "codes_t", "scale", "zero", "input_scale", "perm")
 DEFAULT_GROUP_SIZE = {"int8": 32, "int4": 32}  # input rows per scale, by mode
 VOCAB_INT8_GROUP = 128  # int4 mode's embedding / LM head: int8 with this group size
 VOCAB_PARAMS = ("embed", "lm_head")
+FP8_MAX = 448.0  # float8 e4m3fn's largest finite value
 GGUF_BLOCK = 32
 FP8_DTYPE = jnp.float8_e4m3fn  # an ml_dtypes numpy type
 
@@ -141,8 +148,15 @@ def weight_dims(name: str, hidden: int, intermediate: int, q_dim: int, kv_dim: i
 
 def mode_plan(mode: str, dims: dict[str, tuple[int, int]],
               group_size: int | None = None) -> dict[str, QuantFormat]:
-    """The plan of ``"int8"`` or ``"int4"`` for parameters of (in, out) sizes ``dims``
-    (``group_size`` None: the mode's default)."""
+    """The plan of ``"int8"``, ``"int4"`` or ``"fp8"`` for parameters of (in, out) sizes
+    ``dims`` (``group_size`` None: the mode's default; ``"fp8"`` takes none). A GPU keeps
+    fp8's codes ``[out, in]``: pass the plan through ``prequantized.for_device``."""
+    if mode == "fp8":
+        if group_size is not None:
+            raise ValueError(f"quantization_group_size={group_size!r} applies to 'int8' / "
+                             "'int4'; 'fp8' has one scale per output channel")
+        return {name: QuantFormat(8, None, "fp8", activations="dynamic")
+                for name in dims if name not in VOCAB_PARAMS}
     if mode in ("int8", "int4"):
         size = DEFAULT_GROUP_SIZE[mode] if group_size is None else group_size
         plan = {}
@@ -179,6 +193,14 @@ def quantize(weight: np.ndarray, fmt: QuantFormat) -> dict[str, np.ndarray]:
     k, n = w.shape
     g = fmt.groups(k)
     grouped = w.reshape(g, k // g, n)
+    if fmt.codes == "fp8":  # e4m3 codes, the group's max |w| at the format's largest value
+        scale = np.abs(grouped).max(axis=1) / FP8_MAX                        # [G, N]
+        scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+        codes = np.clip(grouped / scale[:, None, :], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+        codes = codes.reshape(k, n)
+        if fmt.transposed:  # a GPU's FP8 GEMM reads [out, in] (prequantized.for_device)
+            return {"codes_t": np.ascontiguousarray(codes.T), "scale": scale}
+        return {"codes": codes, "scale": scale}
     if fmt.bits == 8 and fmt.zero:  # asymmetric: 256 codes from the group's min to max
         low, high = grouped.min(axis=1), grouped.max(axis=1)                 # [G, N]
         scale = ((high - low) / 255.0).astype(np.float32)

@@ -89,7 +89,10 @@ def _quant_plan(mc: Any, arch: ArchConfig, device: Any) -> dict:
         if not hasattr(source, "gguf_plan"):
             raise ValueError(f"quantization='gguf' needs a GGUF file, not {mc.model!r}")
         return source.gguf_plan(arch)
-    return mode_plan(mc.quantization, quantizable_dims(arch), mc.quantization_group_size)
+    from jaxpage.models.prequantized import for_device
+
+    return for_device(mode_plan(mc.quantization, quantizable_dims(arch),
+                                mc.quantization_group_size), device)
 
 
 @dataclasses.dataclass(frozen=True)

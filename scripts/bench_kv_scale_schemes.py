@@ -1,0 +1,176 @@
+"""Which scales a one-byte KV cache needs: schemes emulated on SmolLM2, held-out text.
+
+Each scheme quantizes and dequantizes the keys and values as they are made (float32 cache,
+so no kernel has to know the scheme) and is measured as ``bench_quantization_quality.py``
+measures a real option: teacher-forced top-1 agreement with float32 and mean KL over
+every position of ``--corpus`` (default: the held-out corpus, windows of 512 tokens).
+Keys and values are rotated first (``kv_quant.rotation``), as the shipped cache does.
+
+Schemes (``SCHEME:FORMAT``, FORMAT ``int8`` or ``fp8`` = e4m3):
+
+* ``static``: a scale per layer, KV head and channel, calibrated once (the largest
+  |value| x 1.25 over the engine's own calibration text, ``kv_calibration``): what the
+  shipped cache stores;
+* ``sink``: ``static`` calibrated without position 0, and position 0 (the attention sink)
+  with its own scalar on top: the first token alone made per-token;
+* ``token``: a scale per token and KV head (its largest |value|); ``token_bf16`` that
+  scale rounded to bfloat16 (2 bytes); ``token_pow2`` rounded up to a power of two
+  (1 byte); ``token_shared`` one scale per token for all KV heads of the layer;
+* ``static_x_token``: the static channel scales times a scalar per token and head;
+* ``kt_X``: keys by scheme X, values ``static``.
+
+    python scripts/bench_kv_scale_schemes.py [--schemes static:int8,token:int8,token:fp8]
+
+Patches ``DecoderLayer.qkv`` of this process's model code: a measurement, not a mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+os.environ.setdefault("JAXPAGE_CACHE_DIR", tempfile.mkdtemp())  # patched programs: never reuse
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import bench_quantization_quality as quality  # noqa: E402
+from jaxpage.models import llama  # noqa: E402
+from pallas_kernels.kv_quant import rotation  # noqa: E402
+
+LIMITS = {"int8": 127.0, "fp8": 448.0}
+HEADROOM = 1.25
+_state: dict = {"scheme": None, "format": "int8", "layer": 0, "positions": None,
+                "scales": {}, "capture": False}
+_amax: dict = {}   # (key or value, layer, "all" | "rest") -> [Hkv, D] largest |rotated value|
+
+
+def _round(x, fmt: str):
+    limit = LIMITS[fmt]
+    x = jnp.clip(x, -limit, limit)
+    return jnp.round(x) if fmt == "int8" else x.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+
+
+def _token_scale(xr, limit, axes=(-1,)):
+    return jnp.maximum(jnp.abs(xr).max(axes, keepdims=True), 1e-8) / limit
+
+
+def quantized(x, layer: int, which: int):
+    """x [T, Hkv, D] -> x quantized and dequantized by the current scheme (which: 0 keys)."""
+    scheme, fmt = _state["scheme"], _state["format"]
+    if scheme.startswith("kt_"):
+        scheme = scheme[3:] if which == 0 else "static"
+    limit = LIMITS[fmt]
+    r = jnp.asarray(rotation(x.shape[-1]))
+    xr = jnp.einsum("thd,de->the", x.astype(jnp.float32), r, precision="highest")
+    if scheme == "token":
+        s = _token_scale(xr, limit)
+    elif scheme == "token_bf16":   # rounded to bfloat16, nudged up so nothing saturates
+        s = _token_scale(xr, limit).astype(jnp.bfloat16).astype(jnp.float32) * (1 + 2.0 ** -8)
+    elif scheme == "token_pow2":
+        s = 2.0 ** jnp.ceil(jnp.log2(_token_scale(xr, limit)))
+    elif scheme == "token_shared":
+        s = _token_scale(xr, limit, axes=(-1, -2))
+    elif scheme in ("static", "sink", "static_x_token"):
+        calibrated = "rest" if scheme == "sink" else "all"
+        headroom = 1.0 if scheme == "static_x_token" else HEADROOM
+        channel = jnp.asarray(np.maximum(_amax[which, layer, calibrated] * headroom / limit,
+                                         1e-8))                       # [Hkv, D]
+        s = jnp.broadcast_to(channel, xr.shape)
+        if scheme == "sink":
+            first = (_state["positions"] == 0)[:, None, None]
+            s = jnp.where(first, s * jnp.maximum(_token_scale(xr / channel, limit), 1.0), s)
+        elif scheme == "static_x_token":
+            s = s * _token_scale(xr / channel, limit)
+    else:
+        raise SystemExit(f"unknown scheme {scheme!r}")
+    return jnp.einsum("the,de->thd", _round(xr / s, fmt) * s, r,
+                      precision="highest").astype(x.dtype)
+
+
+def _record(k, v, positions, layer: int) -> None:
+    r = rotation(k.shape[-1])
+    positions = np.asarray(positions)
+    for which, x in ((0, np.asarray(k)), (1, np.asarray(v))):
+        x = np.abs(x @ r)
+        for name, rows in (("all", positions >= 0), ("rest", positions > 0)):
+            if rows.any():
+                key = (which, layer, name)
+                _amax[key] = np.maximum(_amax.get(key, 0.0), x[rows].max(0))
+
+
+def _patch() -> None:
+    qkv, call = llama.DecoderLayer.qkv, llama.CausalLM.__call__
+
+    def patched_qkv(self, cfg, h, rope, lora=None, rows=None):
+        q, k, v = qkv(self, cfg, h, rope, lora, rows)
+        layer = _state["layer"]
+        _state["layer"] += 1
+        if _state["capture"]:
+            jax.debug.callback(lambda kk, vv, p: _record(kk, vv, p, layer), k, v,
+                               _state["positions"])
+            return q, k, v
+        if _state["scheme"] is None:   # float32's reference
+            return q, k, v
+        return q, quantized(k, layer, 0), quantized(v, layer, 1)
+
+    def patched_call(self, input_ids, positions, kv_cache, batch):
+        _state["layer"], _state["positions"] = 0, positions
+        return call(self, input_ids, positions, kv_cache, batch)
+
+    llama.DecoderLayer.qkv, llama.CausalLM.__call__ = patched_qkv, patched_call
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--schemes", default="static:int8,sink:int8,token:int8,token_bf16:int8,"
+                        "token_pow2:int8,token_shared:int8,static_x_token:int8,kt_token:int8,"
+                        "static:fp8,token:fp8")
+    parser.add_argument("--corpus", default=quality.DEFAULT_CORPUS)
+    parser.add_argument("--window", type=int, default=512)
+    args = parser.parse_args()
+    from jaxpage import LLM
+    from jaxpage.engine.startup.kv_calibration import MAX_CALIBRATION_TOKENS, calibration_ids
+    from jaxpage.engine.tokenizer import load_tokenizer
+    from jaxpage.models.loader import default_model_path
+
+    _patch()
+    tokenizer = load_tokenizer(default_model_path(), None)
+    ids = tokenizer(quality.corpus_text(args.corpus)).input_ids
+    windows = [w for w in (ids[i:i + args.window] for i in range(0, len(ids), args.window))
+               if len(w) > 1]
+    engine = dict(max_model_len=args.window + 32, max_num_seqs=16,
+                  max_num_batched_tokens=args.window, num_kv_blocks=4 * args.window // 16 + 64)
+    reference = quality.evaluate(None, windows, None, engine).pop("_logprobs")
+    _state["capture"] = True   # the static scales: one pass over the engine's own text
+    llm = LLM(**engine)
+    calibration = calibration_ids(tokenizer, len(tokenizer), MAX_CALIBRATION_TOKENS)
+    llm.llm_engine.prompt_logits([{"prompt_token_ids": [int(t) for t in calibration]}])
+    jax.effects_barrier()
+    _state["capture"] = False
+    del llm
+    print(f"SmolLM2-135M-Instruct, {len(ids)} tokens of {os.path.relpath(args.corpus, ROOT)}, "
+          f"windows of {args.window}; emulated (quantize-dequantize into a float32 cache)")
+    print("| scheme | format | top-1 agree | mean KL | perplexity |")
+    print("|---|---|---|---|---|")
+    for spec in args.schemes.split(","):
+        _state["scheme"], _, _state["format"] = spec.partition(":")
+        if _state["format"] not in LIMITS:
+            raise SystemExit(f"{spec!r}: the format must be one of {tuple(LIMITS)}")
+        start = time.perf_counter()
+        row = quality.evaluate(None, windows, reference, engine)
+        print(f"| {_state['scheme']} | {_state['format']} | {row['top1_agree']:.2%} | "
+              f"{row['kl']:.5f} | {row['perplexity']:.3f} |  ({time.perf_counter() - start:.0f} s)",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
