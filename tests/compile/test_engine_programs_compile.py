@@ -278,3 +278,17 @@ def test_prequantized_checkpoint_programs_compile(target, fixture):
     arch = resolve_architecture(source.hf_config)[1]
     formats = for_device(source.stored.plan(arch, source.names()), target_devices(target)[0])
     assert formats["q_proj"].transposed == (target == "h100" and fixture != "gptq_actorder")
+
+
+@pytest.mark.slow  # ~15 s; the same formats as the ct_fp8_dynamic case above
+def test_fp8_quantized_as_it_loads_compiles_for_an_h100_with_codes_out_by_in():
+    """``quantization="fp8"`` on a float checkpoint, planned for an H100 (whose plan keeps
+    the codes ``[out, in]``: tests/models/test_fp8_online.py): every program compiles and
+    fits, none holding a copy of the KV cache."""
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "quantized",
+                        "float_source")
+    report = plan(path, "h100", quantization="fp8", max_num_seqs=2, max_num_batched_tokens=16,
+                  max_model_len=64, num_scheduler_steps=4, swap_space=0.0005)
+    _assert_compiled_and_fits(report)
