@@ -13,6 +13,9 @@ such layers (projections only):
   weight-only where it does not);
 * ``fp8_weight_only``: FP8 codes, per-channel scales, activations in bf16;
 * ``int8_g32`` / ``int4_g32``: jaxpage's own weight-only modes (groups of 32 rows);
+  ``int4_g128``: AWQ / GPTQ's (groups of 128 rows); on a GPU or TPU these take the Pallas
+  kernel that dequantizes tiles on chip, and ``X_jnp`` is the same weight through the jnp
+  form (the dequantized weight materialized per call), side by side;
 * ``int8_channel``: int8 codes, one scale per output channel (weight-only).
 
     python scripts/bench_quantized_matmul.py [--tokens 1,64,512,2048] [--json out.json]
@@ -36,7 +39,7 @@ sys.path.insert(0, ROOT)
 
 HIDDEN, KV, INTERMEDIATE, LAYERS = 4096, 1024, 14336, 32
 FORMATS = ("bf16", "fp8_w8a8", "int8_w8a8", "fp8_weight_only", "int8_channel", "int8_g32",
-           "int4_g32")
+           "int8_g32_jnp", "int4_g32", "int4_g32_jnp", "int4_g128", "int4_g128_jnp")
 
 
 def projections(scale: int) -> list[tuple[int, int]]:
@@ -50,13 +53,15 @@ def make_weight(fmt: str, k: int, n: int, rng: np.random.Generator, device) -> t
     import jax.numpy as jnp
 
     from jaxpage.models.prequantized import for_device
-    from jaxpage.models.quantize import QuantFormat, quantize
+    from jaxpage.models.quantize import QuantFormat, group_size_for, quantize
 
     w = rng.standard_normal((k, n)).astype(np.float32) * 0.02
+    fmt = fmt.removesuffix("_jnp")
     if fmt == "bf16":
         return jnp.asarray(w, jnp.bfloat16), None
-    if fmt in ("int8_g32", "int4_g32", "int8_channel"):
+    if fmt in ("int8_g32", "int4_g32", "int4_g128", "int8_channel"):
         spec = {"int8_g32": QuantFormat(8, 32, zero=True), "int4_g32": QuantFormat(4, 32),
+                "int4_g128": QuantFormat(4, group_size_for(k, 128)),  # K // 128 at --scale
                 "int8_channel": QuantFormat(8, None)}[fmt]
         return {name: jnp.asarray(part) for name, part in quantize(w, spec).items()}, None
     codes = "fp8" if fmt.startswith("fp8") else "int"
@@ -87,13 +92,14 @@ def time_layer(fmt: str, tokens: int, shapes, iters: int, device) -> float:
     weights = [make_weight(fmt, k, n, rng, device) for k, n in shapes]
     xs = [jnp.asarray(rng.standard_normal((tokens, k)), jnp.bfloat16) for k, _ in shapes]
     schemes = [scheme for _, scheme in weights]
+    backend = "reference" if fmt.endswith("_jnp") else "auto"
 
     @jax.jit
     def layer(xs, ws):
         outs = []
         for x, w, scheme in zip(xs, ws, schemes):
             if isinstance(w, dict):
-                outs.append(quantized_matmul(x, w, activations=scheme))
+                outs.append(quantized_matmul(x, w, activations=scheme, backend=backend))
             else:
                 outs.append(jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype))
         return outs

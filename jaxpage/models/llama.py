@@ -220,8 +220,10 @@ class CausalLM(nnx.Module):
         self.kv_format = kv_format
         self.attention_backend = attention_backend
         self.mesh = mesh  # static: a one-axis ("tp") mesh, or None on one device
-        # the C++ CPU kernels cannot be split by XLA over a mesh: the jnp form there
-        self.matmul_backend = "auto" if mesh is None else "reference"
+        # the matmul kernels (C++ on CPUs, Pallas on TPUs and GPUs) cannot be split by XLA
+        # over a mesh: the jnp form there. A one-device mesh splits nothing (a data-parallel
+        # replica, and ``jaxpage plan``, which always builds a mesh): the kernels run
+        self.matmul_backend = "auto" if mesh is None or mesh.size == 1 else "reference"
         init = ParamInit(rngs, dtype, quant_plan)
         vocab, hidden = cfg.vocab_size, cfg.hidden_size
         if "embed" in init.quant_plan:  # stored [hidden, vocab] (jaxpage.models.quantize)

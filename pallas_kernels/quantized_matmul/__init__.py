@@ -24,9 +24,9 @@ every function here accepts either layout.
 Backends (``_backend``'s rule): ``"reference"`` dequantizes in jnp and calls an ordinary
 dot; with one scale group (per channel / tensor) it scales after the dot, and XLA fuses
 the conversion into the dot on TPUs and GPUs, so the weight is read as stored. With group
-scales XLA materializes the dequantized weight per call instead: ``"auto"`` on a TPU takes
-the Pallas kernel of ``tpu.py`` there (tiles dequantized in VMEM); GPUs still run the jnp
-form (a GPU kernel is issue [18]'s). On the CPU that fusion is slow (XLA converts int8 at ~1 ns an element),
+scales XLA materializes the dequantized weight per call instead: ``"auto"`` takes a Pallas
+kernel that dequantizes tiles on chip, ``tpu.py`` on a TPU (in VMEM) and ``gpu.py`` on a
+GPU (in registers, Triton). On the CPU that fusion is slow (XLA converts int8 at ~1 ns an element),
 so ``"auto"`` there takes the C++ kernels of ``cpu.py`` for float32 activations and int8
 or 4-bit codes (FP8 codes take the jnp form): each panel of 64 columns is converted once
 into a buffer and multiplied by ``dense_matmul``'s register tiles, so the products are
@@ -42,9 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _backend
-from pallas_kernels.quantized_matmul import activation_quant, reference, tpu
+from pallas_kernels.quantized_matmul import activation_quant, gpu, reference, tpu
 
-BACKENDS = ("auto", "reference", "cpu", "tpu")
+BACKENDS = ("auto", "reference", "cpu", "tpu", "gpu")
 PANEL = 64  # columns of a packed panel (the CPU kernels' panel width)
 
 
@@ -163,18 +163,22 @@ def _packed_shape(weight: dict[str, Any], four: bool) -> tuple[int, int]:
 
 
 def resolve_backend(backend: str, dtype: Any) -> str:
-    """"reference", "cpu" or "tpu" for activations of ``dtype`` here (building the kernels).
-    ``"tpu"`` is the Pallas kernel of ``tpu.py`` (group-scaled weights on a TPU)."""
+    """"reference", "cpu", "tpu" or "gpu" for activations of ``dtype`` here (building the
+    kernels). ``"tpu"`` / ``"gpu"``: the Pallas kernels of ``tpu.py`` / ``gpu.py``
+    (group-scaled weights on that platform)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     platform = _backend.current_platform()
     if backend == "cpu" and platform != "cpu":
         raise ValueError(f"backend='cpu' runs only on the CPU, but the platform is {platform!r}")
-    if backend == "tpu" and _backend.platform_backend(platform) != "tpu":
-        raise ValueError(f"backend='tpu' runs only on a TPU, but the platform is {platform!r}")
+    for chip, name in (("tpu", "a TPU"), ("gpu", "a GPU")):
+        if backend == chip and _backend.platform_backend(platform) != chip:
+            raise ValueError(f"backend={chip!r} runs only on {name}, but the platform is "
+                             f"{platform!r}")
     if backend == "auto":
-        backend = ("cpu" if platform == "cpu" else
-                   "tpu" if _backend.platform_backend(platform) == "tpu" else "reference")
+        chip = _backend.platform_backend(platform)
+        backend = ("cpu" if platform == "cpu" else chip if chip in ("tpu", "gpu")
+                   else "reference")
     if backend == "cpu":
         from pallas_kernels.quantized_matmul import cpu
         if jnp.dtype(dtype) != jnp.float32 or not cpu.available():
@@ -210,6 +214,8 @@ def quantized_matmul(x: jax.Array, weight: dict[str, jax.Array], *,
         out = cpu.quantized_matmul_cpu(flat, weight, rows)
     elif resolved == "tpu" and tpu.supported(weight, k, n):
         out = tpu.quantized_matmul_tpu(flat, weight)
+    elif resolved == "gpu" and gpu.supported(weight, k, n):
+        out = gpu.quantized_matmul_gpu(flat, weight)
     else:
         out = reference.quantized_matmul(flat, unpack_panels(weight))
     return out.reshape(*lead, n).astype(x.dtype)

@@ -1,0 +1,51 @@
+"""The GPU weight-only quantized matmul (``pallas_kernels/quantized_matmul/gpu.py``) in
+Pallas interpret mode against the jnp reference: int8 with and without a zero, 4-bit,
+groups of 16-256 code rows, several groups a loop step or one, ragged row counts, N of
+64 or 128 a program. (Compiled for H100 / A100 in tests/compile/test_kernels_compile.py.)"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpage.models.quantize import QuantFormat, quantize
+from pallas_kernels.quantized_matmul import reference
+from pallas_kernels.quantized_matmul.gpu import quantized_matmul_gpu, supported
+
+CASES = [  # (format, K, N, M)
+    (QuantFormat(8, 32), 256, 192, 5),                # 2 groups a step, N tiles of 64
+    (QuantFormat(8, 32, zero=True), 512, 384, 20),    # our int8 (asymmetric, groups of 32)
+    (QuantFormat(8, 128, zero=True), 1024, 128, 3),   # one group a step
+    (QuantFormat(4, 32), 256, 128, 1),                # 16 code rows a group
+    (QuantFormat(4, 128), 1024, 512, 40),             # AWQ / GPTQ's groups
+    (QuantFormat(8, 256), 768, 64, 70),               # 3 groups: one a step; M past a tile
+]
+
+
+@pytest.mark.parametrize("fmt,k,n,m", CASES, ids=[f"{f.bits}b-g{f.group_size}-z{int(f.has_zero)}-"
+                                                  f"{k}x{n}-m{m}" for f, k, n, m in CASES])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_gpu_kernel_matches_the_reference(fmt, k, n, m, dtype):
+    rng = np.random.default_rng(k + n + m)
+    parts = {name: jnp.asarray(part) for name, part in
+             quantize(rng.standard_normal((k, n)).astype(np.float32), fmt).items()}
+    assert supported(parts, k, n)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    got = np.asarray(quantized_matmul_gpu(x, parts, interpret=True, block_m=64), np.float32)
+    want = np.asarray(reference.quantized_matmul(x, parts), np.float32)
+    assert got.shape == (m, n)
+    tolerance = 2e-6 if dtype == jnp.float32 else 8e-3   # bf16: the two nibble halves sum apart
+    assert np.abs(got - want).max() <= tolerance * np.abs(want).max()
+
+
+def test_what_the_gpu_kernel_does_not_take():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((256, 96)).astype(np.float32)
+    assert not supported(quantize(w, QuantFormat(8, 32)), 256, 96)           # N % 64
+    w = rng.standard_normal((256, 128)).astype(np.float32)
+    assert not supported(quantize(w, QuantFormat(8, None)), 256, 128)        # one group
+    assert not supported(quantize(w, QuantFormat(8, 8)), 256, 128)           # 8-row groups
+    assert not supported(quantize(w, QuantFormat(4, 16)), 256, 128)          # 8 code rows
+    w = rng.standard_normal((288, 128)).astype(np.float32)
+    assert not supported(quantize(w, QuantFormat(8, 96)), 288, 128)          # not a power of 2
