@@ -258,6 +258,12 @@ def test_hf_fp8_configs_and_shapes_are_checked(tmp_path):
 
     path = hf_fp8_checkpoint(tmp_path / "fp8", block=[32, 32])
     assert LLM(model=path, quantization="fp8", **ENGINE).get_stats()["quantization"] == "fp8"
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"]["fmt"] = "e4m3"      # as DeepSeek-V3 and Qwen3 -FP8 say
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    assert LLM(model=path, **ENGINE).get_stats()["quantization"] == "fp8"
     with pytest.raises(ValueError, match="quantized with 'fp8'"):
         LLM(model=path, quantization="awq", **ENGINE)
     # on a float checkpoint "fp8" quantizes as it loads (tests/models/test_fp8_online.py)
@@ -266,7 +272,8 @@ def test_hf_fp8_configs_and_shapes_are_checked(tmp_path):
     for key, value, message in (("weight_block_size", [64, 64], r"weight_scale_inv has shape"),
                                 ("weight_block_size", [32], "two positive integers"),
                                 ("activation_scheme", "tensor", "activation_scheme='tensor'"),
-                                ("scale_fmt", "e4m3", "scale_fmt='e4m3'")):
+                                ("scale_fmt", "e4m3", "scale_fmt='e4m3'"),
+                                ("fmt", "e5m2", "FP8 weights in 'e5m2'")):
         changed = json.loads(json.dumps(config))
         changed["quantization_config"][key] = value
         with open(os.path.join(path, "config.json"), "w") as f:

@@ -45,6 +45,10 @@ class HfFp8(StoredQuantization):
         if self.scheme not in ACTIVATION_SCHEMES:
             raise ValueError(f"{directory!r}: activation_scheme={self.scheme!r} is not one of "
                              f"{ACTIVATION_SCHEMES}")
+        element = str(config.get("fmt") or "e4m3").lower()  # DeepSeek-V3 / Qwen3 write "e4m3"
+        if element != "e4m3":
+            raise ValueError(f"{directory!r}: FP8 weights in {element!r} are not supported "
+                             "(e4m3 are)")
         scale_fmt = config.get("scale_fmt") or "float"
         if scale_fmt not in SCALE_FORMATS:
             raise ValueError(f"{directory!r}: scale_fmt={scale_fmt!r} is not one of "
