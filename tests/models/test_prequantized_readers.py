@@ -86,3 +86,29 @@ def test_compressed_tensors_transforms_and_sparsity_are_refused(extra, tmp_path)
         json.dump(config, f)
     with pytest.raises(ValueError, match=next(iter(extra))):
         LLM(model=str(folder), max_model_len=64, num_kv_blocks=16, warmup=False)
+
+
+def test_hf_fp8_blocks_cover_a_ragged_output_and_need_whole_input_blocks():
+    """``weight_scale_inv`` is ``[ceil(N / bn), ceil(K / bk)]``: a last block of fewer
+    output rows takes its scale like the others; an input size that is not a multiple of
+    ``bk`` is refused (jaxpage's groups are whole), by name."""
+    from jaxpage.models.prequantized.fp8 import HfFp8
+    from jaxpage.models.quantize import FP8_DTYPE
+
+    rng = np.random.default_rng(0)
+    n, k, bn, bk = 40, 64, 16, 32                  # 3 output blocks, the last of 8 rows
+    codes = rng.uniform(-400, 400, (n, k)).astype(FP8_DTYPE)
+    scale = rng.uniform(0.001, 0.01, (3, 2)).astype(np.float32)
+    tensors = {"m.weight": codes, "m.weight_scale_inv": scale}
+    reader = HfFp8({"quant_method": "fp8", "weight_block_size": [bn, bk]}, "ckpt")
+    fmt = reader.format_of("m", set(tensors))
+    assert fmt == QuantFormat(8, bk, "fp8")
+    parts = reader.read(tensors.__getitem__, set(tensors), "m", fmt)
+    expected = codes.astype(np.float32) * np.repeat(np.repeat(scale, bn, 0)[:n], bk, 1)
+    np.testing.assert_array_equal(dequantize(parts), expected.T)          # [K, N]
+    ragged = {"m.weight": codes[:, :48], "m.weight_scale_inv": scale}       # K = 48
+    with pytest.raises(ValueError, match="48 inputs, not a multiple of its scale block's 32"):
+        reader.read(ragged.__getitem__, set(ragged), "m", fmt)
+    with pytest.raises(ValueError, match=r"weight_scale_inv has shape \(3, 2\), not \(3, 1\)"):
+        short = {"m.weight": codes[:, :32], "m.weight_scale_inv": scale}
+        reader.read(short.__getitem__, set(short), "m", fmt)
