@@ -119,11 +119,14 @@ def tuned(phase: str, kv_itemsize: int, kind: str) -> GpuKernelConfig:
     return config
 
 
+def shared_memory_limit(kind: str) -> int:
+    """The shared memory one block of ``kind`` may take, in bytes."""
+    return next((size for name, size in SHARED_MEMORY if name in kind), SHARED_MEMORY_OTHER)
+
+
 def shared_memory_budget(kind: str) -> int:
-    for name, size in SHARED_MEMORY:
-        if name in kind:
-            return size - SHARED_MEMORY_SPARE
-    return SHARED_MEMORY_OTHER - SHARED_MEMORY_SPARE
+    """What ``fit_shared_memory`` aims the estimate at: the limit less a spare."""
+    return shared_memory_limit(kind) - SHARED_MEMORY_SPARE
 
 
 def fit_shared_memory(config: GpuKernelConfig, *, head_dim: int, kv_itemsize: int,
@@ -172,11 +175,14 @@ def too_large_reason(*, head_dim: int, block_size: int, kv_itemsize: int,
     """Why even the smallest tiling (one stage, one page of keys a step, the fewest query
     rows) overflows the device's shared memory; None when it fits. The kernel loads whole
     pages, so a page of a wide float32 head can be too much on its own (head_dim 256,
-    128-token pages: 256 KiB of K and V against an H100's 227 KiB)."""
+    128-token pages: 256 KiB of K and V against an H100's 227 KiB). Measured against the
+    whole limit, not the fit's budget: for that smallest tiling the estimate was Triton's
+    own figure (147,456 bytes at head_dim 256, 64-token float32 pages, which an A100's
+    166,912 held)."""
     need = shared_memory_need(stages=1, block_kv=max(16, block_size),
                               rows=max(16, group_padded), head_dim=head_dim,
                               kv_itemsize=kv_itemsize, compute_itemsize=compute_itemsize)
-    budget = shared_memory_budget(kind)
+    budget = shared_memory_limit(kind)
     if need <= budget:
         return None
     return (f"the Pallas GPU kernel needs {need:,} bytes of shared memory for one page of "

@@ -168,6 +168,12 @@ def test_gpu_tuning_table_is_read(tmp_path, monkeypatch):
     rows = gpu_config.query_rows(a100, decode=False, group_padded=2)
     assert (a100.num_stages, a100.block_kv, rows) == (1, 64, 16)
     assert 2 * 64 * 256 * 4 + rows * 256 * 4 <= 166_912
+    # that smallest tiling fits the A100 whole (not refused); a 128-token float32 page of
+    # head_dim 256 fits no GPU here (278,528 bytes at one stage)
+    wide = dict(head_dim=256, kv_itemsize=4, compute_itemsize=4, group_padded=2)
+    assert gpu_config.too_large_reason(block_size=64, kind="NVIDIA A100-SXM4-80GB", **wide) is None
+    for kind in ("NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3"):
+        assert "278,528 bytes" in gpu_config.too_large_reason(block_size=128, kind=kind, **wide)
     table.write_text(json.dumps({"entries": [{"phase": "decode", "config": {"tile": 3}}]}))
     monkeypatch.setenv(gpu_config.ENV_TUNING, str(table) + ".other")
     table.rename(str(table) + ".other")
