@@ -39,6 +39,23 @@ def decode(stored: jax.Array, kv_format: str, dtype=jnp.float32) -> jax.Array:
     return jax.lax.bitcast_convert_type(stored, KV_FORMATS[kv_format]).astype(dtype)
 
 
+def decode_in_integers(stored: jax.Array, kv_format: str, dtype=jnp.float32) -> jax.Array:
+    """``decode`` without an FP8 conversion, for compilers that have none: Triton below
+    compute capability 8.9 (an A100) stops the process with "Conversion from/to f8e4m3nv
+    is only supported on compute capability >= 89". An e4m3fn byte ``s eeee mmm`` is
+    ``(-1)^s 2^(e-7) (1 + m/8)``, or ``(-1)^s 2^-6 m/8`` when ``e == 0``: its float32 bits
+    are built from the fields (exact for every byte but the NaNs, never written). Other
+    formats convert as ``decode`` does (e5m2's conversion is a shift there)."""
+    if kv_format != "fp8_e4m3":
+        return decode(stored, kv_format, dtype)
+    b = stored.astype(jnp.int32)
+    sign, exponent, mantissa = b >> 7, (b >> 3) & 15, b & 7
+    normal = jax.lax.bitcast_convert_type(
+        (sign << 31) | ((exponent + 120) << 23) | (mantissa << 20), jnp.float32)
+    subnormal = (mantissa.astype(jnp.float32) * (2.0 ** -9)) * (1 - 2 * sign).astype(jnp.float32)
+    return jnp.where(exponent == 0, subnormal, normal).astype(dtype)
+
+
 def encode(values: jax.Array, kv_format: str) -> jax.Array:
     """Floats (already divided by their scale) -> uint8 bytes, saturating at the format's
     largest value (int8 rounds to the nearest integer)."""

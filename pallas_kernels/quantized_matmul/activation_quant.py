@@ -37,6 +37,14 @@ _FP8_GPUS = re.compile(r"H100|H200|H20\b|H800|GH200|L4\b|L40|B100|B200|GB200|B30
                        r"Ada|Hopper|Blackwell", re.IGNORECASE)
 
 
+def has_fp8_units(device: Any = None) -> bool:
+    """Whether ``device`` (default: the one programs are built for, a deviceless target's
+    included) is a GPU with FP8 conversions and tensor cores (compute capability >= 8.9);
+    Triton compiles no FP8 conversion below that (``kv_quant.decode_in_integers``)."""
+    device = _current_device() if device is None else device
+    return _backend.platform_backend(device.platform) == "gpu" and _gpu_has_fp8(device)
+
+
 def _gpu_has_fp8(device: Any) -> bool:
     """Whether a GPU device (real or a deviceless target's) has FP8 tensor cores."""
     capability = getattr(device, "compute_capability", None)

@@ -36,7 +36,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 import pallas_kernels.ragged_paged_attention.tiling as tiling
-from pallas_kernels.kv_quant import decode
+from pallas_kernels.kv_quant import decode, decode_in_integers
+from pallas_kernels.quantized_matmul.activation_quant import has_fp8_units
 from pallas_kernels.ragged_paged_attention.gpu_config import (
     GpuKernelConfig, config_for, device_kind, too_large_reason)
 from pallas_kernels.precision import dot_precision
@@ -71,7 +72,7 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] e
             sm_scale: float, soft_cap: float | None, sliding_window: int | None,
             rows: int, q_heads: int, group: int, group_padded: int, pages_per_block: int,
             num_splits: int, heads_fastest: bool, direct: bool, mask_split: bool,
-            prefetch: bool, kv_format: str | None = None):
+            prefetch: bool, kv_format: str | None = None, fp8_in_integers: bool = False):
     tile, split = pl.program_id(1 if heads_fastest else 0), pl.program_id(2)
     kv_head = pl.program_id(0 if heads_fastest else 1)
     head_dim = q_ref.shape[-1]
@@ -127,7 +128,8 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] e
             m_prev, l_prev, acc_prev = carry
             k, v = load_block(j)
         if kv_format is not None:  # byte pages (kv_quant): their values, in q's dtype
-            k, v = decode(k, kv_format, q.dtype), decode(v, kv_format, q.dtype)
+            convert = decode_in_integers if fp8_in_integers else decode
+            k, v = convert(k, kv_format, q.dtype), convert(v, kv_format, q.dtype)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=dot_precision(q.dtype),
                             preferred_element_type=jnp.float32) * sm_scale  # [R, K]
         if soft_cap is not None:
@@ -325,7 +327,9 @@ def ragged_paged_attention_gpu(
         rows=rows, q_heads=num_q_heads, group=group, group_padded=group_padded,
         pages_per_block=pages_per_block, num_splits=splits, heads_fastest=fastest,
         direct=direct, mask_split=config.mask_split, prefetch=config.prefetch,
-        kv_format=kv_format)
+        kv_format=kv_format,
+        # an A100's Triton has no FP8 conversion (a fatal compiler error): bytes to floats
+        fp8_in_integers=kv_format == "fp8_e4m3" and not interpret and not has_fp8_units())
     result = pl.pallas_call(
         kernel,
         grid=grid,

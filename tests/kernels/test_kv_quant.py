@@ -171,3 +171,20 @@ def test_scales_per_head_and_channel(backend, kv_format):
                                  **wkw)
         np.testing.assert_allclose(np.asarray(fused[0])[:n], np.asarray(plain[0])[:n],
                                    rtol=3e-5, atol=3e-5 * float(np.abs(np.asarray(want)[:n]).max()))
+
+
+def test_e4m3_bytes_decoded_in_integers_are_the_fp8_values():
+    """``decode_in_integers`` (an A100's Triton has no FP8 conversion) gives every e4m3fn
+    byte's value exactly, subnormals and both zeros included (NaN bytes are never written)."""
+    from pallas_kernels.kv_quant import decode, decode_in_integers
+
+    stored = jnp.arange(256, dtype=jnp.uint8)
+    want = np.asarray(decode(stored, "fp8_e4m3"))
+    got = np.asarray(decode_in_integers(stored, "fp8_e4m3"))
+    finite = np.isfinite(want)
+    assert finite.sum() == 254                                   # 0x7f and 0xff are NaN
+    np.testing.assert_array_equal(got[finite], want[finite])
+    np.testing.assert_array_equal(np.signbit(got[finite]), np.signbit(want[finite]))
+    for fmt in ("int8", "fp8_e5m2"):                             # converted as decode does
+        np.testing.assert_array_equal(np.asarray(decode_in_integers(stored, fmt)),
+                                      np.asarray(decode(stored, fmt)))

@@ -1,7 +1,8 @@
 """The GPU weight-only quantized matmul (``pallas_kernels/quantized_matmul/gpu.py``) in
-Pallas interpret mode against the jnp reference: int8 with and without a zero, 4-bit,
-groups of 16-256 code rows, several groups a loop step or one, ragged row counts, N of
-64 or 128 a program. (Compiled for H100 / A100 in tests/compile/test_kernels_compile.py.)"""
+Pallas interpret mode against the jnp reference: int8 with and without a zero, FP8, 4-bit,
+groups of 16-256 code rows, several groups a loop step or one, K split over programs or
+not (these small grids split K wherever the steps allow), ragged row counts, N of 64 or
+128 a program. (Compiled for H100 / A100 in tests/compile/test_kernels_compile.py.)"""
 
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ CASES = [  # (format, K, N, M)
     (QuantFormat(4, 32), 256, 128, 1),                # 16 code rows a group
     (QuantFormat(4, 128), 1024, 512, 40),             # AWQ / GPTQ's groups
     (QuantFormat(8, 256), 768, 64, 70),               # 3 groups: one a step; M past a tile
+    (QuantFormat(8, 16), 48, 64, 2),                  # 3 groups of 16: one a step (a power of 2)
+    (QuantFormat(8, 32, "fp8"), 256, 128, 9),         # block-scaled FP8 codes
 ]
 
 
-@pytest.mark.parametrize("fmt,k,n,m", CASES, ids=[f"{f.bits}b-g{f.group_size}-z{int(f.has_zero)}-"
-                                                  f"{k}x{n}-m{m}" for f, k, n, m in CASES])
+@pytest.mark.parametrize("fmt,k,n,m", CASES, ids=[
+    f"{f.codes}{f.bits}-g{f.group_size}-z{int(f.has_zero)}-{k}x{n}-m{m}" for f, k, n, m in CASES])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_gpu_kernel_matches_the_reference(fmt, k, n, m, dtype):
     rng = np.random.default_rng(k + n + m)
