@@ -61,10 +61,11 @@ class ModelConfig:
     # Keys replaced in the model's Hugging Face config before it is built (vLLM's name), e.g.
     # {"num_hidden_layers": 2} for a shallow copy of a model; not for orbax checkpoints.
     hf_overrides: dict | None = None
-    # Weight-only quantization: None (a float checkpoint as stored; a pre-quantized one,
-    # compressed-tensors / AWQ / GPTQ, as it says), "int8", "int4" (grouped), "gguf" (a
-    # GGUF file's Q8_0 / Q4_0 / Q4_1 blocks kept as stored); a pre-quantized checkpoint's
-    # method may be named, and must then match it
+    # Quantization: None (a float checkpoint as stored; a pre-quantized one,
+    # compressed-tensors / fp8 / AWQ / GPTQ, as it says), "int8", "int4" (grouped,
+    # weight-only), "fp8" (per channel, W8A8 on FP8 GPUs), "gguf" (a GGUF file's Q8_0 /
+    # Q4_0 / Q4_1 blocks kept as stored); a pre-quantized checkpoint's method may be named,
+    # and must then match it
     quantization: str | None = None
     # int8 / int4: input rows per scale (None: 32); 0: per channel
     quantization_group_size: int | None = None

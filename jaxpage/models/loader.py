@@ -119,7 +119,8 @@ def load_model(path: str | None, *, dtype: str = "float32", attention_backend: s
     """Load ``path`` (None: the embedded default); sharded over ``mesh`` when given.
 
     ``quantization`` (``jaxpage.models.quantize``): ``"int8"`` / ``"int4"`` quantize the
-    linear weights and the embedding as they are read; ``"gguf"`` keeps a GGUF file's
+    linear weights and the embedding as they are read, ``"fp8"`` the decoder's projections
+    (W8A8 where the chip has FP8); ``"gguf"`` keeps a GGUF file's
     Q8_0 / Q4_0 / Q4_1 blocks. An orbax checkpoint saved quantized restores as saved.
     ``kv_format`` builds the model for a byte KV cache; its ``kv_scale`` starts at ones
     (the engine calibrates it).
@@ -132,7 +133,7 @@ def load_model(path: str | None, *, dtype: str = "float32", attention_backend: s
     if quantization is not None and (quantization not in QUANTIZATION_MODES
                                      and canonical_method(quantization) is None):
         raise ValueError(f"quantization={quantization!r} is not supported; choose one of "
-                         f"{QUANTIZATION_MODES + STORED_METHODS} or None")
+                         f"{tuple(dict.fromkeys(QUANTIZATION_MODES + STORED_METHODS))} or None")
     path = resolve_model_path(path)
     if path.startswith(PRESET_PREFIX):
         if load_format != "auto":

@@ -7,12 +7,12 @@ group of rows, or 4-bit asymmetric codes (two per byte) with a scale and a zero.
 
 Modes (``quantization=``):
 
-* ``"int8"``: every linear weight, the embedding and the LM head in 8 bits, symmetric,
-  one scale per group of ``group_size`` input rows of each output channel (default 128;
-  the largest power of two up to it that divides the input size when it does not:
-  SmolLM2's hidden size 576 gets groups of 64). ``group_size=0``: one scale per output
-  channel. Grouped is the default: measurably closer to float32 on SmolLM2 for 4% more
-  bytes (``docs/quantization.md``).
+* ``"int8"``: every linear weight, the embedding and the LM head in 8 bits, one scale
+  (the projections: and a zero, asymmetric; the vocabulary tables symmetric) per group of
+  ``group_size`` input rows of each output channel (default 32; the largest power of two
+  up to it that divides the input size when it does not). ``group_size=0``: one scale per
+  output channel. The format was chosen by measurement on SmolLM2
+  (``docs/quantization.md``).
 * ``"int4"``: the decoder layers' linear weights in 4 bits, asymmetric, a scale and zero
   per group (default 32, same rule); the embedding and the LM head in int8 with groups of
   128 (as llama.cpp's Q4_K_M keeps them at 6-8 bits). On SmolLM2 groups of 128 or a 4-bit

@@ -152,3 +152,33 @@ def test_fp8_arguments_are_checked(tmp_path):
     ct_fp8 = os.path.join(os.path.dirname(SOURCE), "ct_fp8_dynamic")
     with pytest.raises(ValueError, match="quantized with 'compressed-tensors'"):
         LLM(model=ct_fp8, quantization="fp8", **ENGINE)
+
+
+def test_fp8_models_save_and_restore_as_orbax_checkpoints(tmp_path):
+    """An FP8 model, quantized as it loaded or read from a Hugging Face FP8 checkpoint,
+    saved with ``save_sharded_checkpoint`` restores with the same codes (float8 in orbax),
+    bytes and tokens, without quantizing again; a float orbax checkpoint quantizes to FP8
+    as it loads, like the safetensors it came from."""
+    from jaxpage import LLM, SamplingParams
+    from tests.models.test_prequantized import hf_fp8_checkpoint
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": IDS}, {"prompt_token_ids": [100, 3, 3]}]
+
+    def tokens(llm):
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
+                                                                    use_tqdm=False)]
+
+    sources = {"online": (SOURCE, "fp8"),
+               "stored": (hf_fp8_checkpoint(tmp_path / "hf", block=[32, 32]), None)}
+    for name, (path, quantization) in sources.items():
+        llm = LLM(model=path, quantization=quantization, **ENGINE)
+        saved = llm.save_sharded_checkpoint(str(tmp_path / f"{name}_orbax"))
+        restored = LLM(saved, **ENGINE)
+        assert restored.get_stats()["quantization"] == "fp8", name
+        assert restored.get_stats()["weight_bytes"] == llm.get_stats()["weight_bytes"], name
+        assert restored.llm_engine.runner.quant_plan == llm.llm_engine.runner.quant_plan, name
+        assert tokens(restored) == tokens(llm), name
+    floats = LLM(model=SOURCE, **ENGINE).save_sharded_checkpoint(str(tmp_path / "float"))
+    assert tokens(LLM(floats, quantization="fp8", **ENGINE)) == tokens(
+        LLM(model=SOURCE, quantization="fp8", **ENGINE))

@@ -280,3 +280,112 @@ def test_hf_fp8_configs_and_shapes_are_checked(tmp_path):
             json.dump(changed, f)
         with pytest.raises(ValueError, match=message):
             LLM(model=path, **ENGINE)
+
+
+def autofp8_checkpoint(directory, *, scheme="static") -> str:
+    """``float_source`` in the older AutoFP8 layout that vLLM reads as ``quant_method:
+    "fp8"`` (neuralmagic's ``-FP8`` models): e4m3 ``weight`` with one ``weight_scale`` per
+    tensor (``max |w| / 448``) and, for static activations, an ``input_scale`` per linear,
+    written here with torch's own e4m3 conversion; the LM head in ``ignored_layers``."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = {}
+    for name, value in load_file(os.path.join(ROOT, "float_source", "model.safetensors")).items():
+        if not name.endswith("proj.weight"):
+            tensors[name] = value
+            continue
+        scale = value.float().abs().max() / 448.0
+        tensors[name] = (value.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        tensors[name + "_scale"] = scale.reshape(())
+        if scheme == "static":
+            tensors[name.replace(".weight", ".input_scale")] = torch.tensor(0.004 + 0.0001 * len(name))
+    os.makedirs(directory, exist_ok=True)
+    save_file(tensors, os.path.join(directory, "model.safetensors"))
+    with open(os.path.join(ROOT, "float_source", "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": scheme,
+                                     "ignored_layers": ["lm_head"]}
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(directory)
+
+
+def _hf_on_fp8_weights(path: str, directory, *, static_inputs: bool):
+    """Hugging Face on the float32 weights an FP8 folder (one scale per tensor) stands for;
+    with ``static_inputs`` each projection's input x also goes to e4m3(x / s) * s, s its
+    stored ``input_scale`` (what a chip with FP8 units computes)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    stored = load_file(os.path.join(path, "model.safetensors"))
+    floats = {name: (value.float() * stored[name + "_scale"].float()
+                     if value.dtype == torch.float8_e4m3fn else value.float())
+              for name, value in stored.items() if not name.endswith("_scale")}
+    os.makedirs(directory, exist_ok=True)
+    save_file(floats, os.path.join(directory, "model.safetensors"))
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config.pop("quantization_config")
+    config["torch_dtype"] = "float32"
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+    model = load_hf_model(str(directory))
+    if static_inputs:
+        for name, module in model.named_modules():
+            if name.endswith("proj") and name.split(".")[-1] in (
+                    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+                s = float(stored[f"{name}.input_scale"])
+
+                def hook(_module, args, s=s):
+                    x = args[0]
+                    q = (x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+                    return (q * s).to(x.dtype),
+
+                module.register_forward_pre_hook(hook)
+    return model
+
+
+def test_autofp8_checkpoint_reads_weight_scale_and_input_scale(tmp_path, monkeypatch):
+    """The AutoFP8 layout under ``quant_method: "fp8"``: weight-only on the CPU, the logits
+    of Hugging Face on the dequantized weights; with the activations quantized by the stored
+    ``input_scale`` (the H100's W8A8, emulated on the CPU) those of Hugging Face with every
+    projection's input divided by that scale, rounded to e4m3 and multiplied back."""
+    from jaxpage import LLM
+    from pallas_kernels.quantized_matmul import activation_quant
+
+    path = autofp8_checkpoint(tmp_path / "autofp8")
+    ids = [3, 17, 42, 9, 88, 5, 61, 23]
+    llm = LLM(model=path, **ENGINE)
+    assert llm.get_stats()["quantization"] == "fp8"
+    assert llm.llm_engine.runner.quant_plan["q_proj"].activations == "static"
+    weight_only = hf_logits(_hf_on_fp8_weights(path, tmp_path / "hf", static_inputs=False), ids)
+    logits, _ = _logits_and_greedy(llm, ids)
+    assert np.abs(logits - weight_only).max() < 1e-4
+    monkeypatch.setattr(activation_quant, "runs_natively",
+                        lambda codes_dtype, groups, platform=None, device=None: groups == 1)
+    static = hf_logits(_hf_on_fp8_weights(path, tmp_path / "hf_static", static_inputs=True), ids)
+    assert np.abs(static - weight_only).max() > 1e-2          # the activations' rounding shows
+    logits, _ = _logits_and_greedy(LLM(model=path, **ENGINE), ids)
+    assert np.abs(logits - static).max() < 1e-4
+
+
+def test_hf_fp8_tensors_that_are_not_e4m3_or_lack_their_input_scale_are_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from jaxpage import LLM
+
+    path = autofp8_checkpoint(tmp_path / "autofp8")
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    del tensors["model.layers.0.mlp.up_proj.input_scale"]
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with pytest.raises(ValueError, match="no activation_scale or input_scale"):
+        LLM(model=path, **ENGINE)
+    import torch
+    name = "model.layers.0.mlp.up_proj.input_scale"
+    tensors[name] = torch.tensor(0.01)
+    tensors["model.layers.0.mlp.up_proj.weight"] = (
+        tensors["model.layers.0.mlp.up_proj.weight"].float().to(torch.float8_e5m2))
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with pytest.raises(ValueError, match="up_proj.weight is float8_e5m2.*must be float8 e4m3"):
+        LLM(model=path, **ENGINE)
