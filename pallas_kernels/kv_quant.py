@@ -49,7 +49,7 @@ def decode_in_integers(stored: jax.Array, kv_format: str, dtype=jnp.float32) -> 
     if kv_format != "fp8_e4m3":
         return decode(stored, kv_format, dtype)
     b = stored.astype(jnp.int32)
-    sign, exponent, mantissa = b >> 7, (b >> 3) & 15, b & 7
+    sign, exponent, mantissa = (b >> 7) & 1, (b >> 3) & 15, b & 7
     normal = jax.lax.bitcast_convert_type(
         (sign << 31) | ((exponent + 120) << 23) | (mantissa << 20), jnp.float32)
     subnormal = (mantissa.astype(jnp.float32) * (2.0 ** -9)) * (1 - 2 * sign).astype(jnp.float32)

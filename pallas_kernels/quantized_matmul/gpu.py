@@ -57,7 +57,7 @@ def supported(weight: dict, k: int, n: int) -> bool:
     """Whether this kernel takes the weight: plain int8 / FP8 / 4-bit codes with group
     scales (one group is the reference's fused form), a power-of-two group of at least 16
     code rows (tl.dot's K), and N a multiple of 64; FP8 codes not when building for a GPU
-    without FP8 conversions (compute capability < 8.9; interpret mode takes them)."""
+    without FP8 conversions (compute capability < 8.9; the jnp form converts them there)."""
     codes, scale = weight.get("codes"), weight["scale"]
     if codes is None or codes.ndim != 2 or scale.ndim != 2 or scale.shape[0] <= 1:
         return False
@@ -140,9 +140,11 @@ def quantized_matmul_gpu(x: jax.Array, weight: dict[str, jax.Array], *,
     # K split over programs (a power of two dividing the steps) to fill the GPU, for a
     # decode-sized M only: the float32 partials are splits x [M, N] (at M = 256 and N =
     # 1,024 they would outweigh an FP8 weight twice over)
+    # and the partials at most a quarter of the weight's bytes
     splits = 1
     while (padded <= SPLIT_K_MAX_ROWS and tiles * splits * 2 <= TARGET_PROGRAMS
-           and num_steps % (splits * 2) == 0):
+           and num_steps % (splits * 2) == 0
+           and splits * 2 * padded * 4 * 4 <= code_rows * codes.dtype.itemsize):
         splits *= 2
     xs = [x[:, 0::2], x[:, 1::2]] if four else [x]           # [M, K/2] each, or [M, K]
     x_spec = pl.BlockSpec((bm, code_rows), lambda i, j, s: (i, 0))

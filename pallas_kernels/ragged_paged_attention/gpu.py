@@ -216,7 +216,7 @@ def choose_blocks(*, num_tokens: int, max_num_seqs: int, group: int, block_size:
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "interpret", "block_q", "block_kv",
     "num_kv_splits", "num_warps", "num_stages", "layer", "kv_format", "heads_fastest",
-    "target_programs", "direct_io", "mask_split", "prefetch"))
+    "target_programs", "direct_io", "mask_split", "prefetch", "fp8_in_integers"))
 def ragged_paged_attention_gpu(
         q: jax.Array,             # [T, Hq, D]
         k_cache: jax.Array,       # [N, B, Hkv, D], or [L, N, B, Hkv, D] with ``layer``
@@ -233,10 +233,13 @@ def ragged_paged_attention_gpu(
         kv_format: str | None = None, heads_fastest: bool | None = None,
         target_programs: int | None = None, direct_io: bool | None = None,
         mask_split: bool | None = None,
-        prefetch: bool | None = None) -> jax.Array:  # [T, Hq, D]
+        prefetch: bool | None = None,
+        fp8_in_integers: bool | None = None) -> jax.Array:  # [T, Hq, D]
     """The Pallas GPU (Triton) kernel; shapes are checked by the public function.
     ``kv_format``: the caches are bytes of that format, converted as pages load.
-    Tiling knobs left None come from ``gpu_config.config_for``."""
+    Tiling knobs left None come from ``gpu_config.config_for``. ``fp8_in_integers``: build
+    e4m3 values from the bytes' fields (``kv_quant.decode_in_integers``); None: where the
+    GPU has no FP8 conversion (compute capability < 8.9; never in interpret mode)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape[-4:]
     max_num_seqs, max_blocks = block_tables.shape
@@ -329,7 +332,9 @@ def ragged_paged_attention_gpu(
         direct=direct, mask_split=config.mask_split, prefetch=config.prefetch,
         kv_format=kv_format,
         # an A100's Triton has no FP8 conversion (a fatal compiler error): bytes to floats
-        fp8_in_integers=kv_format == "fp8_e4m3" and not interpret and not has_fp8_units())
+        fp8_in_integers=kv_format == "fp8_e4m3" and (
+            not interpret and not has_fp8_units() if fp8_in_integers is None
+            else fp8_in_integers))
     result = pl.pallas_call(
         kernel,
         grid=grid,

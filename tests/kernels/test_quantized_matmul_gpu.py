@@ -52,3 +52,24 @@ def test_what_the_gpu_kernel_does_not_take():
     assert not supported(quantize(w, QuantFormat(4, 16)), 256, 128)          # 8 code rows
     w = rng.standard_normal((288, 128)).astype(np.float32)
     assert not supported(quantize(w, QuantFormat(8, 96)), 288, 128)          # not a power of 2
+
+
+def test_a_split_k_of_several_steps_each_matches_the_reference(monkeypatch):
+    """K split over programs whose shares hold several loop steps each (the cases above
+    split into one step each, or not at all): 8 steps of 2 groups, in 2 splits of 4."""
+    import jax
+
+    from pallas_kernels.quantized_matmul import gpu
+
+    monkeypatch.setattr(gpu, "TARGET_PROGRAMS", 4)
+    rng = np.random.default_rng(7)
+    k, n, m = 512, 128, 3
+    parts = {name: jnp.asarray(part) for name, part in
+             quantize(rng.standard_normal((k, n)).astype(np.float32),
+                      QuantFormat(8, 32, zero=True)).items()}
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    run = lambda x, w: gpu.quantized_matmul_gpu(x, w, interpret=True)  # noqa: E731
+    assert "_k2" in str(jax.make_jaxpr(run)(x, parts))       # the kernel's name: 2 splits
+    got = np.asarray(run(x, parts))
+    want = np.asarray(reference.quantized_matmul(x, parts))
+    assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()

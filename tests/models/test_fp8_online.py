@@ -180,5 +180,13 @@ def test_fp8_models_save_and_restore_as_orbax_checkpoints(tmp_path):
         assert restored.llm_engine.runner.quant_plan == llm.llm_engine.runner.quant_plan, name
         assert tokens(restored) == tokens(llm), name
     floats = LLM(model=SOURCE, **ENGINE).save_sharded_checkpoint(str(tmp_path / "float"))
-    assert tokens(LLM(floats, quantization="fp8", **ENGINE)) == tokens(
-        LLM(model=SOURCE, quantization="fp8", **ENGINE))
+    restored, direct = (LLM(floats, quantization="fp8", **ENGINE),
+                        LLM(model=SOURCE, quantization="fp8", **ENGINE))
+    assert restored.get_stats()["quantization"] == "fp8"
+    assert restored.get_stats()["weight_bytes"] == direct.get_stats()["weight_bytes"]
+    assert restored.llm_engine.runner.quant_plan == direct.llm_engine.runner.quant_plan
+    restored_codes = restored.llm_engine.runner.params["layers"][0]["q_proj"]["codes"]
+    direct_codes = direct.llm_engine.runner.params["layers"][0]["q_proj"]["codes"]
+    np.testing.assert_array_equal(np.asarray(restored_codes).view(np.uint8),
+                                  np.asarray(direct_codes).view(np.uint8))
+    assert tokens(restored) == tokens(direct)

@@ -269,7 +269,7 @@ def test_hf_fp8_configs_and_shapes_are_checked(tmp_path):
     # on a float checkpoint "fp8" quantizes as it loads (tests/models/test_fp8_online.py)
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
-    for key, value, message in (("weight_block_size", [64, 64], r"weight_scale_inv has shape"),
+    for key, value, message in (("weight_block_size", [64, 64], r"weight scale has shape"),
                                 ("weight_block_size", [32], "two positive integers"),
                                 ("activation_scheme", "tensor", "activation_scheme='tensor'"),
                                 ("scale_fmt", "e4m3", "scale_fmt='e4m3'"),

@@ -109,6 +109,6 @@ def test_hf_fp8_blocks_cover_a_ragged_output_and_need_whole_input_blocks():
     ragged = {"m.weight": codes[:, :48], "m.weight_scale_inv": scale}       # K = 48
     with pytest.raises(ValueError, match="48 inputs, not a multiple of its scale block's 32"):
         reader.read(ragged.__getitem__, set(ragged), "m", fmt)
-    with pytest.raises(ValueError, match=r"weight_scale_inv has shape \(3, 2\), not \(3, 1\)"):
+    with pytest.raises(ValueError, match=r"weight scale has shape \(3, 2\), not \(3, 1\)"):
         short = {"m.weight": codes[:, :32], "m.weight_scale_inv": scale}
         reader.read(short.__getitem__, set(short), "m", fmt)

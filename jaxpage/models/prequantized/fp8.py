@@ -33,7 +33,7 @@ from jaxpage.models.quantize import FP8_DTYPE, QuantFormat
 ACTIVATION_SCHEMES = ("dynamic", "static")
 SCALE_FORMATS = ("float", "ue8m0")
 WEIGHT_SCALES = ("weight_scale_inv", "weight_scale")      # Hugging Face's, AutoFP8's
-ACTIVATION_SCALES = ("activation_scale", "input_scale")  # likewise
+ACTIVATION_SCALES = ("activation_scale", "input_scale", "act_scale")  # likewise (+ early AutoFP8)
 
 
 class HfFp8(StoredQuantization):
@@ -86,7 +86,11 @@ class HfFp8(StoredQuantization):
             if not found:
                 raise ValueError(f"{self.directory!r}: activation_scheme 'static', but "
                                  f"{module} has no {' or '.join(ACTIVATION_SCALES)}")
-            parts["input_scale"] = np.asarray(get(found[0]), np.float32).reshape(-1)[:1]
+            input_scale = np.asarray(get(found[0]), np.float32).reshape(-1)
+            if input_scale.size != 1:
+                raise ValueError(f"{self.directory!r}: {found[0]} has {input_scale.size} "
+                                 "values; a static activation scale is one per tensor")
+            parts["input_scale"] = input_scale
         return parts
 
     def _scale_to_groups(self, scale: np.ndarray, n: int, k: int, module: str) -> np.ndarray:
@@ -99,7 +103,7 @@ class HfFp8(StoredQuantization):
         bn, bk = self.block
         expected = (-(-n // bn), -(-k // bk))
         if scale.shape != expected:
-            raise ValueError(f"{self.directory!r}: {module}.weight_scale_inv has shape "
+            raise ValueError(f"{self.directory!r}: {module}'s weight scale has shape "
                              f"{scale.shape}, not {expected} for a [{n}, {k}] weight in "
                              f"blocks of {self.block}")
         if k % bk:
