@@ -11,6 +11,9 @@ how the CPU tests run it). Asking for a compiled kernel on the wrong platform ra
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 import jax
 
 BACKENDS = ("auto", "reference", "cpu", "gpu", "tpu")
@@ -30,6 +33,33 @@ def current_platform() -> str:
     if device is None:
         return jax.default_backend()
     return device if isinstance(device, str) else device.platform
+
+
+def current_device() -> jax.Device:
+    """The device programs are being built for: JAX's default device when one is set (a
+    deviceless target's, ``jaxpage.parallel.targets``), else the first device."""
+    device = jax.config.jax_default_device
+    if device is None or isinstance(device, str):
+        return jax.devices()[0]
+    return device
+
+
+_FP8_GPUS = re.compile(r"H100|H200|H20\b|H800|GH200|L4\b|L40|B100|B200|GB200|B300|RTX 40|RTX 50|"
+                       r"Ada|Hopper|Blackwell", re.IGNORECASE)
+
+
+def has_fp8_units(device: Any = None) -> bool:
+    """Whether ``device`` (default: ``current_device()``, a deviceless target's included)
+    is a GPU with FP8 conversions and tensor cores (compute capability >= 8.9); Triton
+    compiles no FP8 conversion below that (``kv_quant.decode_in_integers``)."""
+    device = current_device() if device is None else device
+    if platform_backend(device.platform) != "gpu":
+        return False
+    capability = getattr(device, "compute_capability", None)
+    if capability:
+        major, minor = (int(part) for part in str(capability).split(".")[:2])
+        return (major, minor) >= (8, 9)
+    return bool(_FP8_GPUS.search(str(getattr(device, "device_kind", ""))))
 
 
 def platform_backend(platform: str | None = None) -> str:

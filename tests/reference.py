@@ -143,3 +143,23 @@ def load_hf_merged(base: str, adapter: str):
     from peft import PeftModel
 
     return PeftModel.from_pretrained(load_hf_model(base), adapter).merge_and_unload().eval()
+
+
+def round_projection_inputs_to_fp8(model, scale_of) -> None:
+    """Hooks on ``model``'s seven projections (``LORA_TARGETS``): each input x becomes
+    e4m3(x / s) * s with s = ``scale_of(module_name, x)`` (a number or a tensor that
+    broadcasts over x), what a W8A8 FP8 matmul multiplies."""
+    import torch
+
+    for name, module in model.named_modules():
+        if name.split(".")[-1] not in LORA_TARGETS:
+            continue
+
+        def hook(_module, args, name=name):
+            x = args[0]
+            s = scale_of(name, x)
+            q = (x.float() / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+            return (q * s).to(x.dtype),
+
+        module.register_forward_pre_hook(hook)
+

@@ -21,7 +21,6 @@ Where it runs (``runs_natively``), chosen per platform:
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import jax
@@ -33,34 +32,6 @@ from pallas_kernels import _backend
 # compressed-tensors quantizes activations: amax * 2 / 255, half to even, -128..127.
 QMAX = {jnp.dtype(jnp.float8_e4m3fn): 448.0, jnp.dtype(jnp.int8): 127.5}
 CODE_RANGE = {jnp.dtype(jnp.float8_e4m3fn): (-448.0, 448.0), jnp.dtype(jnp.int8): (-128.0, 127.0)}
-_FP8_GPUS = re.compile(r"H100|H200|H20\b|H800|GH200|L4\b|L40|B100|B200|GB200|B300|RTX 40|RTX 50|"
-                       r"Ada|Hopper|Blackwell", re.IGNORECASE)
-
-
-def has_fp8_units(device: Any = None) -> bool:
-    """Whether ``device`` (default: the one programs are built for, a deviceless target's
-    included) is a GPU with FP8 conversions and tensor cores (compute capability >= 8.9);
-    Triton compiles no FP8 conversion below that (``kv_quant.decode_in_integers``)."""
-    device = _current_device() if device is None else device
-    return _backend.platform_backend(device.platform) == "gpu" and _gpu_has_fp8(device)
-
-
-def _gpu_has_fp8(device: Any) -> bool:
-    """Whether a GPU device (real or a deviceless target's) has FP8 tensor cores."""
-    capability = getattr(device, "compute_capability", None)
-    if capability:
-        major, minor = (int(part) for part in str(capability).split(".")[:2])
-        return (major, minor) >= (8, 9)
-    return bool(_FP8_GPUS.search(str(getattr(device, "device_kind", ""))))
-
-
-def _current_device() -> Any:
-    device = jax.config.jax_default_device
-    if device is None or isinstance(device, str):
-        return jax.devices()[0]
-    return device
-
-
 def runs_natively(codes_dtype: Any, groups: int, platform: str | None = None,
                   device: Any = None) -> bool:
     """Whether a W8A8 weight (``codes_dtype``, ``groups`` scale groups along K) multiplies
@@ -69,14 +40,14 @@ def runs_natively(codes_dtype: Any, groups: int, platform: str | None = None,
     if groups != 1:
         return False
     if device is None:
-        device, platform = _current_device(), platform or _backend.current_platform()
+        device, platform = _backend.current_device(), platform or _backend.current_platform()
     else:
         platform = platform or device.platform
     backend = _backend.platform_backend(platform)
     if jnp.dtype(codes_dtype) == jnp.int8:
         return backend in ("gpu", "tpu")
     if jnp.dtype(codes_dtype) == jnp.float8_e4m3fn:
-        return backend == "gpu" and _gpu_has_fp8(device)
+        return backend == "gpu" and _backend.has_fp8_units(device)
     return False
 
 

@@ -39,7 +39,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _backend
-from pallas_kernels.quantized_matmul.activation_quant import has_fp8_units
 
 BLOCK_N = (128, 64)   # output columns per program, the first that divides N
 MIN_ROWS = 16         # tl.dot's smallest M and K
@@ -64,7 +63,7 @@ def supported(weight: dict, k: int, n: int) -> bool:
     if jnp.dtype(codes.dtype) not in CODE_DTYPES:
         return False
     if (codes.dtype == jnp.float8_e4m3fn and _backend.platform_backend() == "gpu"
-            and not has_fp8_units()):
+            and not _backend.has_fp8_units()):
         return False  # Triton converts FP8 from compute capability 8.9 only (the jnp form)
     code_rows = codes.shape[0]
     rows_per_group = code_rows // scale.shape[0]

@@ -117,7 +117,6 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     check_shapes(q, page_view, page_view, kv_lens, block_tables, cu_q_lens, num_seqs,
                  sliding_window=sliding_window, soft_cap=soft_cap)
     check_kv_format(k_cache, v_cache, kv_format)
-    head_dim = k_cache.shape[-1]
     v_dtype = k_cache.dtype if v_cache is None else v_cache.dtype
     same_dtype = (q.dtype == k_cache.dtype == v_dtype if kv_format is None
                   else True)  # byte caches: the kernels take q's dtype
@@ -135,16 +134,16 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
             kwargs.update(k_scale=k_scale, v_scale=v_scale)
         else:  # the others read values only: the scales go into q and the output
             q = fold_key_scale(q, k_scale)
-            out = _dispatch(resolved, backend, interpret, head_dim, layer,
+            out = _dispatch(resolved, backend, interpret, layer,
                             (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs),
                             kwargs)
             return unfold_value_scale(out, v_scale)
-    return _dispatch(resolved, backend, interpret, head_dim, layer,
+    return _dispatch(resolved, backend, interpret, layer,
                      (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs), kwargs)
 
 
-def _dispatch(resolved: str, backend: str, interpret: bool, head_dim: int, layer: int | None,
-              args: tuple, kwargs: dict) -> jax.Array:
+def _dispatch(resolved: str, backend: str, interpret: bool, layer: int | None, args: tuple,
+              kwargs: dict) -> jax.Array:
     q, k_cache = args[0], args[1]
     if layer is not None:
         kwargs["layer"] = layer
@@ -155,12 +154,8 @@ def _dispatch(resolved: str, backend: str, interpret: bool, head_dim: int, layer
         return ragged_paged_attention_cpu(*args, **kwargs)
     if resolved == "gpu":
         import pallas_kernels.ragged_paged_attention.gpu as gpu
-        compute = q.dtype if kwargs.get("kv_format") else k_cache.dtype
-        reason = gpu.unsupported_reason(head_dim=head_dim, block_size=k_cache.shape[-3],
-                                        kv_itemsize=(None if interpret else
-                                                     jnp.dtype(k_cache.dtype).itemsize),
-                                        compute_itemsize=jnp.dtype(compute).itemsize,
-                                        group=q.shape[1] // k_cache.shape[-2])
+        reason = gpu.call_unsupported_reason(q, k_cache, kv_format=kwargs.get("kv_format"),
+                                             interpret=interpret)
         if reason and backend == "auto":
             return ragged_paged_attention_reference(*args, **kwargs)  # shapes Triton can't tile
         return gpu.ragged_paged_attention_gpu(*args, interpret=interpret, **kwargs)

@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 
 import pallas_kernels.ragged_paged_attention.tiling as tiling
 from pallas_kernels.kv_quant import decode, decode_in_integers
-from pallas_kernels.quantized_matmul.activation_quant import has_fp8_units
+from pallas_kernels._backend import has_fp8_units
 from pallas_kernels.ragged_paged_attention.gpu_config import (
     GpuKernelConfig, config_for, device_kind, too_large_reason)
 from pallas_kernels.precision import dot_precision
@@ -60,6 +60,18 @@ def unsupported_reason(*, head_dim: int, block_size: int, kv_itemsize: int | Non
                             compute_itemsize=compute_itemsize or kv_itemsize,
                             group_padded=tiling.next_pow2(group),
                             kind=device_kind() if kind is None else kind)
+
+
+def call_unsupported_reason(q: jax.Array, k_cache: jax.Array, *, kv_format: str | None,
+                            interpret: bool) -> str | None:
+    """``unsupported_reason`` for one call: q [T, Hq, D] and a split cache ``[(L,) N, B,
+    Hkv, D]`` (bytes for ``kv_format``, converted to q's dtype); shared memory is not
+    checked in interpret mode (no device)."""
+    compute = q.dtype if kv_format is not None else k_cache.dtype
+    return unsupported_reason(
+        head_dim=q.shape[-1], block_size=k_cache.shape[-3],
+        kv_itemsize=None if interpret else jnp.dtype(k_cache.dtype).itemsize,
+        compute_itemsize=jnp.dtype(compute).itemsize, group=q.shape[1] // k_cache.shape[-2])
 
 
 def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] each
@@ -245,10 +257,7 @@ def ragged_paged_attention_gpu(
     max_num_seqs, max_blocks = block_tables.shape
     group = num_q_heads // num_kv_heads
     compute_dtype = q.dtype if kv_format is not None else k_cache.dtype
-    kv_itemsize = jnp.dtype(k_cache.dtype).itemsize
-    reason = unsupported_reason(head_dim=head_dim, block_size=block_size,
-                                kv_itemsize=None if interpret else kv_itemsize,  # no device
-                                compute_itemsize=jnp.dtype(compute_dtype).itemsize, group=group)
+    reason = call_unsupported_reason(q, k_cache, kv_format=kv_format, interpret=interpret)
     if reason:
         raise ValueError(reason)
     out_dtype = q.dtype

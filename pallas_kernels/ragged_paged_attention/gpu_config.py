@@ -29,8 +29,7 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
-import jax
-
+from pallas_kernels import _backend
 from pallas_kernels.ragged_paged_attention.tiling import next_pow2
 
 TUNED_FILE = Path(__file__).with_name("gpu_tuned.json")
@@ -99,13 +98,8 @@ def device_kind() -> str:
     """The kind of GPU programs are being built for: the default device's when one is set
     (a deviceless target, ``jaxpage.parallel.targets``), else the first device's; "" when
     that is not a GPU."""
-    device = jax.config.jax_default_device
-    if device is None or isinstance(device, str):
-        devices = jax.devices()
-        device = devices[0] if devices else None
-    if device is None or device.platform not in ("gpu", "cuda", "rocm"):
-        return ""
-    return device.device_kind
+    device = _backend.current_device()
+    return device.device_kind if _backend.platform_backend(device.platform) == "gpu" else ""
 
 
 def tuned(phase: str, kv_itemsize: int, kind: str) -> GpuKernelConfig:

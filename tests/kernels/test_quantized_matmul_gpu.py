@@ -12,6 +12,7 @@ import pytest
 
 from jaxpage.models.quantize import QuantFormat, quantize
 from pallas_kernels.quantized_matmul import reference
+from tests.kernels.quantized_cases import assert_kernel_matches_reference
 from pallas_kernels.quantized_matmul.gpu import quantized_matmul_gpu, supported
 
 CASES = [  # (format, K, N, M)
@@ -30,16 +31,9 @@ CASES = [  # (format, K, N, M)
     f"{f.codes}{f.bits}-g{f.group_size}-z{int(f.has_zero)}-{k}x{n}-m{m}" for f, k, n, m in CASES])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_gpu_kernel_matches_the_reference(fmt, k, n, m, dtype):
-    rng = np.random.default_rng(k + n + m)
-    parts = {name: jnp.asarray(part) for name, part in
-             quantize(rng.standard_normal((k, n)).astype(np.float32), fmt).items()}
-    assert supported(parts, k, n)
-    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
-    got = np.asarray(quantized_matmul_gpu(x, parts, interpret=True, block_m=64), np.float32)
-    want = np.asarray(reference.quantized_matmul(x, parts), np.float32)
-    assert got.shape == (m, n)
-    tolerance = 2e-6 if dtype == jnp.float32 else 8e-3   # bf16: the two nibble halves sum apart
-    assert np.abs(got - want).max() <= tolerance * np.abs(want).max()
+    assert_kernel_matches_reference(
+        lambda x, parts: quantized_matmul_gpu(x, parts, interpret=True, block_m=64), supported,
+        fmt, k, n, m, dtype)
 
 
 def test_what_the_gpu_kernel_does_not_take():

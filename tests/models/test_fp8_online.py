@@ -16,7 +16,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.reference import hf_logits, load_hf_model
+from tests.reference import hf_logits, load_hf_model, round_projection_inputs_to_fp8
 
 SOURCE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "quantized",
                       "float_source")
@@ -37,7 +37,6 @@ def _fp8_weight(weight):
 
 def _dequantized_copy(directory) -> str:
     """float_source with every projection's weight replaced by its FP8 dequantization."""
-    import torch
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(os.path.join(SOURCE, "model.safetensors"))
@@ -57,20 +56,12 @@ def _dequantized_copy(directory) -> str:
     return str(directory)
 
 
-def _quantize_inputs_per_token(model) -> None:
-    """Every projection's input x -> e4m3(x / s) * s, s = max |x| / 448 per token."""
+def _per_token_scale(_name, x):
+    """max |x| / 448 per token (1 for an all-zero row), as the W8A8 path scales."""
     import torch
 
-    def hook(_module, args):
-        x = args[0]
-        s = x.float().abs().amax(dim=-1, keepdim=True) / 448.0
-        s = torch.where(s > 0, s, torch.ones_like(s))
-        return ((x.float() / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * s
-                ).to(x.dtype),
-
-    for name, module in model.named_modules():
-        if name.split(".")[-1] in PROJECTIONS:
-            module.register_forward_pre_hook(hook)
+    s = x.float().abs().amax(dim=-1, keepdim=True) / 448.0
+    return torch.where(s > 0, s, torch.ones_like(s))
 
 
 def _logits(llm) -> np.ndarray:
@@ -117,7 +108,7 @@ def test_fp8_quantizes_activations_per_token_where_the_chip_has_fp8(tmp_path, mo
                         lambda codes_dtype, groups, platform=None, device=None: groups == 1)
     reference = load_hf_model(_dequantized_copy(tmp_path / "dequantized"))
     weight_only = hf_logits(reference, IDS)
-    _quantize_inputs_per_token(reference)
+    round_projection_inputs_to_fp8(reference, _per_token_scale)
     expected = hf_logits(reference, IDS)
     assert np.abs(expected - weight_only).max() > 1e-2     # the activations' rounding shows
     logits = _logits(LLM(model=SOURCE, quantization="fp8", **ENGINE))

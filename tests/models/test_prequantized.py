@@ -24,7 +24,7 @@ import shutil
 import numpy as np
 import pytest
 
-from tests.reference import hf_logits, load_hf_model
+from tests.reference import hf_logits, load_hf_model, round_projection_inputs_to_fp8
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "quantized")
 ENGINE = dict(max_model_len=64, max_num_seqs=2, num_kv_blocks=16, warmup=False)
@@ -101,14 +101,15 @@ def test_w8a8_checkpoint_quantizes_activations_as_stored(name, native_w8a8):
         assert greedy == [int(t) for t in ref["greedy"]], name
 
 
-def _dequantized_fp8_copy(name: str, directory: str) -> str:
-    """``name``'s FP8 checkpoint with every weight dequantized (``weight * weight_scale``,
-    written here independently of jaxpage's reader) as a plain float32 checkpoint."""
+def _dequantized_fp8_copy(source: str, directory) -> str:
+    """The FP8 checkpoint folder ``source`` (one ``weight_scale`` per tensor or channel)
+    with every weight dequantized (``weight * weight_scale``, written here independently of
+    jaxpage's reader) as a plain float32 checkpoint in ``directory``."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    source = os.path.join(ROOT, name)
+    os.makedirs(directory, exist_ok=True)
     tensors = {}
     with safe_open(os.path.join(source, "model.safetensors"), "pt") as f:
         for key in f.keys():
@@ -128,7 +129,7 @@ def _dequantized_fp8_copy(name: str, directory: str) -> str:
     config["torch_dtype"] = "float32"
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f)
-    return directory
+    return str(directory)
 
 
 @pytest.mark.parametrize("name", list(W8A8)[:2])
@@ -139,7 +140,8 @@ def test_fp8_checkpoint_runs_weight_only_on_the_cpu(name, tmp_path):
 
     ref = _reference(name)
     ids = [int(t) for t in ref["token_ids"]]
-    expected = hf_logits(load_hf_model(_dequantized_fp8_copy(name, str(tmp_path))), ids)
+    expected = hf_logits(load_hf_model(_dequantized_fp8_copy(os.path.join(ROOT, name),
+                                                             tmp_path)), ids)
     llm = LLM(model=os.path.join(ROOT, name), **ENGINE)
     logits, _ = _logits_and_greedy(llm, ids)
     assert np.abs(logits - expected).max() < 1e-4
@@ -315,34 +317,13 @@ def _hf_on_fp8_weights(path: str, directory, *, static_inputs: bool):
     """Hugging Face on the float32 weights an FP8 folder (one scale per tensor) stands for;
     with ``static_inputs`` each projection's input x also goes to e4m3(x / s) * s, s its
     stored ``input_scale`` (what a chip with FP8 units computes)."""
-    import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
-    stored = load_file(os.path.join(path, "model.safetensors"))
-    floats = {name: (value.float() * stored[name + "_scale"].float()
-                     if value.dtype == torch.float8_e4m3fn else value.float())
-              for name, value in stored.items() if not name.endswith("_scale")}
-    os.makedirs(directory, exist_ok=True)
-    save_file(floats, os.path.join(directory, "model.safetensors"))
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    config.pop("quantization_config")
-    config["torch_dtype"] = "float32"
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(config, f)
-    model = load_hf_model(str(directory))
+    model = load_hf_model(_dequantized_fp8_copy(path, directory))
     if static_inputs:
-        for name, module in model.named_modules():
-            if name.endswith("proj") and name.split(".")[-1] in (
-                    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
-                s = float(stored[f"{name}.input_scale"])
-
-                def hook(_module, args, s=s):
-                    x = args[0]
-                    q = (x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).float()
-                    return (q * s).to(x.dtype),
-
-                module.register_forward_pre_hook(hook)
+        stored = load_file(os.path.join(path, "model.safetensors"))
+        round_projection_inputs_to_fp8(
+            model, lambda name, _x: float(stored[f"{name}.input_scale"]))
     return model
 
 
