@@ -5,7 +5,9 @@ holds its cache as a tuple of arrays (``KVCache``), every one ``[L, N, ...]`` wi
 blocks on axis 1, and only the kernels look inside a block.
 
 ``"split"`` (CPUs, GPUs): ``(k_cache, v_cache)``, each ``[L, N, B, Hkv, D]``. What the C++
-  CPU kernel and the Triton GPU kernel read; row-major on both platforms.
+  CPU kernel and the Triton GPU kernel read; row-major on both platforms. An int8 cache
+  adds its per-token scale codes: ``(k_cache, v_cache, k_scales, v_scales)``, the last
+  two uint8 ``[L, N, B, Hkv]`` (``kv_token_scale``).
 
 ``"fused"`` (TPUs): ``(kv_cache,)``, ``[L, N, B, W]``: one row of ``W`` lanes per token
   holding all of its keys and values. Head ``h`` owns lanes ``[h * 2 * Dh, (h + 1) * 2 *
@@ -36,7 +38,7 @@ SPLIT, FUSED = "split", "fused"
 LAYOUTS = (SPLIT, FUSED)
 LANES = 128
 
-KVCache = tuple  # (k_cache, v_cache) when split, (kv_cache,) when fused
+KVCache = tuple  # (k_cache, v_cache[, k_scales, v_scales]) when split, (kv_cache,) when fused
 
 
 def for_platform(platform: str) -> str:
@@ -80,11 +82,17 @@ def heads_in_row(width: int, head_dim: int) -> int:
 
 
 def cache_shapes(layout: str, num_layers: int, num_blocks: int, block_size: int,
-                 num_kv_heads: int, head_dim: int) -> tuple[tuple[int, ...], ...]:
-    """The shape of each array of a ``layout`` cache (``num_blocks`` with the null block)."""
+                 num_kv_heads: int, head_dim: int, token_scales: bool = False
+                 ) -> tuple[tuple[int, ...], ...]:
+    """The shape of each array of a ``layout`` cache (``num_blocks`` with the null block);
+    ``token_scales``: with the per-token scale arrays (split only, ``kv_token_scale``)."""
+    if token_scales and layout != SPLIT:
+        raise ValueError(f"per-token KV scales are stored in the {SPLIT!r} layout only, "
+                         f"not {layout!r}")
     if layout == SPLIT:
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        return shape, shape
+        scales = (shape[:4],) * 2 if token_scales else ()
+        return (shape, shape) + scales
     if layout == FUSED:
         return ((num_layers, num_blocks, block_size, row_width(num_kv_heads, head_dim)),)
     raise ValueError(f"kv layout {layout!r} is not one of {LAYOUTS}")
@@ -92,12 +100,17 @@ def cache_shapes(layout: str, num_layers: int, num_blocks: int, block_size: int,
 
 def as_pair(caches: KVCache) -> tuple[jax.Array, jax.Array | None]:
     """``(k_cache, v_cache)`` as the kernels take them; ``v_cache`` is None when fused."""
-    return (caches[0], caches[1]) if len(caches) == 2 else (caches[0], None)
+    return (caches[0], caches[1]) if len(caches) in (2, 4) else (caches[0], None)
 
 
-def from_pair(k_cache: jax.Array, v_cache: jax.Array | None) -> KVCache:
-    """The inverse of ``as_pair``."""
-    return (k_cache,) if v_cache is None else (k_cache, v_cache)
+def token_scales(caches: KVCache) -> tuple:
+    """``(k_scales, v_scales)`` of a cache with per-token scales, else ``()``."""
+    return tuple(caches[2:4])
+
+
+def from_pair(k_cache: jax.Array, v_cache: jax.Array | None, scales: tuple = ()) -> KVCache:
+    """The inverse of ``as_pair`` (and ``token_scales``)."""
+    return (k_cache,) if v_cache is None else (k_cache, v_cache, *scales)
 
 
 def fuse(k: jax.Array, v: jax.Array) -> jax.Array:

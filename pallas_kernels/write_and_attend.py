@@ -26,8 +26,8 @@ import jax
 
 from pallas_kernels import _backend
 from pallas_kernels.kv_cache_update import check_shapes as check_update
-from pallas_kernels.kv_cache_update import kv_cache_update
-from pallas_kernels.ragged_paged_attention import check_kv_format
+from pallas_kernels.kv_cache_update import kv_cache_update, token_scales_update
+from pallas_kernels.ragged_paged_attention import check_kv_format, check_token_scales
 from pallas_kernels.ragged_paged_attention import check_shapes as check_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, resolve_backend
 
@@ -37,8 +37,9 @@ def write_and_attend(q, k_new, v_new, slot_mapping, k_cache, v_cache, kv_lens, b
                      sliding_window: int | None = None, soft_cap: float | None = None,
                      backend: str = "auto", interpret: bool = False,
                      kv_format: str | None = None, k_scale: jax.Array | None = None,
-                     v_scale: jax.Array | None = None
-                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     v_scale: jax.Array | None = None,
+                     new_token_scales: tuple[jax.Array, jax.Array] | None = None,
+                     token_scales: tuple[jax.Array, jax.Array] | None = None) -> tuple:
     """Write ``k_new`` / ``v_new`` [T, Hkv, D] into layer ``layer``'s slots
     ``slot_mapping`` [T] (-1: skip) of ``k_cache`` / ``v_cache`` [L, N, B, Hkv, D], then
     attend ``q`` [T, Hq, D] over that layer's updated pages. With ``v_cache`` None,
@@ -49,6 +50,10 @@ def write_and_attend(q, k_new, v_new, slot_mapping, k_cache, v_cache, kv_lens, b
     (``ragged_paged_attention``'s rule); the same checks and errors apply. With
     ``kv_format`` the caches are bytes (``kv_quant``) and ``k_new`` / ``v_new`` come
     already encoded (``k / k_scale``, ``v / v_scale``, scales [Hkv, D] of this layer).
+    With ``token_scales`` (every layer's per-token scale codes [L, N, B, Hkv], keys and
+    values; ``kv_token_scale``) the new tokens' codes ``new_token_scales`` ([T, Hkv] each,
+    what ``k_new`` / ``v_new`` were divided by) are written too and the codes come back
+    fourth: (attention, k_cache, v_cache, (k_codes, v_codes)).
     """
     if v_cache is not None and (k_cache.ndim != 5 or k_cache.shape != v_cache.shape):
         raise ValueError(f"k_cache and v_cache must both be [num_layers, num_blocks, "
@@ -60,6 +65,10 @@ def write_and_attend(q, k_new, v_new, slot_mapping, k_cache, v_cache, kv_lens, b
     check_attention(q, layer_view, layer_view, kv_lens, block_tables, cu_q_lens, num_seqs,
                     sliding_window=sliding_window, soft_cap=soft_cap)
     check_kv_format(k_cache, v_cache, kv_format)
+    check_token_scales(k_cache, v_cache, kv_format, token_scales)
+    if (token_scales is None) != (new_token_scales is None):
+        raise ValueError("token_scales and new_token_scales go together (per-token scale "
+                         "codes of the caches and of the new tokens)")
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if kv_format is not None:
         kwargs["kv_format"] = kv_format
@@ -71,13 +80,20 @@ def write_and_attend(q, k_new, v_new, slot_mapping, k_cache, v_cache, kv_lens, b
         from pallas_kernels.ragged_paged_attention.cpu import write_and_attend_cpu
         if kv_format is not None:
             kwargs.update(k_scale=k_scale, v_scale=v_scale)
+        if token_scales is not None:
+            kwargs.update(new_token_scales=tuple(new_token_scales),
+                          token_scales=tuple(token_scales))
         return write_and_attend_cpu(q, k_new, v_new, slot_mapping, k_cache, v_cache, kv_lens,
                                     block_tables, cu_q_lens, num_seqs, layer=layer, **kwargs)
     k_cache, v_cache = kv_cache_update(k_cache, v_cache, k_new, v_new, slot_mapping,
                                        layer=layer)
     if kv_format is not None:
         kwargs.update(k_scale=k_scale, v_scale=v_scale)
+    if token_scales is not None:
+        token_scales = token_scales_update(token_scales, new_token_scales, slot_mapping,
+                                           layer=layer)
+        kwargs["token_scales"] = token_scales
     out = ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
                                  num_seqs, backend=backend, interpret=interpret, layer=layer,
                                  **kwargs)
-    return out, k_cache, v_cache
+    return (out, k_cache, v_cache) + ((token_scales,) if token_scales is not None else ())

@@ -16,6 +16,11 @@ Schemes (``SCHEME:FORMAT``, FORMAT ``int8`` or ``fp8`` = e4m3):
 * ``token``: a scale per token and KV head (its largest |value|); ``token_bf16`` that
   scale rounded to bfloat16 (2 bytes); ``token_pow2`` rounded up to a power of two
   (1 byte); ``token_shared`` one scale per token for all KV heads of the layer;
+* ``token_logN``: the per-token scale as one byte, ``2^(e/N)`` rounded up (N steps per
+  octave; ``token_log16`` is what the int8 cache stores, ``kv_token_scale``);
+* ``mid`` / ``mean``: ``static`` scales around a static centre per channel (the middle of
+  its calibrated range / its mean), never added back to keys (softmax ignores a constant
+  key vector) and added back to values;
 * ``static_x_token``: the static channel scales times a scalar per token and head;
 * ``kt_X``: keys by scheme X, values ``static``.
 
@@ -51,6 +56,10 @@ HEADROOM = 1.25
 _state: dict = {"scheme": None, "format": "int8", "layer": 0, "positions": None,
                 "scales": {}, "capture": False}
 _amax: dict = {}   # (key or value, layer, "all" | "rest") -> [Hkv, D] largest |rotated value|
+_lo: dict = {}     # (key or value, layer) -> [Hkv, D] smallest / largest rotated value,
+_hi: dict = {}     # their sum and count (the centred schemes)
+_sum: dict = {}
+_count: dict = {}
 
 
 def _round(x, fmt: str):
@@ -77,8 +86,22 @@ def quantized(x, layer: int, which: int):
         s = _token_scale(xr, limit).astype(jnp.bfloat16).astype(jnp.float32) * (1 + 2.0 ** -8)
     elif scheme == "token_pow2":
         s = 2.0 ** jnp.ceil(jnp.log2(_token_scale(xr, limit)))
+    elif scheme.startswith("token_log"):   # 1 byte: scale = 2 ** (e / steps), rounded up
+        steps = int(scheme[len("token_log"):])
+        s = 2.0 ** (jnp.ceil(jnp.log2(_token_scale(xr, limit)) * steps) / steps)
     elif scheme == "token_shared":
         s = _token_scale(xr, limit, axes=(-1, -2))
+    elif scheme in ("mid", "mean"):   # a static centre per channel, then a static scale
+        lo, hi = _lo[which, layer], _hi[which, layer]
+        centre = (lo + hi) / 2 if scheme == "mid" else _sum[which, layer] / _count[which, layer]
+        reach = np.maximum(hi - centre, centre - lo)
+        s = jnp.broadcast_to(jnp.asarray(np.maximum(reach * HEADROOM / limit, 1e-8)), xr.shape)
+        c = jnp.asarray(centre, jnp.float32)
+        deq = _round((xr - c) / s, fmt) * s
+        # keys: the centre is never added back (softmax(q.k - q.c) = softmax(q.k));
+        # values: it is (sum_j p_j (v_j - c) + c = sum_j p_j v_j)
+        deq = deq if which == 0 else deq + c
+        return jnp.einsum("the,de->thd", deq, r, precision="highest").astype(x.dtype)
     elif scheme in ("static", "sink", "static_x_token"):
         calibrated = "rest" if scheme == "sink" else "all"
         headroom = 1.0 if scheme == "static_x_token" else HEADROOM
@@ -100,7 +123,13 @@ def _record(k, v, positions, layer: int) -> None:
     r = rotation(k.shape[-1])
     positions = np.asarray(positions)
     for which, x in ((0, np.asarray(k)), (1, np.asarray(v))):
-        x = np.abs(x @ r)
+        x = x @ r
+        key = (which, layer)
+        _lo[key] = np.minimum(_lo.get(key, np.inf), x.min(0))
+        _hi[key] = np.maximum(_hi.get(key, -np.inf), x.max(0))
+        _sum[key] = _sum.get(key, 0.0) + x.astype(np.float64).sum(0)
+        _count[key] = _count.get(key, 0) + x.shape[0]
+        x = np.abs(x)
         for name, rows in (("all", positions >= 0), ("rest", positions > 0)):
             if rows.any():
                 key = (which, layer, name)

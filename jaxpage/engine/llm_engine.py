@@ -54,7 +54,7 @@ from jaxpage.runtime.cpu_threads import lower_compute_threads
 from jaxpage.runtime.kv_cache import bytes_per_block
 from jaxpage.runtime.model_runner import ModelRunner
 from jaxpage.sampling_params import SamplingParams, StructuredOutputsParams
-from pallas_kernels import kv_layout
+from pallas_kernels import kv_layout, kv_token_scale
 from pallas_kernels.ragged_paged_attention import resolve_backend as resolve_attention_backend
 
 logger = logging.getLogger("jaxpage")
@@ -135,7 +135,8 @@ class LLMEngine(LoRAAdapters, kv_handoff.KVHandoff):
         block_size = cc.block_size
         # what the KV cache holds: the model dtype, or bytes (int8 / fp8 KV)
         dtype = np.uint8 if cc.kv_format else loaded.model.final_norm[...].dtype
-        if cc.kv_format:
+        token_scales = kv_token_scale.applies(cc.kv_format, layout)
+        if cc.kv_format and not token_scales:  # per-token scales need no calibration
             calibrate_kv_scales(loaded.model, cc.kv_format, tokenizer.result(),
                                 self.max_model_len)
         speculation = config.scheduler.speculative
@@ -154,7 +155,8 @@ class LLMEngine(LoRAAdapters, kv_handoff.KVHandoff):
                                              num_shards, extra_bytes_per_block=draft_per_block,
                                              layout=layout)
         self.num_kv_blocks = num_kv_blocks
-        per_block = bytes_per_block(self.arch, block_size, dtype, layout=layout)
+        per_block = bytes_per_block(self.arch, block_size, dtype, layout=layout,
+                                    token_scales=token_scales)
         num_host_blocks = int(cc.swap_space * 2**30) // per_block
         self.block_pool = BlockPool(num_kv_blocks + 1, enable_caching=cc.enable_prefix_caching)
         self.kv_cache_manager = KVCacheManager(

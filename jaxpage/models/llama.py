@@ -49,6 +49,7 @@ from pallas_kernels import kv_layout
 from pallas_kernels.kv_layout import KVCache  # (k, v) split or (kv,) fused
 from pallas_kernels._backend import branches_wait_for_device
 from pallas_kernels.kv_quant import encode, rotation
+from pallas_kernels.kv_token_scale import encode_per_token
 from pallas_kernels.precision import dot_precision
 from pallas_kernels.quantized_matmul import gather_columns
 from pallas_kernels.write_and_attend import write_and_attend
@@ -259,6 +260,8 @@ class CausalLM(nnx.Module):
 
         k_cache, v_cache = kv_layout.as_pair(kv_cache)  # split [L, N, B, Hkv, D] each,
         # or fused [L, N, B, W] and None (pallas_kernels.kv_layout)
+        token = kv_layout.token_scales(kv_cache)  # () or an int8 cache's per-token scale
+        # codes, uint8 [L, N, B, Hkv] for keys and for values (pallas_kernels.kv_token_scale)
         h = self.embed_tokens(input_ids)                                   # [T, hidden]
         lora = None
         if getattr(self, "lora_shape", None) is not None:  # each token's adapter slot
@@ -267,21 +270,26 @@ class CausalLM(nnx.Module):
         tables = self._rope_tables(positions)
         for index, layer in enumerate(self.layers):
             q, k, v = layer.qkv(cfg, h, tables[self._local(index)], lora, rows)
-            scales = ()
-            if self.kv_format is not None:  # this layer's [Hkv, D] key and value scales
-                scales = (self.kv_scale[...][0, index], self.kv_scale[...][1, index])
+            scales, new_token = (), ()
+            if self.kv_format is not None:
                 q = _rotated(q)                                   # kv_quant.rotation
-                k = encode(_rotated(k, dtype=jnp.float32) / scales[0], self.kv_format)
-                v = encode(_rotated(v, dtype=jnp.float32) / scales[1], self.kv_format)
-            attn, k_cache, v_cache = attention(
+                if token:  # a scale per token and KV head, stored with it: [T, Hkv] codes
+                    k, k_codes = encode_per_token(_rotated(k, dtype=jnp.float32))
+                    v, v_codes = encode_per_token(_rotated(v, dtype=jnp.float32))
+                    new_token = (k_codes, v_codes)
+                else:  # this layer's [Hkv, D] key and value scales
+                    scales = (self.kv_scale[...][0, index], self.kv_scale[...][1, index])
+                    k = encode(_rotated(k, dtype=jnp.float32) / scales[0], self.kv_format)
+                    v = encode(_rotated(v, dtype=jnp.float32) / scales[1], self.kv_format)
+            attn, k_cache, v_cache, token = attention(
                 q, k, v, k_cache, v_cache, batch.slot_mapping, batch.kv_lens,
-                batch.block_tables, batch.cu_q_lens, batch.num_seqs, *scales,
-                layer=index)
+                batch.block_tables, batch.cu_q_lens, batch.num_seqs, scales, new_token,
+                token, layer=index)
             if self.kv_format is not None:
                 attn = _rotated(attn, back=True)
             h = layer.finish(cfg, h, attn, lora, rows)
         return (rms_norm(h, self.final_norm[...], cfg.rms_norm_eps, cfg.norm_offset),
-                kv_layout.from_pair(k_cache, v_cache))
+                kv_layout.from_pair(k_cache, v_cache, token))
 
     def _local(self, layer: int) -> bool:
         """Whether ``layer`` is a sliding one (whose RoPE may have its own base)."""
@@ -320,21 +328,27 @@ class CausalLM(nnx.Module):
         return jnp.stack(amax, axis=1).astype(jnp.float32)
 
     def _attention(self, q, k, v, k_cache, v_cache, slot_mapping, kv_lens, block_tables,
-                   cu_q_lens, num_seqs, k_scale=None, v_scale=None, *, layer: int):
+                   cu_q_lens, num_seqs, scales=(), new_token=(), token=(), *, layer: int):
         """Write layer ``layer``'s new K/V into its pages, then attend:
-        -> (attn [T, Hq, D], k_cache, v_cache).
+        -> (attn [T, Hq, D], k_cache, v_cache, token).
 
         q: [T, Hq, D]; k, v: [T, Hkv, D]; k_cache, v_cache: every layer's pages
         [L, N, B, Hkv, D], or a fused cache and None (``kv_layout``) (per-device head
         counts under ``shard_map``); ``slot_mapping``
-        and ``block_tables`` address the layer's own pages.
+        and ``block_tables`` address the layer's own pages. A byte cache: ``scales``
+        (its [Hkv, D] key and value scales), or ``new_token`` ([T, Hkv] scale codes of k
+        and v) and ``token`` (every layer's codes [L, N, B, Hkv]), which come back
+        written; ``()`` where absent.
         """
-        return write_and_attend(
+        k_scale, v_scale = scales or (None, None)
+        results = write_and_attend(
             q, k, v, slot_mapping, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
             num_seqs, layer=layer, sm_scale=self.cfg.softmax_scale,
             sliding_window=self.cfg.window(layer), soft_cap=self.cfg.attn_softcap,
             backend=self.attention_backend,
-            kv_format=self.kv_format, k_scale=k_scale, v_scale=v_scale)
+            kv_format=self.kv_format, k_scale=k_scale, v_scale=v_scale,
+            new_token_scales=new_token or None, token_scales=token or None)
+        return results if token else (*results, ())
 
     def _sharded(self, attention):
         """``attention`` under ``shard_map`` over the KV-head axis when there is a mesh."""
@@ -342,15 +356,17 @@ class CausalLM(nnx.Module):
             return attention
         heads, pages, whole = P(None, TP, None), P(None, None, None, TP), P()
         scale = P(TP, None)  # a byte cache's [Hkv, D] scales of the layer
+        new_code = P(None, TP)  # per-token scale codes [T, Hkv] (their caches: pages)
 
         def sharded(*args, layer: int):
-            scales = (scale,) * (len(args) - 10)
+            scales, new_token, token = args[10:]
             v_pages = None if args[4] is None else pages  # None: a fused cache
+            codes = (pages,) * len(token)
             return jax.shard_map(
                 functools.partial(attention, layer=layer), mesh=self.mesh,
                 in_specs=(heads, heads, heads, pages, v_pages, whole, whole, whole, whole,
-                          whole, *scales),
-                out_specs=(heads, pages, v_pages), check_vma=False)(*args)
+                          whole, (scale,) * len(scales), (new_code,) * len(new_token), codes),
+                out_specs=(heads, pages, v_pages, codes), check_vma=False)(*args)
 
         return sharded
 

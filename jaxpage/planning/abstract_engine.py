@@ -44,7 +44,7 @@ from jaxpage.runtime.decode_loop import make_decode_loop
 from jaxpage.runtime.kv_cache import bytes_per_block, cache_shapes
 from jaxpage.runtime.model_runner import PENALTY_FILL_WIDTH
 from jaxpage.runtime.step import make_penalty_fill, make_step
-from pallas_kernels import kv_layout
+from pallas_kernels import kv_layout, kv_token_scale
 from pallas_kernels._backend import branches_wait_for_device
 
 # The attention kernel ``attention_backend="auto"`` runs on each target platform.
@@ -136,6 +136,7 @@ class AbstractEngine:
         # what the KV cache holds: the model dtype, or bytes (int8 / fp8 KV, kv_quant)
         self.kv_dtype = jnp.uint8 if cc.kv_format else self.dtype
         self.kv_layout = kv_layout.for_platform(self.platform)  # fused rows on TPUs
+        self.token_scales = kv_token_scale.applies(cc.kv_format, self.kv_layout)
         limit = self.arch.max_position_embeddings
         if mc.max_model_len is not None and mc.max_model_len > limit:
             raise ValueError(f"max_model_len={mc.max_model_len} exceeds the model's context "
@@ -188,7 +189,8 @@ class AbstractEngine:
 
     def bytes_per_block(self, per_device: bool = True) -> int:
         return bytes_per_block(self.arch, self.block_size, self.kv_dtype,
-                               self.tp_size if per_device else 1, self.kv_layout)
+                               self.tp_size if per_device else 1, self.kv_layout,
+                               self.token_scales)
 
     # -- abstract arguments -----------------------------------------------------------
 
@@ -201,7 +203,7 @@ class AbstractEngine:
         return tuple(jax.ShapeDtypeStruct(shape, self.kv_dtype,
                                           sharding=self.placement.kv_sharding)
                      for shape in cache_shapes(self.arch, blocks, self.block_size,
-                                               self.kv_layout))
+                                               self.kv_layout, self.token_scales))
 
     def caches(self, num_blocks: int | None = None) -> tuple:
         penalty = self._replicated((self.max_num_seqs, self.arch.vocab_size), jnp.int32)

@@ -21,9 +21,10 @@ from pallas_kernels import kv_layout
 
 
 def bytes_per_block(arch: ArchConfig, block_size: int, dtype, num_shards: int = 1,
-                    layout: str = kv_layout.SPLIT) -> int:
+                    layout: str = kv_layout.SPLIT, token_scales: bool = False) -> int:
     """K and V bytes of one block across all layers, on each of ``num_shards`` devices,
-    padding included (a fused row pads head dims other than 64 and multiples of 128).
+    padding included (a fused row pads head dims other than 64 and multiples of 128),
+    with ``token_scales`` a byte more per token, head and K or V (``kv_token_scale``).
 
     ``arch.num_kv_heads`` is the count the model runs with (after GQA repetition), a
     multiple of ``num_shards``.
@@ -32,14 +33,15 @@ def bytes_per_block(arch: ArchConfig, block_size: int, dtype, num_shards: int = 
     heads = arch.num_kv_heads // num_shards
     if layout == kv_layout.FUSED:
         return arch.num_layers * block_size * kv_layout.row_width(heads, arch.head_dim) * itemsize
-    return 2 * arch.num_layers * block_size * heads * arch.head_dim * itemsize
+    scales = 2 * arch.num_layers * block_size * heads if token_scales else 0
+    return 2 * arch.num_layers * block_size * heads * arch.head_dim * itemsize + scales
 
 
 def num_blocks_for_budget(arch: ArchConfig, block_size: int, dtype, budget_bytes: int,
                           max_useful_blocks: int, num_shards: int = 1,
-                          layout: str = kv_layout.SPLIT) -> int:
+                          layout: str = kv_layout.SPLIT, token_scales: bool = False) -> int:
     """Usable blocks (null block excluded) that fit ``budget_bytes`` per device, capped."""
-    per_block = bytes_per_block(arch, block_size, dtype, num_shards, layout)
+    per_block = bytes_per_block(arch, block_size, dtype, num_shards, layout, token_scales)
     fitting = budget_bytes // per_block - 1  # one block of the budget goes to the null block
     if fitting < 1:
         raise ValueError(f"kv_cache_memory={budget_bytes} bytes holds no KV block "
@@ -48,24 +50,27 @@ def num_blocks_for_budget(arch: ArchConfig, block_size: int, dtype, budget_bytes
 
 
 def cache_shapes(arch: ArchConfig, num_blocks: int, block_size: int,
-                 layout: str) -> tuple[tuple[int, ...], ...]:
+                 layout: str, token_scales: bool = False) -> tuple[tuple[int, ...], ...]:
     """The global shape of each cache array (``num_blocks`` with the null block). Split
     over devices on axis 3, each device holds whole heads: a fused row is its heads'
     slots side by side, so one device's shard of it is the fused row of its own heads."""
     return kv_layout.cache_shapes(layout, arch.num_layers, num_blocks, block_size,
-                                  arch.num_kv_heads, arch.head_dim)
+                                  arch.num_kv_heads, arch.head_dim, token_scales)
 
 
 def allocate_kv_cache(arch: ArchConfig, num_blocks: int, block_size: int, dtype,
                       sharding: jax.sharding.Sharding | None = None,
-                      layout: str = kv_layout.SPLIT) -> tuple[jax.Array, ...]:
+                      layout: str = kv_layout.SPLIT,
+                      token_scales: bool = False) -> tuple[jax.Array, ...]:
     """The zeroed cache: split (k, v), each [num_layers, num_blocks, block_size,
-    num_kv_heads, head_dim], or fused (kv,) [num_layers, num_blocks, block_size, W].
+    num_kv_heads, head_dim] (then ``token_scales``' codes [num_layers, num_blocks,
+    block_size, num_kv_heads] for keys and values), or fused (kv,) [num_layers,
+    num_blocks, block_size, W].
 
     ``num_blocks`` includes the null block 0. With a ``sharding`` (KV heads over the
     mesh, axis 3) each device allocates only its own heads.
     """
-    shapes = cache_shapes(arch, num_blocks, block_size, layout)
+    shapes = cache_shapes(arch, num_blocks, block_size, layout, token_scales)
     if sharding is None:
         return tuple(jnp.zeros(shape, dtype) for shape in shapes)
     zeros = jax.jit(lambda: tuple(jnp.zeros(shape, dtype) for shape in shapes),

@@ -41,7 +41,9 @@ class TransferTicket:
     dtype: str             # (split: K and V), or [layers, P, block_size, W] (fused: one)
     num_blocks: int        # real blocks among the P
     kv_shards: int = 1     # devices the sender splits the KV heads over (tensor parallelism)
-    num_arrays: int = 2    # 2: split K and V; 1: fused rows (kv_layout)
+    num_arrays: int = 2    # 2: split K and V; 1: fused rows (kv_layout); 4: split K and V,
+    #                        then their per-token scale codes (int8, kv_token_scale), each
+    #                        ``shape`` without its head dim
 
     def to_dict(self) -> dict:
         return dict(asdict(self), shape=list(self.shape))
@@ -57,7 +59,8 @@ class TransferTicket:
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"kv_transfer_params={data!r} is not a KV transfer ticket "
                              f"({error})") from None
-        if (ticket.num_arrays not in (1, 2) or len(ticket.shape) != 3 + ticket.num_arrays
+        if (ticket.num_arrays not in (1, 2, 4)
+                or len(ticket.shape) != 3 + min(ticket.num_arrays, 2)
                 or not 0 < ticket.num_blocks <= ticket.shape[1]
                 or ticket.kv_shards < 1):
             raise ValueError(f"kv_transfer_params={data!r} has an invalid shape, block count "
@@ -160,6 +163,10 @@ class KVTransfer:
 
     def _specs(self, ticket: TransferTicket) -> tuple:
         spec = jax.ShapeDtypeStruct(ticket.shape, np.dtype(ticket.dtype), sharding=self.sharding)
+        if ticket.num_arrays == 4:  # K, V, then their scale codes [layers, P, block_size, heads]
+            codes = jax.ShapeDtypeStruct(ticket.shape[:-1], np.dtype(ticket.dtype),
+                                         sharding=self.sharding)
+            return (spec, spec, codes, codes)
         return (spec,) * ticket.num_arrays
 
     def pull(self, ticket: TransferTicket, timeout_s: float) -> tuple[np.ndarray, ...]:

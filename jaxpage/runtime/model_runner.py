@@ -26,7 +26,7 @@ from jaxpage.core.batch.penalty_slots import PenaltyFill
 from jaxpage.runtime.step import make_forward_logits, make_penalty_fill
 from jaxpage.runtime.step_inputs import StepInputs
 from jaxpage.runtime.step_programs import StepPrograms
-from pallas_kernels import kv_layout
+from pallas_kernels import kv_layout, kv_token_scale
 from pallas_kernels.dense_matmul import resolve_backend as resolve_dense_backend
 from pallas_kernels.quantized_matmul import resolve_backend as resolve_quantized_backend
 from pallas_kernels.sampling import resolve_backend as resolve_sampling_backend
@@ -71,8 +71,9 @@ class ModelRunner:
             devices = (jax.devices() if loaded.mesh is None else loaded.mesh.devices.flat)
             layout = kv_layout.for_platform(devices[0].platform)
         self.kv_layout = layout
-        self.kv_cache = allocate_kv_cache(self.arch, num_blocks, block_size, dtype,
-                                          self.placement.kv_sharding, layout)
+        self.kv_cache = allocate_kv_cache(
+            self.arch, num_blocks, block_size, dtype, self.placement.kv_sharding, layout,
+            kv_token_scale.applies(getattr(loaded, "kv_format", None), layout))
         self.host_pool = block_ops.HostKVPool(
             num_host_blocks, [(c.shape[0],) + c.shape[2:] for c in self.kv_cache],
             np.dtype(dtype))

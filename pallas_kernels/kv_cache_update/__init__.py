@@ -11,9 +11,10 @@ back if a compiled Pallas version misbehaves. Ask for ``"gpu"`` / ``"tpu"`` expl
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import _backend
-from pallas_kernels.kv_cache_update.reference import kv_cache_update_reference
+from pallas_kernels.kv_cache_update.reference import kv_cache_update_reference, scatter_slots
 
 
 def resolve_backend(backend: str, *, interpret: bool = False) -> str:
@@ -61,4 +62,19 @@ def kv_cache_update(k_cache, v_cache, k_new, v_new, slot_mapping, *, backend: st
     return tpu.kv_cache_update_tpu(*args, interpret=interpret, layer=layer)
 
 
-__all__ = ["check_shapes", "kv_cache_update", "kv_cache_update_reference", "resolve_backend"]
+def token_scales_update(token_scales: tuple, new_token_scales: tuple, slot_mapping,
+                        layer: int | None = None) -> tuple:
+    """Per-token scale codes (``kv_token_scale``): ``token_scales`` ([(L,) N, B, Hkv]
+    uint8, keys and values) with ``new_token_scales`` ([T, Hkv] each) written into slots
+    ``slot_mapping`` (-1: skip). An XLA scatter on every platform: a byte per token and
+    head."""
+    expected = (slot_mapping.shape[0], token_scales[0].shape[-1])
+    if any(new.shape != expected or new.dtype != jnp.uint8 for new in new_token_scales):
+        raise ValueError(f"new token scale codes must be uint8 {expected}, got "
+                         f"{[(new.shape, str(new.dtype)) for new in new_token_scales]}")
+    num_blocks, block_size = token_scales[0].shape[-3:-1]
+    return scatter_slots(tuple(token_scales), tuple(new_token_scales), slot_mapping,
+                         num_blocks, block_size, layer)
+
+
+__all__ = ["check_shapes", "token_scales_update", "kv_cache_update", "kv_cache_update_reference", "resolve_backend"]

@@ -24,6 +24,17 @@ def kv_cache_update_reference(
 ) -> tuple[jax.Array, jax.Array | None]:
     fused = v_cache is None
     num_blocks, block_size = k_cache.shape[-3:-1] if fused else k_cache.shape[-4:-2]
+    if fused:
+        return scatter_slots((k_cache,), (kv_layout.fuse(k_new, v_new),), slot_mapping,
+                             num_blocks, block_size, layer)[0], None
+    return scatter_slots((k_cache, v_cache), (k_new, v_new), slot_mapping, num_blocks,
+                         block_size, layer)
+
+
+def scatter_slots(caches: tuple, news: tuple, slot_mapping: jax.Array, num_blocks: int,
+                  block_size: int, layer: int | None = None) -> tuple:
+    """Each ``caches[i]`` ([(L,) N, B, ...]) with row t of ``news[i]`` ([T, ...]) written
+    into slot ``slot_mapping[t]`` (of layer ``layer``; -1: skipped)."""
     num_slots = num_blocks * block_size
     slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # out of range: dropped
     if slots.shape[0] == 1:
@@ -32,15 +43,9 @@ def kv_cache_update_reference(
         # loop of one sequence it copied the cache every step. A second, dropped row keeps
         # it a scatter, which updates the donated cache in place.
         slots = jnp.concatenate([slots, jnp.full((1,), num_slots, slots.dtype)])
-        k_new = jnp.concatenate([k_new, k_new])
-        v_new = jnp.concatenate([v_new, v_new])
+        news = tuple(jnp.concatenate([new, new]) for new in news)
 
     blocks, offsets = slots // block_size, slots % block_size  # slot num_slots: block N
     index = (blocks, offsets) if layer is None else (layer, blocks, offsets)
-
-    def scatter(cache: jax.Array, new: jax.Array) -> jax.Array:
-        return cache.at[index].set(new.astype(cache.dtype), mode="drop")
-
-    if fused:
-        return scatter(k_cache, kv_layout.fuse(k_new, v_new)), None
-    return scatter(k_cache, k_new), scatter(v_cache, v_new)
+    return tuple(cache.at[index].set(new.astype(cache.dtype), mode="drop")
+                 for cache, new in zip(caches, news))

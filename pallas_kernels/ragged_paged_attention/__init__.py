@@ -93,17 +93,36 @@ def check_kv_format(k_cache, v_cache, kv_format: str | None) -> None:
            f"fp8 caches are uint8 bytes with their kv_format; float caches take none")
 
 
+def check_token_scales(k_cache, v_cache, kv_format: str | None, token_scales) -> None:
+    """Per-token scale codes (``kv_token_scale``) go with a split byte cache: uint8, one
+    per token and KV head of each cache (its shape without head_dim)."""
+    if token_scales is None:
+        return
+    _check(kv_format is not None and v_cache is not None,
+           f"token_scales need a split byte cache (kv_format={kv_format!r}, "
+           f"{'fused' if v_cache is None else 'split'} layout)")
+    _check(len(token_scales) == 2 and all(
+               s.dtype == jnp.uint8 and s.shape == k_cache.shape[:-1] for s in token_scales),
+           f"token_scales must be (key codes, value codes), uint8 {k_cache.shape[:-1]} each, "
+           f"got {[(s.shape, str(s.dtype)) for s in token_scales]}")
+
+
 def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *,
                            sm_scale: float, sliding_window: int | None = None,
                            soft_cap: float | None = None, backend: str = "auto",
                            interpret: bool = False, layer: int | None = None,
                            kv_format: str | None = None, k_scale: jax.Array | None = None,
-                           v_scale: jax.Array | None = None) -> jax.Array:
+                           v_scale: jax.Array | None = None,
+                           token_scales: tuple[jax.Array, jax.Array] | None = None
+                           ) -> jax.Array:
     """Attention of concatenated ragged queries over a paged KV cache -> [T, Hq, D].
 
     ``kv_format`` (``pallas_kernels.kv_quant``): the caches are ``uint8`` bytes of that
     format, converted to q's dtype as pages are read, standing for ``k_scale`` /
-    ``v_scale`` [Hkv, D] times their values (None: ones).
+    ``v_scale`` [Hkv, D] times their values (None: ones), and, with ``token_scales``
+    (key and value scale codes, uint8 shaped like the caches without head_dim), times
+    each token's own scale (``kv_token_scale``; split caches; the TPU kernel has none and
+    falls back to the reference).
 
     With ``layer`` the caches are every layer's, ``[L, N, B, Hkv, D]``, and layer
     ``layer``'s pages are read in place (no slice or reshape of the cache, which on a TPU
@@ -117,6 +136,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     check_shapes(q, page_view, page_view, kv_lens, block_tables, cu_q_lens, num_seqs,
                  sliding_window=sliding_window, soft_cap=soft_cap)
     check_kv_format(k_cache, v_cache, kv_format)
+    check_token_scales(k_cache, v_cache, kv_format, token_scales)
     v_dtype = k_cache.dtype if v_cache is None else v_cache.dtype
     same_dtype = (q.dtype == k_cache.dtype == v_dtype if kv_format is None
                   else True)  # byte caches: the kernels take q's dtype
@@ -127,6 +147,10 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
         resolved = "reference"  # the C++ kernel's per-layer form is write_and_attend's
     if v_cache is None and resolved in ("cpu", "gpu"):
         resolved = "reference"  # their kernels read split pages only
+    if token_scales is not None:
+        kwargs["token_scales"] = tuple(token_scales)
+        if resolved == "tpu":
+            resolved = "reference"  # Mosaic reads fused rows, which keep no token scales
     if kv_format is not None:
         kwargs["kv_format"] = kv_format
         if resolved == "cpu" and q.shape[0] > 0:

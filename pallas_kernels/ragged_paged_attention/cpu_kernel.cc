@@ -53,11 +53,17 @@ struct Shape {
 };
 
 // How a byte cache (int8 / fp8 KV) is read: `lut` [256] is the value of each byte, and the
-// cache holds k / k_scale and v / v_scale, scales per KV head and channel [Hkv * D].
+// cache holds k / k_scale and v / v_scale, scales per KV head and channel [Hkv * D]. With
+// per-token scales (pallas_kernels/kv_token_scale.py; `k_token` non-null) each slot's
+// bytes are also divided by its own scale, one code per slot and KV head ([slots][Hkv],
+// the same slots as the caches), whose value is `token_table` [256] of the code.
 struct ByteCache {
   const float* lut;
   const float* k_scale;
   const float* v_scale;
+  const uint8_t* k_token = nullptr;
+  const uint8_t* v_token = nullptr;
+  const float* token_table = nullptr;
 };
 
 struct WorkItem {
@@ -279,6 +285,22 @@ void AttendItem(const Shape& s, const WorkItem& item, const float* q, const void
           kc[j * stride + e] = lut[kb[j * stride + e]] * ks[e];
           vc[j * stride + e] = lut[vb[j * stride + e]] * vs[e];
         }
+      if (bytes->k_token != nullptr) {  // each slot's own scale, per KV head
+        const uint8_t* kt_codes = bytes->k_token + first_slot * Hkv;
+        const uint8_t* vt_codes = bytes->v_token + first_slot * Hkv;
+        const float* __restrict table = bytes->token_table;
+        for (int64_t j = 0; j < count; ++j)
+          for (int64_t h = 0; h < Hkv; ++h) {
+            const float k_mul = table[kt_codes[j * Hkv + h]];
+            const float v_mul = table[vt_codes[j * Hkv + h]];
+            float* __restrict krow = kc + j * stride + h * D;
+            float* __restrict vrow = vc + j * stride + h * D;
+            for (int64_t d = 0; d < D; ++d) {
+              krow[d] *= k_mul;
+              vrow[d] *= v_mul;
+            }
+          }
+      }
       k_block = kc;
       v_block = vc;
     } else {
@@ -466,8 +488,20 @@ void WriteSlots(const void* rows, const int32_t* slot_mapping, int64_t num_rows,
   }
 }
 
-// The shared body of both write-and-attend handlers: caches of float32 (bytes == nullptr)
-// or of bytes (ByteCache).
+// Per-token scale codes of a write-and-attend call: the new tokens' [T, Hkv], and every
+// layer's caches [L, N, B, Hkv] in (operands) and out (their aliased results).
+struct TokenScaleWrite {
+  const uint8_t* k_new;
+  const uint8_t* v_new;
+  const uint8_t* k_in;
+  const uint8_t* v_in;
+  uint8_t* k_all;
+  uint8_t* v_all;
+  const float* table;  // [256]: the scale of each code
+};
+
+// The shared body of the write-and-attend handlers: caches of float32 (bytes == nullptr)
+// or of bytes (ByteCache), with per-token scales where `tokens` is given.
 template <typename Cache>
 ffi::Error WriteAndAttendBody(const float* q, ffi::Span<const int64_t> qd, const Cache* k_new,
                               ffi::Span<const int64_t> nd, const Cache* v_new, size_t v_rank,
@@ -478,7 +512,7 @@ ffi::Error WriteAndAttendBody(const float* q, ffi::Span<const int64_t> qd, const
                               ffi::Span<const int64_t> td, const int32_t* cu, int32_t num_seqs,
                               float* out, Cache* k_all, Cache* v_all, int32_t layer,
                               float sm_scale, int32_t sliding_window, float soft_cap,
-                              ffi::ThreadPool& pool) {
+                              ffi::ThreadPool& pool, const TokenScaleWrite* tokens = nullptr) {
   // The caches hold every layer, [L, N, B, Hkv, D]; this call reads and writes layer
   // `layer`'s [N, B, Hkv, D] part, which slot_mapping and block_tables address.
   if (cd.size() != 5 || layer < 0 || layer >= cd[0])
@@ -502,6 +536,21 @@ ffi::Error WriteAndAttendBody(const float* q, ffi::Span<const int64_t> qd, const
   Cache* vc = v_all + layer * num_slots * width;
   WriteSlots(k_new, slots, s.num_tokens, width, num_slots, kc, sizeof(Cache));
   WriteSlots(v_new, slots, s.num_tokens, width, num_slots, vc, sizeof(Cache));
+  ByteCache layer_bytes;
+  if (tokens != nullptr) {  // the per-token scale codes: [L, N, B, Hkv], likewise
+    const int64_t heads = s.num_kv_heads, all = cd[0] * num_slots * heads;
+    if (tokens->k_all != tokens->k_in) std::memcpy(tokens->k_all, tokens->k_in, all);
+    if (tokens->v_all != tokens->v_in) std::memcpy(tokens->v_all, tokens->v_in, all);
+    uint8_t* kt = tokens->k_all + layer * num_slots * heads;
+    uint8_t* vt = tokens->v_all + layer * num_slots * heads;
+    WriteSlots(tokens->k_new, slots, s.num_tokens, heads, num_slots, kt, 1);
+    WriteSlots(tokens->v_new, slots, s.num_tokens, heads, num_slots, vt, 1);
+    layer_bytes = *bytes;
+    layer_bytes.k_token = kt;
+    layer_bytes.v_token = vt;
+    layer_bytes.token_table = tokens->table;
+    bytes = &layer_bytes;
+  }
   Attend(s, q, kc, vc, bytes, lens, tables, cu, td[0], num_seqs, sm_scale, sliding_window,
          soft_cap, out, pool);
   return ffi::Error::Success();
@@ -587,6 +636,80 @@ ffi::Error RaggedPagedAttentionBytesImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
+// Byte caches with per-token scales (int8 KV, pallas_kernels/kv_token_scale.py): the
+// scale codes of the new tokens are written with their bytes, into code caches
+// [L, N, B, Hkv] aliased like the byte caches.
+ffi::Error WriteAndAttendTokenScaledImpl(
+    ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> k_new, ffi::Buffer<ffi::U8> v_new,
+    ffi::Buffer<ffi::S32> slot_mapping, ffi::Buffer<ffi::U8> k_cache,
+    ffi::Buffer<ffi::U8> v_cache, ffi::Buffer<ffi::F32> lut, ffi::Buffer<ffi::F32> k_scale,
+    ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::U8> k_token_new,
+    ffi::Buffer<ffi::U8> v_token_new, ffi::Buffer<ffi::U8> k_tokens,
+    ffi::Buffer<ffi::U8> v_tokens, ffi::Buffer<ffi::F32> token_table,
+    ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> block_tables,
+    ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+    ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::U8> k_out,
+    ffi::ResultBuffer<ffi::U8> v_out, ffi::ResultBuffer<ffi::U8> k_tokens_out,
+    ffi::ResultBuffer<ffi::U8> v_tokens_out, int32_t layer, float sm_scale,
+    int32_t sliding_window, float soft_cap, ffi::ThreadPool pool) {
+  const auto cd = k_cache.dimensions();
+  const auto nd = k_new.dimensions();
+  if (lut.element_count() != 256 || token_table.element_count() != 256 || cd.size() != 5 ||
+      k_scale.element_count() != cd[3] * cd[4] || v_scale.element_count() != cd[3] * cd[4])
+    return ffi::Error::InvalidArgument("write and attend: the byte and scale tables must have "
+                                       "256 entries and the scales [Hkv, D]");
+  const int64_t code_count = cd[0] * cd[1] * cd[2] * cd[3];
+  if (nd.size() != 3 || k_token_new.element_count() != nd[0] * cd[3] ||
+      v_token_new.element_count() != nd[0] * cd[3] ||
+      k_tokens.element_count() != code_count || v_tokens.element_count() != code_count)
+    return ffi::Error::InvalidArgument("write and attend: token scale codes must be [T, Hkv] "
+                                       "(new) and [L, N, B, Hkv] (caches)");
+  const ByteCache bytes{lut.typed_data(), k_scale.typed_data(), v_scale.typed_data()};
+  const TokenScaleWrite tokens{k_token_new.typed_data(), v_token_new.typed_data(),
+                               k_tokens.typed_data(), v_tokens.typed_data(),
+                               k_tokens_out->typed_data(), v_tokens_out->typed_data(),
+                               token_table.typed_data()};
+  return WriteAndAttendBody<uint8_t>(
+      q.typed_data(), q.dimensions(), k_new.typed_data(), nd,
+      v_new.typed_data(), v_new.dimensions().size(), slot_mapping.typed_data(),
+      slot_mapping.dimensions(), k_cache.typed_data(), v_cache.typed_data(), cd, &bytes,
+      kv_lens.typed_data(), block_tables.typed_data(), block_tables.dimensions(),
+      cu_q_lens.typed_data(), num_seqs.typed_data()[0], out->typed_data(),
+      k_out->typed_data(), v_out->typed_data(), layer, sm_scale, sliding_window, soft_cap,
+      pool, &tokens);
+}
+
+ffi::Error RaggedPagedAttentionTokenScaledImpl(
+    ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> k_cache, ffi::Buffer<ffi::U8> v_cache,
+    ffi::Buffer<ffi::F32> lut, ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+    ffi::Buffer<ffi::U8> k_tokens, ffi::Buffer<ffi::U8> v_tokens,
+    ffi::Buffer<ffi::F32> token_table, ffi::Buffer<ffi::S32> kv_lens,
+    ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
+    ffi::Buffer<ffi::S32> num_seqs, ffi::ResultBuffer<ffi::F32> out, float sm_scale,
+    int32_t sliding_window, float soft_cap, ffi::ThreadPool pool) {
+  Shape s;
+  if (const char* error = ShapeOf(q.dimensions(), k_cache.dimensions(),
+                                  block_tables.dimensions(), &s))
+    return ffi::Error::InvalidArgument(error);
+  const int64_t width = s.num_kv_heads * s.head_dim;
+  const int64_t code_count = s.num_blocks * s.block_size * s.num_kv_heads;
+  if (lut.element_count() != 256 || token_table.element_count() != 256 ||
+      k_scale.element_count() != width || v_scale.element_count() != width ||
+      k_tokens.element_count() != code_count || v_tokens.element_count() != code_count)
+    return ffi::Error::InvalidArgument("ragged paged attention: the byte and scale tables must "
+                                       "have 256 entries, the scales [Hkv, D] and the token "
+                                       "scale codes [N, B, Hkv]");
+  ByteCache bytes{lut.typed_data(), k_scale.typed_data(), v_scale.typed_data()};
+  bytes.k_token = k_tokens.typed_data();
+  bytes.v_token = v_tokens.typed_data();
+  bytes.token_table = token_table.typed_data();
+  Attend(s, q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), &bytes,
+         kv_lens.typed_data(), block_tables.typed_data(), cu_q_lens.typed_data(),
+         block_tables.dimensions()[0], num_seqs.typed_data()[0], sm_scale, sliding_window,
+         soft_cap, out->typed_data(), pool);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageRaggedPagedAttentionF32, RaggedPagedAttentionImpl,
@@ -662,6 +785,59 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageWriteAndAttendBytes, WriteAndAttendBytesImp
                                   .Ret<ffi::Buffer<ffi::U8>>()   // k_cache, aliased
                                   .Ret<ffi::Buffer<ffi::U8>>()   // v_cache, aliased
                                   .Attr<int32_t>("layer")
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
+                                  .Ctx<ffi::ThreadPool>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageWriteAndAttendTokenScaled, WriteAndAttendTokenScaledImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [T, Hq, D]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // k_new [T, Hkv, D], encoded
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // v_new [T, Hkv, D], encoded
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping [T], -1 = skip
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // k_cache [L, N, B, Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // v_cache [L, N, B, Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // lut [256]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_scale [Hkv, D] (this layer)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_scale [Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // k scale codes [T, Hkv] (new)
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // v scale codes [T, Hkv] (new)
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // k codes [L, N, B, Hkv]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // v codes [L, N, B, Hkv]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // token_table [256]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [S, M]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens [S + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs [1]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, Hq, D]
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // k_cache, aliased
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // v_cache, aliased
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // k codes, aliased
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // v codes, aliased
+                                  .Attr<int32_t>("layer")
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
+                                  .Ctx<ffi::ThreadPool>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageRaggedPagedAttentionTokenScaled,
+                              RaggedPagedAttentionTokenScaledImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [T, Hq, D]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // k_cache [N, B, Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // v_cache [N, B, Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // lut [256]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_scale [Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_scale [Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // k codes [N, B, Hkv]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // v codes [N, B, Hkv]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // token_table [256]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [S, M]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens [S + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs [1]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, Hq, D]
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("sliding_window")
                                   .Attr<float>("soft_cap")

@@ -37,6 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 
 import pallas_kernels.ragged_paged_attention.tiling as tiling
 from pallas_kernels.kv_quant import decode, decode_in_integers
+from pallas_kernels.kv_token_scale import token_scale_values_computed
 from pallas_kernels._backend import has_fp8_units
 from pallas_kernels.ragged_paged_attention.gpu_config import (
     GpuKernelConfig, config_for, device_kind, too_large_reason)
@@ -79,12 +80,16 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] e
             q_ref,                                     # [R, D] one tile, one kv head; direct:
                                                        #   [T * Hq, D], the whole of q
             k_ref, v_ref,                              # [N, B, D]  one kv head of the cache
-            o_ref,                                     # like q_ref (f32 partial sum if split)
-            *lm_refs,                                  # f32 [R] / [T * Hq] row max, row sum
+            *refs,                                     # token scales: their codes' refs,
+            #                                            uint8 [N, B] for k and v; then
+            #   o_ref: like q_ref (f32 partial sum if split); with splits, f32 [R] / [T * Hq]
+            #   row max and row sum refs
             sm_scale: float, soft_cap: float | None, sliding_window: int | None,
             rows: int, q_heads: int, group: int, group_padded: int, pages_per_block: int,
             num_splits: int, heads_fastest: bool, direct: bool, mask_split: bool,
-            prefetch: bool, kv_format: str | None = None, fp8_in_integers: bool = False):
+            prefetch: bool, kv_format: str | None = None, fp8_in_integers: bool = False,
+            token_scales: bool = False):
+    code_refs, (o_ref, *lm_refs) = (refs[:2], refs[2:]) if token_scales else ((), refs)
     tile, split = pl.program_id(1 if heads_fastest else 0), pl.program_id(2)
     kv_head = pl.program_id(0 if heads_fastest else 1)
     head_dim = q_ref.shape[-1]
@@ -124,26 +129,31 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] e
         q = q_ref[...]
     num_pages = k_ref.shape[0]
 
-    def load_block(j):  # [K, D] K and V of KV block j (as stored)
+    def load_block(j):  # [K, D] K and V of KV block j (as stored), then [K] scale codes
         j = jnp.minimum(j, table_blocks - 1)
         pages = block_tables_ref[seq, pl.ds(j * pages_per_block, pages_per_block)]
         pages = jnp.clip(pages, 0, num_pages - 1)   # table slots past the end may hold junk
         return (k_ref[pages].reshape(block_kv, head_dim),
-                v_ref[pages].reshape(block_kv, head_dim))
+                v_ref[pages].reshape(block_kv, head_dim),
+                *(ref[pages].reshape(block_kv) for ref in code_refs))
 
     def body(j, carry, masked: bool):
         if prefetch:  # this block's pages came with the carry; the next one's load now,
             # ahead of the math (the last iteration reloads its own block: no new bytes)
-            m_prev, l_prev, acc_prev, k, v = carry
-            k_next, v_next = load_block(jnp.maximum(jnp.minimum(j + 1, my_hi - 1), 0))
+            (m_prev, l_prev, acc_prev), block = carry[:3], carry[3:]
+            block_next = load_block(jnp.maximum(jnp.minimum(j + 1, my_hi - 1), 0))
         else:
             m_prev, l_prev, acc_prev = carry
-            k, v = load_block(j)
+            block = load_block(j)
+        k, v = block[:2]
         if kv_format is not None:  # byte pages (kv_quant): their values, in q's dtype
             convert = decode_in_integers if fp8_in_integers else decode
             k, v = convert(k, kv_format, q.dtype), convert(v, kv_format, q.dtype)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=dot_precision(q.dtype),
                             preferred_element_type=jnp.float32) * sm_scale  # [R, K]
+        if token_scales:  # each key's own scale multiplies its scores (kv_token_scale)
+            k_mul, v_mul = (token_scale_values_computed(codes) for codes in block[2:])  # [K]
+            s = s * k_mul[None, :]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         if masked:
@@ -160,11 +170,13 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] e
             p = jnp.where(mask, p, 0.0)
             v = jnp.where((col < kv_len)[:, None], v, jnp.zeros_like(v))  # junk past the end
         l_next = alpha * l_prev + jnp.sum(p, axis=1)
+        if token_scales:  # and each value's scale its probabilities, after the row sum
+            p = p * v_mul[None, :]
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                              precision=dot_precision(v.dtype),
                              preferred_element_type=jnp.float32)     # [R, D]
         carry = (m_next, l_next, acc_prev * alpha[:, None] + pv)
-        return carry + (k_next, v_next) if prefetch else carry
+        return carry + tuple(block_next) if prefetch else carry
 
     carry = (jnp.full((rows,), tiling.MASK_VALUE, jnp.float32),
              jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, head_dim), jnp.float32))
@@ -246,9 +258,12 @@ def ragged_paged_attention_gpu(
         target_programs: int | None = None, direct_io: bool | None = None,
         mask_split: bool | None = None,
         prefetch: bool | None = None,
-        fp8_in_integers: bool | None = None) -> jax.Array:  # [T, Hq, D]
+        fp8_in_integers: bool | None = None,
+        token_scales: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:  # [T, Hq, D]
     """The Pallas GPU (Triton) kernel; shapes are checked by the public function.
-    ``kv_format``: the caches are bytes of that format, converted as pages load.
+    ``kv_format``: the caches are bytes of that format, converted as pages load, with
+    ``token_scales`` (codes [(L,) N, B, Hkv], keys and values; ``kv_token_scale``) read
+    with their pages: key scales multiply scores, value scales probabilities.
     Tiling knobs left None come from ``gpu_config.config_for``. ``fp8_in_integers``: build
     e4m3 values from the bytes' fields (``kv_quant.decode_in_integers``); None: where the
     GPU has no FP8 conversion (compute capability < 8.9; never in interpret mode)."""
@@ -301,9 +316,13 @@ def ragged_paged_attention_gpu(
     if layer is None:
         cache_spec = pl.BlockSpec((num_blocks, block_size, None, head_dim),
                                   ids(lambda t, h, s: (0, 0, h, 0)))
+        code_spec = pl.BlockSpec((num_blocks, block_size, None), ids(lambda t, h, s: (0, 0, h)))
     else:  # the layer's pages of the whole cache, selected by the BlockSpec: no copy
         cache_spec = pl.BlockSpec((None, num_blocks, block_size, None, head_dim),
                                   ids(lambda t, h, s: (layer, 0, 0, h, 0)))
+        code_spec = pl.BlockSpec((None, num_blocks, block_size, None),
+                                 ids(lambda t, h, s: (layer, 0, 0, h)))
+    codes = tuple(token_scales or ())
     flat_rows = num_tokens * num_q_heads + rows  # + spare rows for a tile's padding rows
     if direct:
         q_spec = whole
@@ -339,7 +358,7 @@ def ragged_paged_attention_gpu(
         rows=rows, q_heads=num_q_heads, group=group, group_padded=group_padded,
         pages_per_block=pages_per_block, num_splits=splits, heads_fastest=fastest,
         direct=direct, mask_split=config.mask_split, prefetch=config.prefetch,
-        kv_format=kv_format,
+        kv_format=kv_format, token_scales=bool(codes),
         # an A100's Triton has no FP8 conversion (a fatal compiler error): bytes to floats
         fp8_in_integers=kv_format == "fp8_e4m3" and (
             not interpret and not has_fp8_units() if fp8_in_integers is None
@@ -347,7 +366,7 @@ def ragged_paged_attention_gpu(
     result = pl.pallas_call(
         kernel,
         grid=grid,
-        in_specs=[whole] * 6 + [q_spec, cache_spec, cache_spec],
+        in_specs=[whole] * 6 + [q_spec, cache_spec, cache_spec] + [code_spec] * len(codes),
         out_specs=out_specs,
         out_shape=out_shape,
         # Triton's compiler params also select the Triton lowering (not Mosaic GPU).
@@ -361,7 +380,7 @@ def ragged_paged_attention_gpu(
               f"{'_d' if direct else ''}{'_m' if config.mask_split else ''}"
               f"{'_f' if config.prefetch else ''}"),
     )(tiles.seq, tiles.pos0, tiles.count, tiles.kv_len, tiles.start, tables, q_in, k_cache,
-      v_cache)
+      v_cache, *codes)
     out = result if splits == 1 else tiling.combine_splits(*result)
     if direct:
         out = out[:num_tokens * num_q_heads]

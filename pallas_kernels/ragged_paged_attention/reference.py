@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from pallas_kernels import kv_layout
 from pallas_kernels._backend import searchsorted_right
 from pallas_kernels.kv_quant import decode
+from pallas_kernels.kv_token_scale import token_scale_values
 from pallas_kernels.precision import dot_precision
 
 
@@ -42,9 +43,12 @@ def ragged_paged_attention_reference(
         num_seqs: jax.Array,      # int32 [1]
         *, sm_scale: float, sliding_window: int | None = None,
         soft_cap: float | None = None, layer: int | None = None,
-        kv_format: str | None = None) -> jax.Array:  # [T, Hq, D]
+        kv_format: str | None = None,
+        token_scales: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:  # [T, Hq, D]
     """With ``layer``, the caches hold every layer and layer ``layer``'s pages are read.
-    With ``kv_format`` the caches hold bytes of that format (``kv_quant.decode``).
+    With ``kv_format`` the caches hold bytes of that format (``kv_quant.decode``), and
+    with ``token_scales`` (key and value scale codes, uint8 [(L,) N, B, Hkv]) each
+    token's bytes stand for their values divided by its scale (``kv_token_scale``).
     With ``v_cache`` None the cache is in the fused layout (``kv_layout``)."""
     num_tokens, num_q_heads, head_dim = q.shape
     fused = v_cache is None
@@ -66,6 +70,10 @@ def ragged_paged_attention_reference(
     v = v.reshape(num_tokens, span, num_kv_heads, head_dim)
     if kv_format is not None:
         k, v = decode(k, kv_format, q.dtype), decode(v, kv_format, q.dtype)
+    if token_scales is not None:
+        k_scales, v_scales = (token_scale_values(codes[pages], q.dtype).reshape(
+            num_tokens, span, num_kv_heads, 1) for codes in token_scales)   # [T, L, Hkv, 1]
+        k, v = k * k_scales, v * v_scales
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)           # [T, Hkv, G, D]
     scores = jnp.einsum("tkgd,tlkd->tkgl", qg, k, precision=dot_precision(q.dtype),
                         preferred_element_type=jnp.float32) * sm_scale  # [T, Hkv, G, L]

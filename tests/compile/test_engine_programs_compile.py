@@ -226,6 +226,23 @@ def test_a_program_growing_with_the_cache_fails_a_tpu_plan_only():
     assert "GROW with the KV cache by 2000 bytes per block" in bad.text()
 
 
+@pytest.mark.slow  # ~60 s on 2 cores
+def test_int8_kv_with_token_scales_plans_for_an_h100():
+    """An int8 cache on a GPU keeps a scale code per token and KV head beside K and V
+    (``kv_token_scale``): every program compiles with them, none copies the cache (its
+    four arrays), and a block's bytes count the codes."""
+    depth = {"num_hidden_layers": 4}
+    options = dict(_swap_scaled(SMALL_LADDERS, depth, full_depth=32),
+                   max_num_batched_tokens=SMALL_LADDERS["max_num_seqs"])
+    report = plan("preset:llama3-8b", "h100", buckets="largest", num_kv_blocks=1024,
+                  hf_overrides=depth, kv_cache_dtype="int8", **options)
+    _assert_compiled_and_fits(report)
+    assert report.kv_layout == "split"
+    block_size = 16
+    assert report.bytes_per_block == 4 * block_size * 8 * (2 * 128 + 2)  # 4 layers, 8 heads
+    assert report.block_size == block_size
+
+
 FEW_KV_HEADS = {  # one device's share: (target, tensor parallel, overrides, kv_cache_dtype)
     "d64-1head-tp8-bf16": ("v5e:2x4", 8, dict(hidden_size=2048, num_attention_heads=32,
                                                num_key_value_heads=8), "auto"),

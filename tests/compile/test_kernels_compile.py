@@ -159,6 +159,26 @@ def test_byte_kv_cache_kernels_compile_for_target(target, kv_format, family, blo
                       new, new, ((64,), jnp.int32))
 
 
+@pytest.mark.parametrize("target,family,block_size", [("h100", "llama3_8b", 16),
+                                                       ("a100", "smollm2", 32)])
+def test_token_scaled_int8_kernel_compiles_for_gpu(target, family, block_size):
+    """int8 KV with per-token scale codes (``kv_token_scale``), every layer's cache read at
+    one layer: the Triton kernel loads each page's codes with it."""
+    device = target_devices(target)[0]
+    hq, hkv, head_dim, options = FAMILIES[family]
+    for kind, (num_tokens, num_seqs) in BATCHES.items():
+        specs = _attention_specs(num_tokens, num_seqs, hq, hkv, head_dim, block_size, jnp.uint8,
+                                 False)
+        specs[0] = ((num_tokens, hq, head_dim), jnp.bfloat16)
+        specs[1] = specs[2] = ((2,) + specs[1][0], jnp.uint8)           # [L, N, B, Hkv, D]
+        codes = (specs[1][0][:-1], jnp.uint8)
+        compiled = compile_on_device(
+            device, lambda *a: ragged_paged_attention_gpu(
+                *a[:7], token_scales=a[7:], layer=1, sm_scale=head_dim ** -0.5,
+                kv_format="int8", **options), *specs, codes, codes)
+        assert "__gpu$xla.gpu.triton" in compiled.as_text(), kind
+
+
 @pytest.mark.parametrize("target", ["v5e:1x1", "h100"])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_matmul_compiles_for_target(target, bits):

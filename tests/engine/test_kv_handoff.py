@@ -154,3 +154,24 @@ def test_a_decode_instance_shares_a_prefix_it_already_holds(engines):
     stats = decode.get_stats()
     assert stats["num_free_blocks"] == stats["num_kv_blocks"]
     assert kv.host_pool.num_free_blocks == kv.host_pool.num_blocks
+
+
+def test_int8_pages_travel_with_their_scale_codes(tiny_checkpoints):
+    """An int8 cache is four arrays (K, V and their per-token scale codes,
+    ``kv_token_scale``): all four are pulled, and decoding equals a colocated int8 engine."""
+    path, kw = tiny_checkpoints["llama"], dict(TINY, kv_cache_dtype="int8")
+    colocated = LLM(path, **kw)
+    prefill = LLM(path, kv_role="prefill", **kw)
+    decode = LLM(path, kv_role="decode", swap_space=0.01, **kw)
+    assert len(decode.llm_engine.runner.kv_cache) == 4
+    prompts, params = BASE[:3], [SamplingParams(max_tokens=12, temperature=0.0)] * 3
+    want = colocated.generate(prompts, params, use_tqdm=False)
+    got = _disaggregated(prefill, decode, prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    engine = decode.llm_engine
+    blocks = [engine.kv_cache_manager.num_blocks_for(len(o.prompt_token_ids)) for o in got]
+    padded = sum(1 << (n - 1).bit_length() for n in blocks)
+    assert decode.get_stats()["kv_pulled_bytes"] == padded * engine.kv_bytes_per_block
+    with pytest.raises(ValueError, match="per-token scale codes"):
+        fp8 = LLM(path, kv_role="prefill", **dict(kw, kv_cache_dtype="fp8"))
+        _disaggregated(fp8, decode, prompts[:1], params[:1])

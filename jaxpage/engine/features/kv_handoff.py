@@ -118,7 +118,8 @@ def install(engine: Any, request: Request, pages: Pages, params: dict) -> None:
     if len(pages) != len(pool.arrays):
         raise ValueError(f"the pulled pages are {len(pages)} array(s), this instance's KV "
                          f"cache {len(pool.arrays)}: the instances lay pages out differently "
-                         "(a TPU's fused rows against split K and V)")
+                         "(a TPU's fused rows against split K and V, or an int8 cache's "
+                         "per-token scale codes against another kv_cache_dtype)")
     if k.shape[0] != host_k.shape[1] or k.shape[3:] != host_k.shape[3:]:
         raise ValueError(f"the pulled pages have shape {k.shape[:1] + k.shape[3:]} per token "
                          f"(layers, then kv heads and head dim or a fused row), this model "

@@ -7,6 +7,9 @@ random token ids for a model without a tokenizer): the largest |k| and |v| seen 
 channel, times ``HEADROOM``, maps to the format's largest value. Values beyond it
 saturate. Keys have a few channels far larger than the rest (RoPE pairs), which a scale
 per channel absorbs; a scale per layer would give them all the code points.
+
+Not for an int8 cache in the split layout (CPUs, GPUs): that one stores a scale per token
+and KV head with the token (``pallas_kernels.kv_token_scale``) and calibrates nothing.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from jaxpage.core.kv.kv_cache_manager import KVCacheManager
 from jaxpage.runtime.kv_cache import (blocks_from_device_memory, bytes_per_block,
                                       device_memory_stats, num_blocks_for_budget)
 from jaxpage.runtime.model_runner import ModelRunner
-from pallas_kernels import kv_layout
+from pallas_kernels import kv_layout, kv_token_scale
 
 
 def choose_num_kv_blocks(config: EngineConfig, loaded: Any, max_model_len: int, dtype: Any,
@@ -43,13 +43,19 @@ def choose_num_kv_blocks(config: EngineConfig, loaded: Any, max_model_len: int, 
         return _profile(config, loaded, max_model_len, dtype, max_useful, num_shards,
                         extra_bytes_per_block, layout)
     if extra_bytes_per_block:
-        per_block = bytes_per_block(loaded.arch, cache.block_size, dtype, num_shards, layout)
+        per_block = bytes_per_block(loaded.arch, cache.block_size, dtype, num_shards, layout,
+                                    _token_scales(loaded, layout))
         budget = cache.kv_cache_memory * per_block // (per_block + extra_bytes_per_block)
     else:
         budget = cache.kv_cache_memory
     return num_blocks_for_budget(loaded.arch, cache.block_size, dtype, budget,
                                  max_useful_blocks=max_useful, num_shards=num_shards,
-                                 layout=layout)
+                                 layout=layout, token_scales=_token_scales(loaded, layout))
+
+
+def _token_scales(loaded: Any, layout: str) -> bool:
+    """Whether ``loaded``'s cache in ``layout`` keeps per-token scales (``kv_token_scale``)."""
+    return kv_token_scale.applies(getattr(loaded, "kv_format", None), layout)
 
 
 def _profile(config: EngineConfig, loaded: Any, max_model_len: int, dtype: Any,
@@ -71,6 +77,6 @@ def _profile(config: EngineConfig, loaded: Any, max_model_len: int, dtype: Any,
     return blocks_from_device_memory(
         stats["bytes_limit"], stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0)),
         config.cache.memory_utilization,
-        bytes_per_block(loaded.arch, block_size, dtype, num_shards, layout)
-        + extra_bytes_per_block,
+        bytes_per_block(loaded.arch, block_size, dtype, num_shards, layout,
+                        _token_scales(loaded, layout)) + extra_bytes_per_block,
         max_useful)
