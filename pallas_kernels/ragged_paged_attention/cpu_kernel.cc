@@ -280,27 +280,19 @@ void AttendItem(const Shape& s, const WorkItem& item, const float* q, const void
       const float* __restrict lut = bytes->lut;
       const float* __restrict ks = bytes->k_scale;
       const float* __restrict vs = bytes->v_scale;
+      // per-token scales (one pass with the conversion): each slot's own, per KV head
+      const uint8_t* kt_codes = bytes->k_token ? bytes->k_token + first_slot * Hkv : nullptr;
+      const uint8_t* vt_codes = bytes->v_token ? bytes->v_token + first_slot * Hkv : nullptr;
       for (int64_t j = 0; j < count; ++j)
-        for (int64_t e = 0; e < stride; ++e) {
-          kc[j * stride + e] = lut[kb[j * stride + e]] * ks[e];
-          vc[j * stride + e] = lut[vb[j * stride + e]] * vs[e];
-        }
-      if (bytes->k_token != nullptr) {  // each slot's own scale, per KV head
-        const uint8_t* kt_codes = bytes->k_token + first_slot * Hkv;
-        const uint8_t* vt_codes = bytes->v_token + first_slot * Hkv;
-        const float* __restrict table = bytes->token_table;
-        for (int64_t j = 0; j < count; ++j)
-          for (int64_t h = 0; h < Hkv; ++h) {
-            const float k_mul = table[kt_codes[j * Hkv + h]];
-            const float v_mul = table[vt_codes[j * Hkv + h]];
-            float* __restrict krow = kc + j * stride + h * D;
-            float* __restrict vrow = vc + j * stride + h * D;
-            for (int64_t d = 0; d < D; ++d) {
-              krow[d] *= k_mul;
-              vrow[d] *= v_mul;
-            }
+        for (int64_t h = 0; h < Hkv; ++h) {
+          const float k_mul = kt_codes ? bytes->token_table[kt_codes[j * Hkv + h]] : 1.f;
+          const float v_mul = vt_codes ? bytes->token_table[vt_codes[j * Hkv + h]] : 1.f;
+          const int64_t row = j * stride + h * D;
+          for (int64_t d = 0; d < D; ++d) {
+            kc[row + d] = lut[kb[row + d]] * ks[h * D + d] * k_mul;
+            vc[row + d] = lut[vb[row + d]] * vs[h * D + d] * v_mul;
           }
-      }
+        }
       k_block = kc;
       v_block = vc;
     } else {
