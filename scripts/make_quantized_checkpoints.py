@@ -27,6 +27,8 @@ float_source       transformers    the bf16 model everything else was quantized 
 ct_fp8_static      llmcompressor   compressed-tensors float-quantized: FP8 per-tensor weights,
                                    static per-tensor FP8 input scales (preset ``FP8``, calibrated)
 ct_fp8_dynamic     llmcompressor   FP8 per-channel weights, dynamic per-token FP8 activations
+ct_fp8_block       llmcompressor   FP8 weights per 32 x 32 block, dynamic FP8 activations per token
+                                   and group of 32 (``FP8_BLOCK``'s scheme, scaled down)
 ct_w4a16_sym       llmcompressor   pack-quantized int4, group 32, symmetric
 ct_w4a16_asym      llmcompressor   pack-quantized int4, group 32, with ``weight_zero_point``
 ct_w8a16_g32       llmcompressor   pack-quantized int8, group 32, symmetric
@@ -185,6 +187,20 @@ def _ct_group_recipe(num_bits: int, symmetric: bool) -> Any:
     return QuantizationModifier(config_groups={"group_0": scheme}, ignore=["lm_head"])
 
 
+def _ct_fp8_block_recipe() -> Any:
+    """FP8 weights per block of 32 x 32 and FP8 activations per token and group of 32, dynamic:
+    the ``FP8_BLOCK`` preset's scheme at this model's size (the preset's 128 > in_features)."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    weights = QuantizationArgs(num_bits=8, type="float", strategy="block",
+                               block_structure=[GROUP_SIZE, GROUP_SIZE], symmetric=True, dynamic=False)
+    inputs = QuantizationArgs(num_bits=8, type="float", strategy="group", group_size=GROUP_SIZE,
+                              symmetric=True, dynamic=True)
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=inputs)
+    return QuantizationModifier(config_groups={"group_0": scheme}, ignore=["lm_head"])
+
+
 def _ct_preset_recipe(scheme: str) -> Callable[[], Any]:
     """A recipe factory for one of llmcompressor's preset schemes (all Linears but lm_head)."""
 
@@ -268,6 +284,9 @@ FIXTURES = {f.name: f for f in [
     Fixture("ct_fp8_dynamic", "llmcompressor", llmcompressor_quantizer(_ct_preset_recipe("FP8_DYNAMIC")),
             "plain", _CT_DEFAULT + " and fake-quantizes each Linear input to FP8 e4m3 with a dynamic "
             "per-token scale (amax / 448)"),
+    Fixture("ct_fp8_block", "llmcompressor", llmcompressor_quantizer(_ct_fp8_block_recipe),
+            "plain", _CT_DEFAULT + " and fake-quantizes each Linear input to FP8 e4m3 with a dynamic "
+            "scale per token and group of 32 inputs (amax / 448)", bits=8),
     Fixture("ct_w4a16_sym", "llmcompressor", llmcompressor_quantizer(lambda: _ct_group_recipe(4, True)),
             "plain", _CT_DEFAULT + " (weight-only, no activation quantization)"),
     Fixture("ct_w4a16_asym", "llmcompressor", llmcompressor_quantizer(lambda: _ct_group_recipe(4, False)),

@@ -30,6 +30,7 @@ class QuantizedWeight(nnx.Module):
             # shapes only: quantized weights are always loaded (or quantized from floats)
             setattr(self, part, nnx.Param(jax.ShapeDtypeStruct(shape, dtype)))
         self.activations = fmt.activations  # static: a W8A8 checkpoint's activation scheme
+        self.emulated = fmt.emulated        # and whether it is rounded where not native
 
     def parts(self) -> dict[str, jax.Array]:
         """The weight's own parts (codes or codes_t, scale, zero), not the activations'
@@ -58,7 +59,8 @@ def linear(x: jax.Array, weight: Any, backend: str = "auto",
             x = jnp.take(x, perm, axis=-1)
         return quantized_matmul(x, weight.parts(), backend=backend, rows=rows,
                                 activations=weight.activations,
-                                input_scale=weight.activation_scale())
+                                input_scale=weight.activation_scale(),
+                                emulate=weight.emulated)
     return dense_matmul(x, weight[...], backend=backend, rows=rows)
 
 

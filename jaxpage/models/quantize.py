@@ -53,7 +53,9 @@ GGUF_BLOCK = 32
 FP8_DTYPE = jnp.float8_e4m3fn  # an ml_dtypes numpy type
 
 
-ACTIVATION_SCHEMES = ("dynamic", "static")  # W8A8: per token at run time / per tensor, stored
+# W8A8 activation scales: per token at run time / per tensor, stored / per token and per
+# group of the weight's ``group_size`` input channels at run time (never native here)
+ACTIVATION_SCHEMES = ("dynamic", "static", "dynamic_group")
 
 
 @dataclass(frozen=True)
@@ -65,10 +67,15 @@ class QuantFormat:
       unsigned, two per byte, always with a zero (asymmetric).
     * ``codes="fp8"``: 8-bit float8_e4m3fn codes times the scale (a pre-quantized FP8
       checkpoint's; a per-tensor scale is stored repeated per channel).
-    * ``activations``: ``None`` weight-only; ``"dynamic"`` / ``"static"``: the checkpoint
-      also quantizes the matmul's input (per token at run time / by its stored per-tensor
-      ``input_scale``), done where the hardware multiplies such codes natively
+    * ``activations``: ``None`` weight-only; ``"dynamic"`` / ``"static"`` /
+      ``"dynamic_group"``: the checkpoint also quantizes the matmul's input (per token at
+      run time / by its stored per-tensor ``input_scale`` / per token and group of
+      ``group_size`` inputs), done where the hardware multiplies such codes natively
       (``pallas_kernels.quantized_matmul.activation_quant``).
+    * ``emulated``: where it does not, the input is still rounded to those codes and back
+      before the weight-only matmul, as the format's own runtime does on every platform
+      (compressed-tensors); False: weight-only there (Hugging Face FP8 and jaxpage's own
+      ``fp8``, as transformers and vLLM run them without FP8 units).
     * ``act_order``: the input rows are stored sorted by group, and ``perm`` int32 [K]
       says which input each row multiplies (``x[..., perm] @ W``).
     * ``transposed``: a W8A8 weight's codes stored ``[out, in]`` as part ``codes_t``, the
@@ -83,13 +90,17 @@ class QuantFormat:
     activations: str | None = None
     act_order: bool = False  # a GPTQ act-order weight: rows sorted by group, ``perm`` kept
     transposed: bool = False  # W8A8 codes kept [out, in] (``codes_t``) for a GPU's 8-bit GEMM
+    emulated: bool = False    # off-native, the activations are rounded as stored (above)
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8) or self.codes not in ("int", "fp8") or (
                 self.codes == "fp8" and (self.bits != 8 or self.zero)) or (
                 self.activations not in (None, *ACTIVATION_SCHEMES)) or (
-                self.transposed and (self.activations is None or self.zero
-                                     or self.group_size is not None or self.bits != 8)):
+                self.activations is not None and self.bits != 8) or (
+                self.activations == "dynamic_group" and self.group_size is None) or (
+                self.emulated and self.activations is None) or (
+                self.transposed and (self.activations not in ("dynamic", "static")
+                                     or self.zero or self.group_size is not None)):
             raise ValueError(f"unsupported quantized format {self!r}")
 
     @property
@@ -118,9 +129,10 @@ class QuantFormat:
         return shapes
 
     def to_json(self) -> list:
-        extra = [self.codes, self.zero, self.activations, self.act_order, self.transposed]
+        extra = [self.codes, self.zero, self.activations, self.act_order, self.transposed,
+                 self.emulated]
         return [self.bits, self.group_size] + (
-            extra if extra != ["int", False, None, False, False] else [])
+            extra if extra != ["int", False, None, False, False, False] else [])
 
 
 def group_size_for(in_features: int, requested: int = 128) -> int | None:

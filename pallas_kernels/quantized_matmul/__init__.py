@@ -189,12 +189,14 @@ def resolve_backend(backend: str, dtype: Any) -> str:
 def quantized_matmul(x: jax.Array, weight: dict[str, jax.Array], *,
                      backend: str = "auto", rows: jax.Array | None = None,
                      activations: str | None = None,
-                     input_scale: jax.Array | None = None) -> jax.Array:
+                     input_scale: jax.Array | None = None,
+                     emulate: bool = False) -> jax.Array:
     """``x [..., K] @ W -> [..., N]`` in x's dtype, W given quantized (see the module).
     ``rows``: as ``dense_matmul``'s (the rows past it are padding, results unspecified).
-    ``activations`` ("dynamic" / "static", with the stored ``input_scale``): the
-    checkpoint's activation quantization (W8A8), applied where the platform multiplies
-    such codes natively (``activation_quant``); elsewhere the matmul is weight-only."""
+    ``activations`` ("dynamic" / "static", with the stored ``input_scale``, or
+    "dynamic_group"): the checkpoint's activation quantization (W8A8), applied where the
+    platform multiplies such codes natively (``activation_quant``); elsewhere the matmul
+    is weight-only, its input first rounded to those codes and back with ``emulate``."""
     k, n = weight_shape(weight)
     if x.shape[-1] != k:
         raise ValueError(f"x {x.shape} and the quantized weight [{k}, {n}] disagree on K")
@@ -204,7 +206,11 @@ def quantized_matmul(x: jax.Array, weight: dict[str, jax.Array], *,
         return jnp.zeros((*lead, n), x.dtype)
     groups = weight["scale"].shape[-2]
     codes_dtype = weight["codes_t" if "codes_t" in weight else "codes"].dtype
-    if activations is not None and activation_quant.runs_natively(codes_dtype, groups):
+    native = activations in ("dynamic", "static") and activation_quant.runs_natively(
+        codes_dtype, groups)
+    if activations is not None and not native and emulate:
+        flat = activation_quant.round_trip(flat, activations, codes_dtype, groups, input_scale)
+    if native:
         out = activation_quant.w8a8_matmul(flat, unpack_panels(weight), activations,
                                            input_scale)
     elif "codes_t" in weight:  # built for a GPU's 8-bit GEMM, run elsewhere: weight-only

@@ -15,8 +15,11 @@ Where it runs (``runs_natively``), chosen per platform:
   XLA:GPU rewrites the scaled f8 x f8 dot into a cuBLASLt FP8 GEMM.
 * int8 codes: TPUs (the MXU multiplies int8 on v5e and v6e) and GPUs (int8 tensor cores).
 * Anywhere else, and for weights with group scales: weight-only. The weight is
-  dequantized in the matmul and the activations stay in the model dtype: FP8 on a TPU
-  (v5e / v6e have no FP8 units), everything on the CPU.
+  dequantized in the matmul: FP8 on a TPU (v5e / v6e have no FP8 units), everything on
+  the CPU. The activations stay in the model dtype, or, for a format whose own runtime
+  quantizes them on every platform (compressed-tensors: ``QuantFormat.emulated``), are
+  first rounded to their codes and back (``round_trip``), so the matmul sees what the
+  checkpoint's author calibrated and what Hugging Face computes on any device.
 """
 
 from __future__ import annotations
@@ -61,25 +64,53 @@ def native_codes(platform: str | None = None) -> str:
 def activation_scales(x: jax.Array, scheme: str, qmax: float,
                       input_scale: jax.Array | None = None) -> jax.Array:
     """float32 [M, 1]: per row ``max|x| / qmax`` ("dynamic"), or the stored per-tensor
-    ``input_scale`` [1] ("static") for every row."""
+    ``input_scale`` [1] ("static") for every row. (x [M, G, g] with "dynamic": [M, G, 1],
+    one per row and group.)"""
     if scheme == "static":
         if input_scale is None:
             raise ValueError("static activation quantization needs the stored input_scale")
         return jnp.broadcast_to(input_scale.astype(jnp.float32).reshape(1, 1), (x.shape[0], 1))
-    if scheme != "dynamic":
-        raise ValueError(f"activation scheme {scheme!r} is not 'dynamic' or 'static'")
+    if scheme not in ("dynamic", "dynamic_group"):
+        raise ValueError(f"activation scheme {scheme!r} is not 'dynamic', 'dynamic_group' "
+                         "or 'static'")
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
-    return jnp.maximum(amax, 1e-12) / qmax
+    # divided, not multiplied by XLA's 1 / qmax (127.5's reciprocal is inexact in float32)
+    return jnp.maximum(amax, 1e-12) / jax.lax.optimization_barrier(jnp.full_like(amax, qmax))
 
 
-def quantize_activations(x: jax.Array, scales: jax.Array, codes_dtype: Any) -> jax.Array:
+def quantize_activations(x: jax.Array, scales: jax.Array, codes_dtype: Any,
+                         exact_division: bool = False) -> jax.Array:
     """x [M, K] / scales [M, 1] as ``codes_dtype`` codes (int8 rounded half to even;
-    saturating at the codes' range)."""
+    saturating at the codes' range). ``exact_division``: divide as compressed-tensors
+    does. XLA turns x / broadcast(s) into x * broadcast(1 / s), and a row's max |x| then
+    lands a float32 ulp off +-127.5, where int8 rounds it the other way; a barrier keeps
+    the divisor opaque, at the cost of writing it out [M, K] (the emulated path only:
+    the native one multiplies int32 sums, which round apart from float ones anyway)."""
     low, high = CODE_RANGE[jnp.dtype(codes_dtype)]
-    scaled = x.astype(jnp.float32) / scales
+    divisor = scales
+    if exact_division:
+        divisor = jax.lax.optimization_barrier(jnp.broadcast_to(scales, x.shape))
+    scaled = x.astype(jnp.float32) / divisor
     if jnp.dtype(codes_dtype) == jnp.int8:
         scaled = jnp.round(scaled)
     return jnp.clip(scaled, low, high).astype(codes_dtype)
+
+
+def round_trip(x: jax.Array, scheme: str, codes_dtype: Any, groups: int = 1,
+               input_scale: jax.Array | None = None) -> jax.Array:
+    """x [M, K] quantized to ``codes_dtype`` by ``scheme`` and multiplied back, in x's dtype:
+    the activations a W8A8 matmul multiplies, for a weight-only one (``QuantFormat.
+    emulated``). ``"dynamic_group"``: a scale per row and each of ``groups`` equal runs of
+    K (the weight's scale groups)."""
+    dtype = jnp.dtype(codes_dtype)
+    m, k = x.shape
+    split = groups if scheme == "dynamic_group" else 1
+    if k % split:
+        raise ValueError(f"{split} activation groups do not divide K={k}")
+    rows = x.astype(jnp.float32).reshape(m * split, k // split)                 # [M * G, g]
+    scales = activation_scales(rows, scheme, QMAX[dtype], input_scale)         # [M * G, 1]
+    codes = quantize_activations(rows, scales, dtype, exact_division=True)
+    return (codes.astype(jnp.float32) * scales).reshape(m, k).astype(x.dtype)
 
 
 def w8a8_matmul(x: jax.Array, weight: dict[str, jax.Array], scheme: str,

@@ -276,11 +276,18 @@ def test_few_kv_heads_per_device_update_the_cache_in_place(case):
     pytest.param("v5e:1x1", "ct_fp8_dynamic", marks=pytest.mark.slow),
     pytest.param("h100", "ct_w8a8_int8", marks=pytest.mark.slow),
     pytest.param("h100", "gptq_actorder", marks=pytest.mark.slow),
-    pytest.param("v5e:1x1", "gptq_actorder", marks=pytest.mark.slow)])
+    pytest.param("v5e:1x1", "gptq_actorder", marks=pytest.mark.slow),
+    pytest.param("h100", "ct_fp8_block", marks=pytest.mark.slow),
+    # found in session 35, before the activations were emulated, and for ct_w8a16_g32
+    # too: with weights in groups of 32 on a v5e one program (decode4 or step) holds
+    # ~2.5 cache blocks of temporaries per block; not yet understood
+    pytest.param("v5e:1x1", "ct_fp8_block", marks=[pytest.mark.slow, pytest.mark.xfail(
+        strict=True, reason="group-scaled weights on a v5e: a program grows with the cache")])])
 def test_prequantized_checkpoint_programs_compile(target, fixture):
     """A pre-quantized checkpoint's programs (``tests/data/quantized``: FP8 W8A8, int8 W8A8,
-    GPTQ act-order) compile for an H100 and a v5e, every one fitting and none holding a copy
-    of the KV cache; where the GPU multiplies 8-bit codes they are kept ``[out, in]``."""
+    GPTQ act-order, FP8 blocks with activations rounded per group) compile for an H100 and
+    a v5e, every one fitting and none holding a copy of the KV cache; where the GPU
+    multiplies 8-bit codes they are kept ``[out, in]``."""
     import os
 
     from jaxpage.models.prequantized import for_device
@@ -297,7 +304,8 @@ def test_prequantized_checkpoint_programs_compile(target, fixture):
 
     arch = resolve_architecture(source.hf_config)[1]
     formats = for_device(source.stored.plan(arch, source.names()), target_devices(target)[0])
-    assert formats["q_proj"].transposed == (target == "h100" and fixture != "gptq_actorder")
+    assert formats["q_proj"].transposed == (target == "h100" and fixture in ("ct_fp8_dynamic",
+                                                                          "ct_w8a8_int8"))
 
 
 @pytest.mark.slow  # ~15 s; the same formats as the ct_fp8_dynamic case above

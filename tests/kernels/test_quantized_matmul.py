@@ -214,3 +214,49 @@ def test_asymmetric_int8_converts_each_weight_with_one_fma(m, packed):
     dense = np.asarray(jax.jit(dense_cpu.dense_matmul_cpu)(x, jnp.asarray(floats)))
     np.testing.assert_array_equal(ours[:live], dense[:live])
     assert not ours[live:].any()
+
+
+def _rounded_by_numpy(x: np.ndarray, qmax: float, group: int, fp8: bool) -> np.ndarray:
+    """x [M, K] quantized per row and run of ``group`` inputs (amax / qmax) and back,
+    written independently of ``activation_quant``: what compressed-tensors computes."""
+    import ml_dtypes
+
+    rows = x.reshape(-1, group).astype(np.float32)
+    scale = np.maximum(np.abs(rows).max(-1, keepdims=True), 1e-12) / np.float32(qmax)
+    q = rows / scale
+    q = (np.clip(q, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) if fp8
+         else np.clip(np.round(q), -128, 127))
+    return (q * scale).reshape(x.shape)
+
+
+@pytest.mark.parametrize("codes,scheme,groups", [("fp8", "dynamic", 1), ("fp8", "dynamic_group", 4),
+                                                 ("int", "dynamic", 1), ("int", "dynamic_group", 2)])
+def test_emulated_activations_are_rounded_before_the_weight_only_matmul(codes, scheme, groups):
+    """Where no native W8A8 path runs (the CPU), ``emulate`` rounds x to its codes and back
+    (per token, or per token and weight group) and multiplies the dequantized weight;
+    without it the matmul is weight-only."""
+    rng = np.random.default_rng(3)
+    k, n = 128, 48
+    x = rng.standard_normal((9, k), dtype=np.float32) * np.linspace(0.1, 4, k, dtype=np.float32)
+    w = rng.standard_normal((k, n), dtype=np.float32)
+    weight = {part: jnp.asarray(value) for part, value in
+              quantize(w, QuantFormat(8, None if groups == 1 else k // groups, codes)).items()}
+    dense = np.asarray(dequantize(weight))
+    qmax = 448.0 if codes == "fp8" else 127.5
+    rounded = _rounded_by_numpy(x, qmax, k // (groups if scheme == "dynamic_group" else 1),
+                                codes == "fp8")
+    assert np.abs(rounded - x).max() > 1e-3                  # the rounding is visible
+    emulated = quantized_matmul(jnp.asarray(x), weight, activations=scheme, emulate=True)
+    np.testing.assert_allclose(np.asarray(emulated), rounded @ dense, rtol=1e-5, atol=1e-4)
+    plain = quantized_matmul(jnp.asarray(x), weight, activations=scheme)
+    np.testing.assert_allclose(np.asarray(plain), x @ dense, rtol=1e-5, atol=1e-4)
+
+
+def test_per_group_activations_need_a_grouped_weight():
+    with pytest.raises(ValueError, match="unsupported quantized format"):
+        QuantFormat(8, None, "fp8", activations="dynamic_group")
+    with pytest.raises(ValueError, match="unsupported quantized format"):
+        QuantFormat(8, 32, "fp8", emulated=True)           # nothing to emulate
+    from pallas_kernels.quantized_matmul.activation_quant import round_trip
+    with pytest.raises(ValueError, match="3 activation groups do not divide K=64"):
+        round_trip(jnp.ones((2, 64)), "dynamic_group", jnp.float8_e4m3fn, 3)

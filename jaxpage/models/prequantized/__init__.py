@@ -31,7 +31,9 @@ into ``jaxpage.models.quantize``'s parts in our ``[in, out]`` layout, the same w
 Every zero becomes ``zero = -z * s`` (exact in float32 for float16 / bfloat16 scales and
 integer z). Checkpoints with activation quantization (W8A8) keep their scheme
 (``QuantFormat.activations``): run natively where the hardware multiplies 8-bit codes
-(``pallas_kernels.quantized_matmul.activation_quant``), weight-only elsewhere.
+(``pallas_kernels.quantized_matmul.activation_quant``), weight-only elsewhere, where a
+compressed-tensors checkpoint still rounds its activations as stored
+(``QuantFormat.emulated``: what compressed-tensors itself does on every platform).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ class CompressedTensors(StoredQuantization):
         if not groups:
             raise ValueError(f"{directory!r}: compressed-tensors config has no config_groups")
         self.groups = list(groups.values())
+        self._warned: set[str] = set()   # activation schemes already warned about
         self.ignore = list(config.get("ignore") or [])
         for group in self.groups:
             fmt = group.get("format") or config.get("format")
@@ -74,23 +75,37 @@ class CompressedTensors(StoredQuantization):
         elif strategy == "block":
             group_size = int((weights.get("block_structure") or [0, 0])[1])
         zero = (kind == "int" and bits == 8 and not weights.get("symmetric", True))
+        activations = self._activations(group, bits, group_size)
         return QuantFormat(bits, group_size, "fp8" if kind == "float" else "int", zero,
-                           self._activations(group, bits, group_size))
+                           activations, emulated=activations is not None)
 
     def _activations(self, group: dict[str, Any], bits: int, group_size: int | None
                      ) -> str | None:
+        """The activation scheme of ``group`` (``QuantFormat.activations``), or None when it
+        quantizes none, or in a way not reproduced here (then weight-only, warned once).
+        Reproduced: 8-bit symmetric activations of the weights' type over symmetric 8-bit
+        weights, per token (dynamic), per token and weight group (dynamic, groups equal to
+        the weight's input groups or blocks) or per tensor (static)."""
         acts = group.get("input_activations")
         if not acts:
             return None
         weights = group.get("weights") or {}
-        native = (bits == 8 and group_size is None and int(acts.get("num_bits", 0)) == 8
-                  and acts.get("type") == weights.get("type") and acts.get("symmetric", True)
-                  and weights.get("symmetric", True))
         scheme = "dynamic" if acts.get("dynamic") else "static"
-        if not native or (scheme == "dynamic" and acts.get("strategy") != "token") or (
-                scheme == "static" and acts.get("strategy") != "tensor"):
-            logger.warning("%s: activation quantization %s runs weight-only", self.directory,
-                           acts)
+        strategy = acts.get("strategy")
+        if scheme == "dynamic" and strategy == "group" and group_size is not None and (
+                int(acts.get("group_size") or 0) == group_size):
+            scheme = "dynamic_group"
+        elif strategy != ("token" if scheme == "dynamic" else "tensor"):
+            scheme = None
+        if scheme is None or not (
+                bits == 8 and int(acts.get("num_bits", 0)) == 8
+                and acts.get("type") == weights.get("type") and acts.get("symmetric", True)
+                and weights.get("symmetric", True)):
+            key = repr(sorted(acts.items()))
+            if key not in self._warned:
+                self._warned.add(key)
+                logger.warning("%s: activation quantization %s is not reproduced: those "
+                               "projections run weight-only", self.directory, acts)
             return None
         return scheme
 
