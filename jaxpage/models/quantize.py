@@ -96,7 +96,7 @@ class QuantFormat:
         if self.bits not in (4, 8) or self.codes not in ("int", "fp8") or (
                 self.codes == "fp8" and (self.bits != 8 or self.zero)) or (
                 self.activations not in (None, *ACTIVATION_SCHEMES)) or (
-                self.activations is not None and self.bits != 8) or (
+                self.activations is not None and self.bits != 8 and not self.emulated) or (
                 self.activations == "dynamic_group" and self.group_size is None) or (
                 self.emulated and self.activations is None) or (
                 self.transposed and (self.activations not in ("dynamic", "static")

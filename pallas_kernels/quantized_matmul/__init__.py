@@ -208,8 +208,9 @@ def quantized_matmul(x: jax.Array, weight: dict[str, jax.Array], *,
     codes_dtype = weight["codes_t" if "codes_t" in weight else "codes"].dtype
     native = activations in ("dynamic", "static") and activation_quant.runs_natively(
         codes_dtype, groups)
-    if activations is not None and not native and emulate:
-        flat = activation_quant.round_trip(flat, activations, codes_dtype, groups, input_scale)
+    if activations is not None and not native and emulate:  # (int4 weights: int8 inputs)
+        act_codes = codes_dtype if codes_dtype == jnp.float8_e4m3fn else jnp.int8
+        flat = activation_quant.round_trip(flat, activations, act_codes, groups, input_scale)
     if native:
         out = activation_quant.w8a8_matmul(flat, unpack_panels(weight), activations,
                                            input_scale)

@@ -230,7 +230,8 @@ def _rounded_by_numpy(x: np.ndarray, qmax: float, group: int, fp8: bool) -> np.n
 
 
 @pytest.mark.parametrize("codes,scheme,groups", [("fp8", "dynamic", 1), ("fp8", "dynamic_group", 4),
-                                                 ("int", "dynamic", 1), ("int", "dynamic_group", 2)])
+                                                 ("int", "dynamic", 1), ("int", "dynamic_group", 2),
+                                                 ("int4", "dynamic", 2)])   # W4A8: int8 inputs
 def test_emulated_activations_are_rounded_before_the_weight_only_matmul(codes, scheme, groups):
     """Where no native W8A8 path runs (the CPU), ``emulate`` rounds x to its codes and back
     (per token, or per token and weight group) and multiplies the dequantized weight;
@@ -239,8 +240,9 @@ def test_emulated_activations_are_rounded_before_the_weight_only_matmul(codes, s
     k, n = 128, 48
     x = rng.standard_normal((9, k), dtype=np.float32) * np.linspace(0.1, 4, k, dtype=np.float32)
     w = rng.standard_normal((k, n), dtype=np.float32)
-    weight = {part: jnp.asarray(value) for part, value in
-              quantize(w, QuantFormat(8, None if groups == 1 else k // groups, codes)).items()}
+    fmt = (QuantFormat(4, k // groups) if codes == "int4" else
+           QuantFormat(8, None if groups == 1 else k // groups, codes))
+    weight = {part: jnp.asarray(value) for part, value in quantize(w, fmt).items()}
     dense = np.asarray(dequantize(weight))
     qmax = 448.0 if codes == "fp8" else 127.5
     rounded = _rounded_by_numpy(x, qmax, k // (groups if scheme == "dynamic_group" else 1),

@@ -44,7 +44,8 @@ FIXTURES = {
 # does jaxpage for compressed-tensors: natively where the chip multiplies 8-bit codes
 # (FP8 on an H100, int8 on TPUs and GPUs), elsewhere by rounding the activations to their
 # codes and back before a weight-only matmul (QuantFormat.emulated): the same logits
-# to float32 rounding. (fixture, tolerance of the native product)
+# to float32 rounding here (an input a ulp apart can round to another code; on these
+# fixtures none does). (fixture, tolerance of the native product)
 W8A8 = {"ct_fp8_static": 1e-4, "ct_fp8_dynamic": 1e-4,
         # int32 sums of int8 codes, scaled once, against Hugging Face's float32 sums of
         # the dequantized codes: a nearly tied code pair can round apart downstream

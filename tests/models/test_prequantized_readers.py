@@ -1,6 +1,7 @@
 """The pre-quantized readers on stored tensors built here, for the cases the tools' tiny
 fixtures do not reach: GPTQ v1 zero points of 0 (stored with a borrow), act-order
-without ``desc_act``, compressed-tensors int8 with a per-tensor scale, refused configs."""
+without ``desc_act``, compressed-tensors int8 with a per-tensor scale, int4 stored one to an
+int8 (W4A8), refused configs."""
 
 from __future__ import annotations
 
@@ -71,6 +72,39 @@ def test_compressed_tensors_int8_with_one_scale_per_tensor():
     assert fmt == QuantFormat(8, None)
     parts = reader.read(tensors.__getitem__, set(tensors), "m", fmt)
     np.testing.assert_allclose(dequantize(parts), w.T.astype(np.float32) * 0.05, rtol=1e-6)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_compressed_tensors_int4_stored_one_to_an_int8_with_int8_activations(symmetric):
+    """llm-compressor's W4A8 (``int-quantized``): int4 values -8..7 each in an int8, group
+    scales (and zero points), int8 activations per token: read as 4-bit codes, the
+    activations rounded where not native (never: the weight is 4-bit). Values past 4 bits
+    are refused."""
+    rng = np.random.default_rng(4)
+    w = rng.integers(-8, 8, (16, 64)).astype(np.int8)               # [N, K] as stored
+    scale = rng.random((16, 2), dtype=np.float32) / 10               # [N, K / 32]
+    weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group",
+               "group_size": 32}
+    acts = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+            "dynamic": True}
+    config = {"format": "int-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": weights, "input_activations": acts}}}
+    tensors = {"m.weight": w, "m.weight_scale": scale}
+    expected = w.astype(np.float32)
+    if not symmetric:
+        zp = rng.integers(-2, 3, (16, 2)).astype(np.int8)
+        tensors["m.weight_zero_point"] = zp
+        expected = expected - np.repeat(zp, 32, axis=1)
+    expected = (expected * np.repeat(scale, 32, axis=1)).T               # [K, N]
+    reader = CompressedTensors(config, "x")
+    fmt = reader.format_of("m", set(tensors))
+    assert fmt == QuantFormat(4, 32, activations="dynamic" if symmetric else None,
+                              emulated=symmetric)    # asymmetric weights: no W8A8 emulation
+    parts = reader.read(tensors.__getitem__, set(tensors), "m", fmt)
+    np.testing.assert_allclose(dequantize(parts), expected, rtol=1e-6, atol=1e-7)
+    tensors["m.weight"] = w * 2                                          # -16..14: not int4
+    with pytest.raises(ValueError, match="outside 4-bit codes"):
+        reader.read(tensors.__getitem__, set(tensors), "m", fmt)
 
 
 @pytest.mark.parametrize("extra", [{"transform_config": {"config_groups": {"r": {}}}},

@@ -84,8 +84,9 @@ class CompressedTensors(StoredQuantization):
         """The activation scheme of ``group`` (``QuantFormat.activations``), or None when it
         quantizes none, or in a way not reproduced here (then weight-only, warned once).
         Reproduced: 8-bit symmetric activations of the weights' type over symmetric 8-bit
-        weights, per token (dynamic), per token and weight group (dynamic, groups equal to
-        the weight's input groups or blocks) or per tensor (static)."""
+        weights (or int8 over int4: W4A8, never native), per token (dynamic), per token
+        and weight group (dynamic, groups equal to the weight's input groups or blocks) or
+        per tensor (static)."""
         acts = group.get("input_activations")
         if not acts:
             return None
@@ -98,7 +99,7 @@ class CompressedTensors(StoredQuantization):
         elif strategy != ("token" if scheme == "dynamic" else "tensor"):
             scheme = None
         if scheme is None or not (
-                bits == 8 and int(acts.get("num_bits", 0)) == 8
+                (bits == 8 or weights.get("type") == "int") and int(acts.get("num_bits", 0)) == 8
                 and acts.get("type") == weights.get("type") and acts.get("symmetric", True)
                 and weights.get("symmetric", True)):
             key = repr(sorted(acts.items()))
@@ -136,13 +137,17 @@ class CompressedTensors(StoredQuantization):
                 zp = _scale_to_groups(zp_stored, (n, k), weights)            # [G, N]
             parts = to_parts(q, _scale_to_groups(scale, (n, k), weights), zp, fmt,
                              1 << (fmt.bits - 1))
-        else:  # int8 stored as is
+        else:  # int8 / int4 values stored one to an int8 (int-quantized, e.g. W4A8)
             w = get(f"{module}.weight").astype(np.int32)                     # [N, K]
+            offset = 1 << (fmt.bits - 1)
+            if w.size and (w.min() < -offset or w.max() >= offset):
+                raise ValueError(f"{self.directory!r}: {module}.weight holds values "
+                                 f"{w.min()}..{w.max()}, outside {fmt.bits}-bit codes")
             scale = _scale_to_groups(get(f"{module}.weight_scale"), w.shape, weights)
             zp = None
             if not weights.get("symmetric", True):
                 zp = _scale_to_groups(get(f"{module}.weight_zero_point"), w.shape, weights)
-            parts = to_parts((w.T + 128), scale, zp, fmt, 128)
+            parts = to_parts((w.T + offset), scale, zp, fmt, offset)
         if fmt.activations == "static":
             parts["input_scale"] = np.asarray(get(f"{module}.input_scale"),
                                               np.float32).reshape(-1)[:1]
