@@ -30,7 +30,8 @@ def test_int8_weights_and_int8_kv_tp_1_2_4(tp_checkpoints, tp_prompts):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fixture", ["gptq_actorder", "ct_fp8_static", "hf_fp8_block32"])
+@pytest.mark.parametrize("fixture", ["gptq_actorder", "ct_fp8_static", "hf_fp8_block32",
+                                     "ct_fp8_block"])   # activations rounded per group
 def test_prequantized_checkpoint_tp_1_2(fixture, tmp_path):
     """A pre-quantized checkpoint's stored parts shard like their weights (an act-order
     permutation and a static activation scale are replicated; FP8 block scales split with
