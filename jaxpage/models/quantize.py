@@ -99,8 +99,10 @@ class QuantFormat:
                 self.activations is not None and self.bits != 8 and not self.emulated) or (
                 self.activations == "dynamic_group" and self.group_size is None) or (
                 self.emulated and self.activations is None) or (
+                self.activations == "dynamic_group" and self.act_order) or (
                 self.transposed and (self.activations not in ("dynamic", "static")
-                                     or self.zero or self.group_size is not None)):
+                                     or self.zero or self.group_size is not None
+                                     or self.bits != 8)):
             raise ValueError(f"unsupported quantized format {self!r}")
 
     @property

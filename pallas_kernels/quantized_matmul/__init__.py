@@ -206,8 +206,8 @@ def quantized_matmul(x: jax.Array, weight: dict[str, jax.Array], *,
         return jnp.zeros((*lead, n), x.dtype)
     groups = weight["scale"].shape[-2]
     codes_dtype = weight["codes_t" if "codes_t" in weight else "codes"].dtype
-    native = activations in ("dynamic", "static") and activation_quant.runs_natively(
-        codes_dtype, groups)
+    native = (activations in ("dynamic", "static") and "zero" not in weight
+              and activation_quant.runs_natively(codes_dtype, groups))
     if activations is not None and not native and emulate:  # (int4 weights: int8 inputs)
         act_codes = codes_dtype if codes_dtype == jnp.float8_e4m3fn else jnp.int8
         flat = activation_quant.round_trip(flat, activations, act_codes, groups, input_scale)

@@ -62,37 +62,38 @@ def native_codes(platform: str | None = None) -> str:
 
 
 def activation_scales(x: jax.Array, scheme: str, qmax: float,
-                      input_scale: jax.Array | None = None) -> jax.Array:
-    """float32 [M, 1]: per row ``max|x| / qmax`` ("dynamic"), or the stored per-tensor
-    ``input_scale`` [1] ("static") for every row. (x [M, G, g] with "dynamic": [M, G, 1],
-    one per row and group.)"""
+                      input_scale: jax.Array | None = None, dtype: Any = jnp.float32
+                      ) -> jax.Array:
+    """``dtype`` [..., 1] for x [..., K]: per row ``max|x| / qmax`` ("dynamic"; over the
+    last axis, so x [M, G, g] gives one per row and group), or the stored per-tensor
+    ``input_scale`` [1] ("static") for every row."""
     if scheme == "static":
         if input_scale is None:
             raise ValueError("static activation quantization needs the stored input_scale")
-        return jnp.broadcast_to(input_scale.astype(jnp.float32).reshape(1, 1), (x.shape[0], 1))
+        return jnp.broadcast_to(input_scale.astype(dtype).reshape((1,) * x.ndim),
+                                (*x.shape[:-1], 1))
     if scheme not in ("dynamic", "dynamic_group"):
         raise ValueError(f"activation scheme {scheme!r} is not 'dynamic', 'dynamic_group' "
                          "or 'static'")
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
+    amax = jnp.max(jnp.abs(x.astype(dtype)), axis=-1, keepdims=True)
     # divided, not multiplied by XLA's 1 / qmax (127.5's reciprocal is inexact in float32)
     return jnp.maximum(amax, 1e-12) / jax.lax.optimization_barrier(jnp.full_like(amax, qmax))
 
 
 def quantize_activations(x: jax.Array, scales: jax.Array, codes_dtype: Any,
-                         exact_division: bool = False) -> jax.Array:
-    """x [M, K] / scales [M, 1] as ``codes_dtype`` codes (int8 rounded half to even;
-    saturating at the codes' range). ``exact_division``: divide as compressed-tensors
-    does. XLA turns x / broadcast(s) into x * broadcast(1 / s), and a row's max |x| then
-    lands a float32 ulp off +-127.5, where int8 rounds it the other way; a barrier keeps
-    the divisor opaque, at the cost of writing it out [M, K] (the emulated path on the
-    CPU only, where float32 models are compared with Hugging Face's; the native path
-    multiplies int32 sums, which round apart from float ones anyway, and bf16 inputs are
-    a bf16 ulp apart from the reference's before any division)."""
+                         exact_division: bool = False, dtype: Any = jnp.float32) -> jax.Array:
+    """x [..., K] / scales [..., 1] (in ``dtype``) as ``codes_dtype`` codes (int8 rounded
+    half to even; saturating at the codes' range). ``exact_division``: divide as
+    compressed-tensors does. XLA turns x / broadcast(s) into x * broadcast(1 / s), and a
+    row's max |x| then lands an ulp off +-127.5, where int8 rounds it the other way; a
+    barrier keeps the divisor opaque, at the cost of writing it out like x (the emulated
+    path on the CPU only, where float32 models are compared with Hugging Face's; the
+    native path multiplies int32 sums, which round apart from float ones anyway)."""
     low, high = CODE_RANGE[jnp.dtype(codes_dtype)]
     divisor = scales
     if exact_division:
         divisor = jax.lax.optimization_barrier(jnp.broadcast_to(scales, x.shape))
-    scaled = x.astype(jnp.float32) / divisor
+    scaled = x.astype(dtype) / divisor
     if jnp.dtype(codes_dtype) == jnp.int8:
         scaled = jnp.round(scaled)
     return jnp.clip(scaled, low, high).astype(codes_dtype)
@@ -103,17 +104,20 @@ def round_trip(x: jax.Array, scheme: str, codes_dtype: Any, groups: int = 1,
     """x [M, K] quantized to ``codes_dtype`` by ``scheme`` and multiplied back, in x's dtype:
     the activations a W8A8 matmul multiplies, for a weight-only one (``QuantFormat.
     emulated``). ``"dynamic_group"``: a scale per row and each of ``groups`` equal runs of
-    K (the weight's scale groups)."""
-    dtype = jnp.dtype(codes_dtype)
+    K (the weight's scale groups; x is viewed [M, G, g], so a K split across devices
+    stays split). As compressed-tensors does, the scales and the division are in the
+    activations' dtype (float32, or bfloat16 / float16 for such models)."""
+    codes = jnp.dtype(codes_dtype)
+    work = x.dtype if x.dtype in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
     m, k = x.shape
     split = groups if scheme == "dynamic_group" else 1
     if k % split:
         raise ValueError(f"{split} activation groups do not divide K={k}")
-    rows = x.astype(jnp.float32).reshape(m * split, k // split)                 # [M * G, g]
-    scales = activation_scales(rows, scheme, QMAX[dtype], input_scale)         # [M * G, 1]
-    codes = quantize_activations(rows, scales, dtype,
-                                 exact_division=_backend.current_platform() == "cpu")
-    return (codes.astype(jnp.float32) * scales).reshape(m, k).astype(x.dtype)
+    rows = x.reshape(m, split, k // split)                                     # [M, G, g]
+    scales = activation_scales(rows, scheme, QMAX[codes], input_scale, work)   # [M, G, 1]
+    q = quantize_activations(rows, scales, codes, dtype=work,
+                             exact_division=_backend.current_platform() == "cpu")
+    return (q.astype(work) * scales).reshape(m, k).astype(x.dtype)
 
 
 def w8a8_matmul(x: jax.Array, weight: dict[str, jax.Array], scheme: str,

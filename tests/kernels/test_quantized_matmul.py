@@ -262,3 +262,22 @@ def test_per_group_activations_need_a_grouped_weight():
     from pallas_kernels.quantized_matmul.activation_quant import round_trip
     with pytest.raises(ValueError, match="3 activation groups do not divide K=64"):
         round_trip(jnp.ones((2, 64)), "dynamic_group", jnp.float8_e4m3fn, 3)
+
+
+def test_emulated_rounding_of_bfloat16_activations_is_done_in_bfloat16():
+    """compressed-tensors scales and divides in the activations' dtype: a bfloat16 model's
+    scale is ``max|x| / 448`` rounded to bfloat16, and so is each ``x / s``."""
+    import ml_dtypes
+
+    from pallas_kernels.quantized_matmul.activation_quant import round_trip
+
+    bf16 = ml_dtypes.bfloat16
+    x = (np.random.default_rng(5).standard_normal((6, 64)) * 3).astype(bf16)
+    scale = (np.abs(x).max(-1, keepdims=True).astype(np.float32) / np.float32(448)).astype(bf16)
+    scaled = (x.astype(np.float32) / scale.astype(np.float32)).astype(bf16)
+    codes = scaled.astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+    expected = (codes.astype(np.float32).astype(bf16).astype(np.float32)
+                * scale.astype(np.float32)).astype(bf16)
+    got = np.asarray(round_trip(jnp.asarray(x), "dynamic", jnp.float8_e4m3fn))
+    assert got.dtype == bf16
+    np.testing.assert_array_equal(got.astype(np.float32), expected.astype(np.float32))

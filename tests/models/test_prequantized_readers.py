@@ -98,8 +98,7 @@ def test_compressed_tensors_int4_stored_one_to_an_int8_with_int8_activations(sym
     expected = (expected * np.repeat(scale, 32, axis=1)).T               # [K, N]
     reader = CompressedTensors(config, "x")
     fmt = reader.format_of("m", set(tensors))
-    assert fmt == QuantFormat(4, 32, activations="dynamic" if symmetric else None,
-                              emulated=symmetric)    # asymmetric weights: no W8A8 emulation
+    assert fmt == QuantFormat(4, 32, activations="dynamic", emulated=True)
     parts = reader.read(tensors.__getitem__, set(tensors), "m", fmt)
     np.testing.assert_allclose(dequantize(parts), expected, rtol=1e-6, atol=1e-7)
     tensors["m.weight"] = w * 2                                          # -16..14: not int4

@@ -1,6 +1,8 @@
 """llm-compressor's compressed-tensors checkpoints (``quant_method: "compressed-tensors"``):
-``float-quantized`` (FP8), ``int-quantized`` / ``naive-quantized`` (int8) and
-``pack-quantized`` (4 / 8 bits in int32 words), with zero points where asymmetric."""
+``float-quantized`` (FP8), ``int-quantized`` / ``naive-quantized`` (int8, or int4 one value
+to an int8: W4A8) and ``pack-quantized`` (4 / 8 bits in int32 words), with zero points
+where asymmetric. Quantized activations are kept (``QuantFormat.activations``) and, off
+native hardware, emulated (``QuantFormat.emulated``), as compressed-tensors runs them."""
 
 from __future__ import annotations
 
@@ -83,10 +85,10 @@ class CompressedTensors(StoredQuantization):
                      ) -> str | None:
         """The activation scheme of ``group`` (``QuantFormat.activations``), or None when it
         quantizes none, or in a way not reproduced here (then weight-only, warned once).
-        Reproduced: 8-bit symmetric activations of the weights' type over symmetric 8-bit
-        weights (or int8 over int4: W4A8, never native), per token (dynamic), per token
-        and weight group (dynamic, groups equal to the weight's input groups or blocks) or
-        per tensor (static)."""
+        Reproduced: 8-bit symmetric activations of the weights' type over 8-bit weights
+        (or int8 over int4: W4A8), per token (dynamic), per token and weight group
+        (dynamic, groups equal to the weight's input groups or blocks) or per tensor
+        (static). Only symmetric 8-bit weights without groups can run natively."""
         acts = group.get("input_activations")
         if not acts:
             return None
@@ -100,8 +102,7 @@ class CompressedTensors(StoredQuantization):
             scheme = None
         if scheme is None or not (
                 (bits == 8 or weights.get("type") == "int") and int(acts.get("num_bits", 0)) == 8
-                and acts.get("type") == weights.get("type") and acts.get("symmetric", True)
-                and weights.get("symmetric", True)):
+                and acts.get("type") == weights.get("type") and acts.get("symmetric", True)):
             key = repr(sorted(acts.items()))
             if key not in self._warned:
                 self._warned.add(key)
