@@ -164,6 +164,41 @@ def test_w8a8_checkpoint_rounds_its_activations_where_not_native(name, tmp_path)
         assert np.abs(logits - weight_only).max() > 0.1, name
 
 
+def test_act_order_by_group_gives_the_checkpoints_own_logits(tmp_path):
+    """``ct_w4a16_sym`` rewritten as GPTQ act-order by group writes it (compressed-tensors
+    < 0.20: ``actorder: "group"``, ``weight_g_idx``): each linear's groups renamed, so the
+    rows' group labels run out of order and the scales are stored under the new labels.
+    The same function, so the same logits as the fixture (and Hugging Face's)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from jaxpage import LLM
+
+    folder = shutil.copytree(os.path.join(ROOT, "ct_w4a16_sym"), tmp_path / "model")
+    tensors = load_file(str(folder / "model.safetensors"))
+    rng = np.random.default_rng(7)
+    for name in [key for key in tensors if key.endswith(".weight_scale")]:
+        scale = tensors[name]                                          # [N, G]
+        groups = scale.shape[1]
+        label = torch.from_numpy(rng.permutation(groups))              # old group -> new
+        k = int(tensors[name.replace("_scale", "_shape")][1])
+        tensors[name] = scale[:, torch.argsort(label)]                 # stored by new label
+        tensors[name.replace("_scale", "_g_idx")] = label.repeat_interleave(k // groups).int()
+    save_file(tensors, str(folder / "model.safetensors"))
+    with open(folder / "config.json") as f:
+        config = json.load(f)
+    for group in config["quantization_config"]["config_groups"].values():
+        group["weights"]["actorder"] = "group"
+    with open(folder / "config.json", "w") as f:
+        json.dump(config, f)
+    llm = LLM(model=str(folder), **ENGINE)
+    assert llm.llm_engine.runner.quant_plan["o_proj"].act_order
+    ref = _reference("ct_w4a16_sym")
+    logits, greedy = _logits_and_greedy(llm, [int(t) for t in ref["token_ids"]])
+    assert np.abs(logits - ref["logits"]).max() < 1e-4
+    assert greedy == [int(t) for t in ref["greedy"]]
+
+
 def test_quantization_argument_is_checked_against_the_checkpoint(tmp_path):
     from jaxpage import LLM
 

@@ -1,7 +1,7 @@
 """The pre-quantized readers on stored tensors built here, for the cases the tools' tiny
 fixtures do not reach: GPTQ v1 zero points of 0 (stored with a borrow), act-order
 without ``desc_act``, compressed-tensors int8 with a per-tensor scale, int4 stored one to an
-int8 (W4A8), refused configs."""
+int8 (W4A8), GPTQ act-order by group (``weight_g_idx``), refused configs."""
 
 from __future__ import annotations
 
@@ -104,6 +104,43 @@ def test_compressed_tensors_int4_stored_one_to_an_int8_with_int8_activations(sym
     tensors["m.weight"] = w * 2                                          # -16..14: not int4
     with pytest.raises(ValueError, match="outside 4-bit codes"):
         reader.read(tensors.__getitem__, set(tensors), "m", fmt)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_compressed_tensors_act_order_by_group_sorts_rows_and_keeps_the_order(packed):
+    """GPTQ act-order by group (``actorder: "group"``, written by compressed-tensors before
+    0.20): ``weight_g_idx`` [K] names each input row's group. The rows are sorted by group
+    and the order kept (``perm``: x[..., perm] @ W), so the product is the stored one; a
+    ``weight_g_idx`` out of order without ``actorder`` is refused, not ignored."""
+    rng = np.random.default_rng(6)
+    n, k = 16, 64
+    q = rng.integers(0, 16, (n, k))                                  # unsigned codes
+    g_idx = rng.permutation(np.arange(k) // 32).astype(np.int32)     # 32 rows a group
+    scale = rng.random((n, 2), dtype=np.float32) / 10
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+               "group_size": 32, "actorder": "group"}
+    if packed:
+        fmt_name, tensors = "pack-quantized", {"m.weight_packed": _pack(q, 4, axis=1),
+                                               "m.weight_shape": np.array([n, k])}
+    else:
+        fmt_name, tensors = "int-quantized", {"m.weight": (q - 8).astype(np.int8)}
+    tensors.update({"m.weight_scale": scale, "m.weight_g_idx": g_idx})
+    config = {"format": fmt_name, "config_groups": {"g": {"targets": ["Linear"],
+                                                          "weights": weights}}}
+    reader = CompressedTensors(config, "x")
+    fmt = reader.format_of("m", set(tensors))
+    assert fmt == QuantFormat(4, 32, act_order=True)
+    parts = reader.read(tensors.__getitem__, set(tensors), "m", fmt)
+    stored = ((q - 8) * scale[np.arange(n)[:, None], g_idx[None, :]]).T     # [K, N]
+    perm = parts["perm"]
+    np.testing.assert_array_equal(np.sort(perm), np.arange(k))
+    assert np.all(np.diff(g_idx[perm]) >= 0)                          # sorted by group
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    np.testing.assert_allclose(x[:, perm] @ dequantize(parts), x @ stored, rtol=1e-5, atol=1e-5)
+    del weights["actorder"]
+    reader = CompressedTensors(config, "x")
+    with pytest.raises(ValueError, match="weight_g_idx orders the input rows"):
+        reader.read(tensors.__getitem__, set(tensors), "m", reader.format_of("m", set(tensors)))
 
 
 @pytest.mark.parametrize("extra", [{"transform_config": {"config_groups": {"r": {}}}},

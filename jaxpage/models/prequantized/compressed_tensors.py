@@ -78,8 +78,10 @@ class CompressedTensors(StoredQuantization):
             group_size = int((weights.get("block_structure") or [0, 0])[1])
         zero = (kind == "int" and bits == 8 and not weights.get("symmetric", True))
         activations = self._activations(group, bits, group_size)
+        # GPTQ's act-order by group (compressed-tensors < 0.20: ``weight_g_idx``)
+        act_order = weights.get("actorder") == "group" and kind == "int"
         return QuantFormat(bits, group_size, "fp8" if kind == "float" else "int", zero,
-                           activations, emulated=activations is not None)
+                           activations, act_order, emulated=activations is not None)
 
     def _activations(self, group: dict[str, Any], bits: int, group_size: int | None
                      ) -> str | None:
@@ -136,8 +138,9 @@ class CompressedTensors(StoredQuantization):
                     zp_stored = unpack_int32(zp_stored, fmt.bits, axis=0)[:n]
                     zp_stored = zp_stored - (1 << (fmt.bits - 1))            # stored + offset
                 zp = _scale_to_groups(zp_stored, (n, k), weights)            # [G, N]
-            parts = to_parts(q, _scale_to_groups(scale, (n, k), weights), zp, fmt,
-                             1 << (fmt.bits - 1))
+            scale = _scale_to_groups(scale, (n, k), weights)                # [G, N]
+            q, perm = self._by_group(get, names, module, q, scale.shape[0], fmt)
+            parts = to_parts(q, scale, zp, fmt, 1 << (fmt.bits - 1))
         else:  # int8 / int4 values stored one to an int8 (int-quantized, e.g. W4A8)
             w = get(f"{module}.weight").astype(np.int32)                     # [N, K]
             offset = 1 << (fmt.bits - 1)
@@ -148,11 +151,36 @@ class CompressedTensors(StoredQuantization):
             zp = None
             if not weights.get("symmetric", True):
                 zp = _scale_to_groups(get(f"{module}.weight_zero_point"), w.shape, weights)
-            parts = to_parts((w.T + offset), scale, zp, fmt, offset)
+            q, perm = self._by_group(get, names, module, w.T + offset, scale.shape[0], fmt)
+            parts = to_parts(q, scale, zp, fmt, offset)
+        if fmt.act_order:  # kept even when in order: the plan gives every layer a perm
+            parts["perm"] = (np.arange(q.shape[0]) if perm is None else perm).astype(np.int32)
         if fmt.activations == "static":
             parts["input_scale"] = np.asarray(get(f"{module}.input_scale"),
                                               np.float32).reshape(-1)[:1]
         return parts
+
+    def _by_group(self, get: Getter, names: set[str], module: str, q: np.ndarray,
+                  groups: int, fmt: QuantFormat) -> tuple[np.ndarray, np.ndarray | None]:
+        """Codes q [K, N] with their rows sorted by group when ``weight_g_idx`` [K] (GPTQ
+        act-order by group) assigns rows to groups out of order, and that order (``perm``:
+        row i multiplies input ``perm[i]``); None when the rows are in group order."""
+        key = f"{module}.weight_g_idx"
+        k = q.shape[0]
+        default = np.arange(k) // (k // groups)
+        g_idx = np.asarray(get(key), np.int64).reshape(-1) if key in names else default
+        if g_idx.shape != (k,):
+            raise ValueError(f"{self.directory!r}: {key} has shape {g_idx.shape}, not ({k},)")
+        if np.array_equal(g_idx, default):
+            return q, None
+        if not fmt.act_order:
+            raise ValueError(f"{self.directory!r}: {key} orders the input rows by group, but "
+                             "the weights' actorder is not 'group'")
+        perm = np.argsort(g_idx, kind="stable")
+        if not np.array_equal(g_idx[perm], default):
+            raise ValueError(f"{self.directory!r}: {key} does not give every group "
+                             f"{k // groups} rows")
+        return q[perm], perm
 
 
 def _matches(target: str, module: str) -> bool:
