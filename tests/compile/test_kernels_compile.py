@@ -260,9 +260,10 @@ def test_w8a8_matmul_multiplies_codes_where_the_chip_can(target, codes_dtype, sc
         device)["up_proj"]
     part = "codes_t" if fmt.transposed else "codes"
 
-    def matmul(x, codes, scale, input_scale):
+    def matmul(x, codes, scale, input_scale):   # as a compressed-tensors checkpoint runs:
+        # weight-only rows round x to its codes and back first (QuantFormat.emulated)
         return quantized_matmul(x, {part: codes, "scale": scale}, activations=scheme,
-                                input_scale=input_scale)
+                                input_scale=input_scale, emulate=True)
 
     shape = (n, k) if fmt.transposed else (k, n)
     compiled = compile_on_device(device, matmul, ((256, k), jnp.bfloat16),
