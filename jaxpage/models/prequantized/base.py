@@ -1,6 +1,7 @@
 """What every pre-quantized format's reader shares: ``StoredQuantization`` (the plan of
 the linears stored quantized, the same in every layer) and the unpacking helpers (int32
-words of 4- or 8-bit codes, integer zero points to ``zero = -z * s``)."""
+words of 4- or 8-bit codes, integer zero points to ``zero = -z * s``, act-order rows
+sorted by group)."""
 
 from __future__ import annotations
 
@@ -122,3 +123,18 @@ def group_size_of(k: int, groups: int) -> int | None:
     if k % groups:
         raise ValueError(f"{groups} scale groups do not divide the input size {k}")
     return k // groups
+
+
+def group_order(g_idx: np.ndarray | None, k: int, size: int, name: str) -> np.ndarray | None:
+    """``perm`` int64 [K] sorting input rows by group (GPTQ act-order: ``g_idx`` [K] names
+    each row's group, ``size`` rows a group), or None when ``g_idx`` is absent or already
+    in group order; ``name`` names the tensor in errors."""
+    default = np.arange(k) // size
+    if g_idx is None or np.array_equal(g_idx, default):
+        return None
+    if g_idx.shape != (k,):
+        raise ValueError(f"{name} has shape {g_idx.shape}, not ({k},)")
+    perm = np.argsort(g_idx, kind="stable")
+    if not np.array_equal(g_idx[perm], default):
+        raise ValueError(f"{name} does not give every group {size} rows")
+    return perm

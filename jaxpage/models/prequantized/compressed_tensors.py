@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxpage.models.prequantized.base import (Getter, StoredQuantization, group_size_of,
-                                              to_parts, unpack_int32)
+from jaxpage.models.prequantized.base import (Getter, StoredQuantization, group_order,
+                                              group_size_of, to_parts, unpack_int32)
 from jaxpage.models.quantize import FP8_DTYPE, QuantFormat
 
 logger = logging.getLogger("jaxpage")
@@ -166,20 +166,13 @@ class CompressedTensors(StoredQuantization):
         act-order by group) assigns rows to groups out of order, and that order (``perm``:
         row i multiplies input ``perm[i]``); None when the rows are in group order."""
         key = f"{module}.weight_g_idx"
-        k = q.shape[0]
-        default = np.arange(k) // (k // groups)
-        g_idx = np.asarray(get(key), np.int64).reshape(-1) if key in names else default
-        if g_idx.shape != (k,):
-            raise ValueError(f"{self.directory!r}: {key} has shape {g_idx.shape}, not ({k},)")
-        if np.array_equal(g_idx, default):
+        g_idx = np.asarray(get(key), np.int64).reshape(-1) if key in names else None
+        perm = group_order(g_idx, q.shape[0], q.shape[0] // groups, f"{self.directory!r}: {key}")
+        if perm is None:
             return q, None
         if not fmt.act_order:
             raise ValueError(f"{self.directory!r}: {key} orders the input rows by group, but "
                              "the weights' actorder is not 'group'")
-        perm = np.argsort(g_idx, kind="stable")
-        if not np.array_equal(g_idx[perm], default):
-            raise ValueError(f"{self.directory!r}: {key} does not give every group "
-                             f"{k // groups} rows")
         return q[perm], perm
 
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxpage.models.prequantized.base import (Getter, StoredQuantization, group_size_of,
-                                              to_parts, unpack_int32)
+from jaxpage.models.prequantized.base import (Getter, StoredQuantization, group_order,
+                                              group_size_of, to_parts, unpack_int32)
 from jaxpage.models.quantize import QuantFormat
 
 
@@ -48,12 +48,8 @@ class GPTQ(StoredQuantization):
         g_idx = (np.asarray(get(f"{module}.g_idx"), np.int64) if f"{module}.g_idx" in names
                  else None)
         size = group_size_of(k, scale.shape[0]) or k
-        default = np.arange(k) // size
-        perm = None
-        if g_idx is not None and not np.array_equal(g_idx, default):
-            perm = np.argsort(g_idx, kind="stable")
-            if not np.array_equal(g_idx[perm], default):
-                raise ValueError(f"{module}: g_idx does not give every group {size} rows")
+        perm = group_order(g_idx, k, size, f"{module}.g_idx")
+        if perm is not None:
             if not fmt.act_order:
                 raise ValueError(f"{self.directory!r}: {module}.g_idx orders the input rows "
                                  "by group (act-order) but the config's desc_act is not set")
