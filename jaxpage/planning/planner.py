@@ -18,7 +18,10 @@ Steps, per ``plan(model, target, **engine_options)``:
 4. Compile every program of every bucket with that cache. A TPU compiler refuses a
    program that does not fit its HBM (``RESOURCE_EXHAUSTED``); for GPUs, which have no
    such compile-time check, each program's arguments + outputs - aliases + temporaries
-   are compared with the device's memory here.
+   are compared with the device's memory here. Each is compiled again with half the
+   cache: temporaries that grow with it (a copy of the cache) are reported as GROW; a
+   cache under ``GROWTH_PROBE_BYTES`` that seems to grow is measured again at that
+   size (XLA:TPU moves a cache of a few hundred KiB whole into VMEM within a step).
 5. Estimate decode tokens/s per batch bucket (an estimate, never a measurement): a step
    takes at least max(bytes / bandwidth, FLOPs / peak) with the chip's published
    figures. Two byte counts are shown: the compiler's own cost analysis of the compiled
@@ -39,7 +42,8 @@ from jaxpage.config import EngineConfig
 from jaxpage.models.hub import resolve_hub_models
 from jaxpage.parallel.targets import parse_target, target_devices
 from jaxpage.planning.abstract_engine import AbstractEngine
-from jaxpage.planning.report import GROWTH_TOLERANCE, PlanReport, ProgramResult, RooflineRow
+from jaxpage.planning.report import (GROWTH_PROBE_BYTES, GROWTH_TOLERANCE, PlanReport,
+                                     ProgramResult, RooflineRow)
 
 GiB = 2**30
 # Memory the sizing never plans for: the compiler's own bookkeeping, which its memory
@@ -192,15 +196,34 @@ def plan(model: str | None = None, target: str = "v5e:1x1", *, buckets: str = "l
     return report
 
 
+def _temp_at(engine: AbstractEngine, program: Any, num_blocks: int) -> int | None:
+    """``program``'s temporaries compiled with a ``num_blocks``-block cache (None: it
+    did not compile)."""
+    try:
+        return _device_bytes(engine.compile(engine.program(program.key,
+                                                           num_blocks=num_blocks)))["temp"]
+    except Exception:  # noqa: BLE001 - the full-size compile is the one that counts
+        return None
+
+
 def _measure_growth(result: ProgramResult, engine: AbstractEngine, program: Any,
                     smaller: int, num_blocks: int, per_block: int) -> None:
     """Compile ``program`` again with a ``smaller``-block cache and record how its
-    temporaries change per block (a compile error there leaves it unmeasured)."""
-    try:
-        compiled = engine.compile(engine.program(program.key, num_blocks=smaller))
-    except Exception:  # noqa: BLE001 - the full-size compile is the one that counts
+    temporaries change per block (a compile error there leaves it unmeasured).
+
+    A cache of a few MiB may be moved whole into on-chip memory within a step (XLA:TPU
+    does so with VMEM: temporaries that grow with the cache and copy nothing in HBM); so
+    when a cache under ``GROWTH_PROBE_BYTES`` appears to grow, the slope is measured
+    again between caches of that size and half of it, and that one counts."""
+    temp = _temp_at(engine, program, smaller)
+    if temp is None:
         return
-    slope = (result.temp_bytes - _device_bytes(compiled)["temp"]) / (num_blocks - smaller)
+    slope = (result.temp_bytes - temp) / (num_blocks - smaller)
+    if slope > GROWTH_TOLERANCE * per_block and num_blocks * per_block < GROWTH_PROBE_BYTES:
+        large = -(-GROWTH_PROBE_BYTES // per_block)
+        temps = [_temp_at(engine, program, blocks) for blocks in (large, large // 2)]
+        if None not in temps:
+            slope = (temps[0] - temps[1]) / (large - large // 2)
     result.temp_bytes_per_block = slope
     result.grows_with_cache = slope > GROWTH_TOLERANCE * per_block
 

@@ -9,6 +9,10 @@ GiB = 2**30
 # A program's temporaries "grow with the cache" when they add more than this fraction of
 # a KV block's bytes per block (the compiler's figures move by a few bytes otherwise).
 GROWTH_TOLERANCE = 0.05
+# A cache smaller than this (per device) that seems to grow is measured again at this
+# size: beyond the on-chip memory (VMEM: 128 MiB on a v5e or v6e) a compiler could move
+# the whole cache into, which reads as temporaries growing with it.
+GROWTH_PROBE_BYTES = 512 * 2**20
 
 
 @dataclasses.dataclass
