@@ -12,7 +12,9 @@ blocks on axis 1, and only the kernels look inside a block.
 ``"fused"`` (TPUs): ``(kv_cache,)``, ``[L, N, B, W]``: one row of ``W`` lanes per token
   holding all of its keys and values. Head ``h`` owns lanes ``[h * 2 * Dh, (h + 1) * 2 *
   Dh)``: its key in the first ``Dh`` of them, its value in the next ``Dh``, each zero-padded
-  from ``D`` to ``Dh = half_width(D)`` (64 for ``D <= 64``, else a multiple of 128).
+  from ``D`` to ``Dh = half_width(D)`` (64 for ``D <= 64``, else a multiple of 128). An
+  int8 cache keeps its per-token scale codes inside the value bytes (``kv_token_scale``),
+  so it is this one array too.
 
 Why TPUs need the fused rows: XLA:TPU stores the two minor dimensions of an array in
 (8 sublane, 128 lane) tiles. When the minor dimension is narrower than 128 lanes (one KV
@@ -85,7 +87,8 @@ def cache_shapes(layout: str, num_layers: int, num_blocks: int, block_size: int,
                  num_kv_heads: int, head_dim: int, token_scales: bool = False
                  ) -> tuple[tuple[int, ...], ...]:
     """The shape of each array of a ``layout`` cache (``num_blocks`` with the null block);
-    ``token_scales``: with the per-token scale arrays (split only, ``kv_token_scale``)."""
+    ``token_scales``: with the per-token scale arrays (split only: a fused int8 cache
+    keeps its codes in its value bytes, ``kv_token_scale``)."""
     if token_scales and layout != SPLIT:
         raise ValueError(f"per-token KV scales are stored in the {SPLIT!r} layout only, "
                          f"not {layout!r}")

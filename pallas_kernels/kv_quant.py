@@ -16,8 +16,9 @@ scales in as it converts each block; for the other backends ``fold_key_scale`` p
 scales into the queries (``q . (s * k') = (q * s) . k'``) and ``unfold_value_scale`` the
 value scales into the output, so those kernels only convert bytes (``decode``).
 
-An int8 cache in the split layout (CPUs, GPUs) also keeps a scale per token and KV head,
-one byte beside each token (``kv_token_scale``); its per-channel scales are then ones.
+An int8 cache also keeps a scale per token and KV head (``kv_token_scale``): a byte in
+arrays beside the pages in the split layout (CPUs, GPUs), in the parity of the value's
+first 16 bytes in the fused one (TPUs); its per-channel scales are then ones.
 """
 
 from __future__ import annotations

@@ -17,7 +17,10 @@ Schemes (``SCHEME:FORMAT``, FORMAT ``int8`` or ``fp8`` = e4m3):
   scale rounded to bfloat16 (2 bytes); ``token_pow2`` rounded up to a power of two
   (1 byte); ``token_shared`` one scale per token for all KV heads of the layer;
 * ``token_logN``: the per-token scale as one byte, ``2^(e/N)`` rounded up (N steps per
-  octave; ``token_log16`` is what the int8 cache stores, ``kv_token_scale``);
+  octave; ``token_log16`` is what the int8 cache stores, ``kv_token_scale``); ``token_lsb8``
+  that byte kept in the low bits of the first 8 of each head's D codes, which are rounded
+  to even values (the fused TPU layout's place for it); ``token_lsb16v`` both codes in
+  the first 16 of the value's (keys kept whole);
 * ``mid`` / ``mean``: ``static`` scales around a static centre per channel (the middle of
   its calibrated range / its mean), never added back to keys (softmax ignores a constant
   key vector) and added back to values;
@@ -89,6 +92,13 @@ def quantized(x, layer: int, which: int):
     elif scheme.startswith("token_log"):   # 1 byte: scale = 2 ** (e / steps), rounded up
         steps = int(scheme[len("token_log"):])
         s = 2.0 ** (jnp.ceil(jnp.log2(_token_scale(xr, limit)) * steps) / steps)
+    elif scheme in ("token_lsb8", "token_lsb16v"):   # token_log16, its code in low bits
+        s = 2.0 ** (jnp.ceil(jnp.log2(_token_scale(xr, limit)) * 16) / 16)
+        y = jnp.clip(jnp.round(xr / s), -limit, limit)
+        even = jnp.clip(2 * jnp.round(xr / s / 2), -128, 126)
+        stolen = 8 if scheme == "token_lsb8" else (16 if which == 1 else 0)
+        y = jnp.where(jnp.arange(xr.shape[-1]) < stolen, even, y)
+        return jnp.einsum("the,de->thd", y * s, r, precision="highest").astype(x.dtype)
     elif scheme == "token_shared":
         s = _token_scale(xr, limit, axes=(-1, -2))
     elif scheme in ("mid", "mean"):   # a static centre per channel, then a static scale

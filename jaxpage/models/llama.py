@@ -49,7 +49,7 @@ from pallas_kernels import kv_layout
 from pallas_kernels.kv_layout import KVCache  # (k, v) split or (kv,) fused
 from pallas_kernels._backend import branches_wait_for_device
 from pallas_kernels.kv_quant import encode, rotation
-from pallas_kernels.kv_token_scale import encode_per_token
+from pallas_kernels.kv_token_scale import encode_embedded, encode_per_token, per_token
 from pallas_kernels.precision import dot_precision
 from pallas_kernels.quantized_matmul import gather_columns
 from pallas_kernels.write_and_attend import write_and_attend
@@ -277,6 +277,10 @@ class CausalLM(nnx.Module):
                     k, k_codes = encode_per_token(_rotated(k, dtype=jnp.float32))
                     v, v_codes = encode_per_token(_rotated(v, dtype=jnp.float32))
                     new_token = (k_codes, v_codes)
+                elif v_cache is None and per_token(self.kv_format):  # fused int8: the
+                    # codes ride in the value bytes (kv_token_scale.encode_embedded)
+                    k, v = encode_embedded(_rotated(k, dtype=jnp.float32),
+                                           _rotated(v, dtype=jnp.float32))
                 else:  # this layer's [Hkv, D] key and value scales
                     scales = (self.kv_scale[...][0, index], self.kv_scale[...][1, index])
                     k = encode(_rotated(k, dtype=jnp.float32) / scales[0], self.kv_format)

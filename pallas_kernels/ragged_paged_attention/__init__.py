@@ -121,8 +121,10 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     format, converted to q's dtype as pages are read, standing for ``k_scale`` /
     ``v_scale`` [Hkv, D] times their values (None: ones), and, with ``token_scales``
     (key and value scale codes, uint8 shaped like the caches without head_dim), times
-    each token's own scale (``kv_token_scale``; split caches; the TPU kernel has none and
-    falls back to the reference).
+    each token's own scale (``kv_token_scale``; split caches; the TPU kernel reads fused
+    rows and falls back to the reference for them). A fused int8 cache carries those
+    codes in its value bytes (``kv_token_scale.embedded``), read by the reference and the
+    TPU kernel.
 
     With ``layer`` the caches are every layer's, ``[L, N, B, Hkv, D]``, and layer
     ``layer``'s pages are read in place (no slice or reshape of the cache, which on a TPU
@@ -150,7 +152,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     if token_scales is not None:
         kwargs["token_scales"] = tuple(token_scales)
         if resolved == "tpu":
-            resolved = "reference"  # Mosaic reads fused rows, which keep no token scales
+            resolved = "reference"  # Mosaic reads fused rows, whose int8 bytes carry them
     if kv_format is not None:
         kwargs["kv_format"] = kv_format
         if resolved == "cpu" and q.shape[0] > 0:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import kv_layout
+from pallas_kernels import kv_layout, kv_token_scale
 from pallas_kernels._backend import searchsorted_right
 from pallas_kernels.kv_quant import decode
-from pallas_kernels.kv_token_scale import token_scale_values
+from pallas_kernels.kv_token_scale import embedded_codes, token_scale_values
 from pallas_kernels.precision import dot_precision
 
 
@@ -49,7 +49,8 @@ def ragged_paged_attention_reference(
     With ``kv_format`` the caches hold bytes of that format (``kv_quant.decode``), and
     with ``token_scales`` (key and value scale codes, uint8 [(L,) N, B, Hkv]) each
     token's bytes stand for their values divided by its scale (``kv_token_scale``).
-    With ``v_cache`` None the cache is in the fused layout (``kv_layout``)."""
+    With ``v_cache`` None the cache is in the fused layout (``kv_layout``); an int8 one
+    carries each token's scale codes in its value bytes (``kv_token_scale.embedded``)."""
     num_tokens, num_q_heads, head_dim = q.shape
     fused = v_cache is None
     block_size = k_cache.shape[-2] if fused else k_cache.shape[-3]
@@ -68,12 +69,16 @@ def ragged_paged_attention_reference(
         k, v = k_cache[pages], v_cache[pages]
     k = k.reshape(num_tokens, span, num_kv_heads, head_dim)             # [T, L, Hkv, D]
     v = v.reshape(num_tokens, span, num_kv_heads, head_dim)
+    codes = None  # each token's key and value scale codes [T, L, Hkv], if it has them
+    if fused and kv_token_scale.embedded(kv_format, kv_layout.FUSED):  # in its value bytes
+        codes = embedded_codes(v)
+    elif token_scales is not None:
+        codes = tuple(c[pages].reshape(num_tokens, span, num_kv_heads) for c in token_scales)
     if kv_format is not None:
         k, v = decode(k, kv_format, q.dtype), decode(v, kv_format, q.dtype)
-    if token_scales is not None:
-        k_scales, v_scales = (token_scale_values(codes[pages], q.dtype).reshape(
-            num_tokens, span, num_kv_heads, 1) for codes in token_scales)   # [T, L, Hkv, 1]
-        k, v = k * k_scales, v * v_scales
+    if codes is not None:
+        k = k * token_scale_values(codes[0], q.dtype)[..., None]
+        v = v * token_scale_values(codes[1], q.dtype)[..., None]
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)           # [T, Hkv, G, D]
     scores = jnp.einsum("tkgd,tlkd->tkgl", qg, k, precision=dot_precision(q.dtype),
                         preferred_element_type=jnp.float32) * sm_scale  # [T, Hkv, G, L]

@@ -24,6 +24,12 @@ so ``q . group`` is exactly ``q . k``, and ``p . group`` carries ``p . v`` in la
 64-127, which the wrapper keeps. Twice the matmul work for the small heads, and no lane
 shuffles.
 
+Byte pages (``kv_quant``) are converted to q's dtype as a head's lanes are read; an int8
+page also carries each token's key and value scale codes in the parity of the value's
+first 16 bytes (``kv_token_scale.embedded``): the kernel sums them out of the row (a
+masked lane reduction per token and head) and multiplies each row of the converted key
+and value by its token's scale.
+
 Written for TPU interpret mode as well: no ref is reshaped or bitcast (JAX 0.10's TPU
 interpreter cannot follow a reshaped ref), every ref access is a plain index or slice,
 and the kernel runs on the CPU under ``interpret=pltpu.InterpretParams()``.
@@ -40,7 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_kernels.ragged_paged_attention.tiling as tiling
-from pallas_kernels import kv_layout
+from pallas_kernels import kv_layout, kv_token_scale
 from pallas_kernels.kv_quant import decode
 
 
@@ -68,7 +74,8 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # SMEM int32 [NT] each (p
             m_ref, l_ref, acc_ref,                     # VMEM f32 [Hkv, R, 1] x2, [Hkv, R, Qw]
             *, sm_scale: float, soft_cap: float | None, sliding_window: int | None,
             group_padded: int, pages_per_block: int, max_blocks_per_seq: int,
-            layer: int | None, half: int, kv_format: str | None = None):
+            layer: int | None, half: int, kv_format: str | None = None,
+            embedded: bool = False):
     tile = pl.program_id(0)
     num_kv_heads, rows, width = q_ref.shape
     block_size = kv_hbm.shape[-2]
@@ -133,7 +140,9 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # SMEM int32 [NT] each (p
             k = kv_buf[slot, :, pl.ds(first, width)]                       # [K, Qw]
             v = k if value_offset == 0 else kv_buf[
                 slot, :, pl.ds(pl.multiple_of(first + value_offset, KEY_ALIGN), width)]
-            if kv_format is not None:  # byte pages (kv_quant): their values, in q's dtype
+            if embedded:  # int8 with each token's scale codes in its value bytes
+                k, v = _token_scaled(k, v, value_offset == 0, half, q_ref.dtype)
+            elif kv_format is not None:  # byte pages (kv_quant): their values, in q's dtype
                 k, v = decode(k, kv_format, q_ref.dtype), decode(v, kv_format, q_ref.dtype)
             s = lax.dot_general(q_ref[h], k, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32) * sm_scale
@@ -158,6 +167,29 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref,  # SMEM int32 [NT] each (p
     lax.fori_loop(lo, hi, body, 0)
     l = l_ref[...]
     o_ref[...] = (acc_ref[...] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+
+
+def _token_scaled(k, v, shared: bool, half: int, dtype):
+    """A head's int8 key and value lanes uint8 [K, Qw] (one group holding both when
+    ``shared``: key in lanes ``0..half``, value after) -> their values in ``dtype``, each
+    token's row times its scale, whose codes ride in the parity of the value's first
+    ``2 * EMBEDDED_BITS`` bytes (``kv_token_scale.encode_embedded``)."""
+    first = half if shared else 0                       # the value's first lane in v
+    values = lax.bitcast_convert_type(v, jnp.int8).astype(jnp.int32)
+    lane = lax.broadcasted_iota(jnp.int32, values.shape, 1) - first
+    bits = kv_token_scale.EMBEDDED_BITS
+    weight = jnp.where((lane >= 0) & (lane < 2 * bits), 1 << (lane & (bits - 1)), 0)
+    carried = (values & 1) * weight
+    k_code = jnp.sum(jnp.where(lane < bits, carried, 0), axis=1, keepdims=True)   # [K, 1]
+    v_code = jnp.sum(jnp.where(lane < bits, 0, carried), axis=1, keepdims=True)
+    k_scale = kv_token_scale.token_scale_values_computed(k_code)                 # float32
+    v_scale = kv_token_scale.token_scale_values_computed(v_code)
+    if shared:  # one group: the key's lanes take the key's scale, the value's the value's
+        scale = jnp.where(lane < 0, k_scale, v_scale).astype(dtype)
+        k = decode(k, "int8", dtype) * scale
+        return k, k
+    return (decode(k, "int8", dtype) * k_scale.astype(dtype),
+            values.astype(dtype) * v_scale.astype(dtype))
 
 
 # Every head's lanes start on a multiple of this (its slot is 2 * Dh lanes, Dh 64 or a
@@ -185,7 +217,8 @@ def vmem_bytes(*, num_kv_heads: int, head_dim: int, rows: int, block_kv: int,
     double-buffered by the Pallas pipeline), the float32 accumulator ``[Hkv, rows, Qw]``,
     the row max and sum ``[Hkv, rows, 1]``, a few ``[rows, block_kv]`` float32
     temporaries of the body (logits, probabilities, masks) and a head's key and value
-    ``[block_kv, Qw]`` as float32 (masking, byte decoding).
+    ``[block_kv, Qw]`` as float32 (masking, byte decoding), and for byte pages two more
+    of those (an int8 page's scale codes summed out of its value bytes, ``_token_scaled``).
     """
     sublanes = 8 * (4 // itemsize)
     width = q_width(head_dim)
@@ -195,6 +228,8 @@ def vmem_bytes(*, num_kv_heads: int, head_dim: int, rows: int, block_kv: int,
     rows32 = _round_up(rows, 8)
     accumulators = num_kv_heads * rows32 * (width + 2 * LANES) * 4
     temporaries = 4 * rows32 * _round_up(block_kv, LANES) * 4 + 2 * block_kv * width * 4
+    if itemsize == 1:
+        temporaries += 2 * block_kv * width * 4
     return pages + tiles + accumulators + temporaries
 
 
@@ -261,9 +296,13 @@ def ragged_paged_attention_tpu(
     also fills outputs and scratch buffers with NaN before the kernel runs.
     ``vmem_limit_bytes``: Mosaic's scoped VMEM limit (None: its default, 16 MiB on
     v5e/v6e/v5p); the tiling is sized for ``VMEM_BUDGET`` either way.
-    ``kv_format``: the cache holds bytes of that format, converted as pages are used.
-    Split caches are fused first (a copy of them; see the module docstring).
+    ``kv_format``: the cache holds bytes of that format, converted as pages are used; a
+    fused int8 cache carries each token's scale codes in its value bytes
+    (``kv_token_scale.embedded``). Split caches are fused first (a copy of them; see the
+    module docstring), and an int8 one then reads with its per-channel scales only.
     """
+    embedded = kv_token_scale.embedded(kv_format, kv_layout.FUSED if v_cache is None
+                                       else kv_layout.SPLIT)
     if v_cache is not None:
         k_cache = kv_layout.fuse(k_cache, v_cache)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -293,7 +332,7 @@ def ragged_paged_attention_tpu(
         _kernel, sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window,
         group_padded=group_padded, pages_per_block=pages_per_block,
         max_blocks_per_seq=max_blocks, layer=layer, half=kv_layout.half_width(head_dim),
-        kv_format=kv_format)
+        kv_format=kv_format, embedded=embedded)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(

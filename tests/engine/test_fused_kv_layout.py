@@ -37,8 +37,9 @@ def _generate(path, **options):
     return llm, [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])  # not int8: its split cache
-# keeps a scale per token (kv_token_scale), its fused one per channel
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])  # not int8: its fused cache
+# rounds the 16 value bytes that carry the scale codes coarser (kv_token_scale), and a tiny
+# random model's nearly tied logits then pick other tokens: test_kv_cache_dtype checks it
 def test_fused_and_split_caches_give_the_same_tokens(kv_cache_dtype, tiny_checkpoints,
                                                      monkeypatch):
     path = tiny_checkpoints["qwen2"]

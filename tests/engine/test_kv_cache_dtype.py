@@ -50,6 +50,23 @@ def test_byte_cache_holds_4x_the_blocks_and_keeps_greedy_tokens(smollm2_path, fl
     assert sum(a[:8] == b[:8] for a, b in zip(ours, float_tokens)) >= 3, (ours, float_tokens)
 
 
+def test_fused_int8_cache_keeps_the_codes_in_its_rows(smollm2_path, float_run, monkeypatch):
+    """The TPU's fused layout (run here through the reference kernel): one uint8 array,
+    a quarter of float32's bytes (the scale codes ride in the value bytes' parity,
+    ``kv_token_scale.embedded``), nothing calibrated, SmolLM2's greedy tokens kept."""
+    monkeypatch.setenv("JAXPAGE_KV_LAYOUT", "fused")
+    float_stats, float_tokens = float_run
+    llm = LLM(smollm2_path, kv_cache_memory=MEMORY, kv_cache_dtype="int8", **ENGINE)
+    runner = llm.llm_engine.runner
+    assert len(runner.kv_cache) == 1 and runner.kv_cache[0].dtype == np.uint8
+    assert runner.kv_cache[0].shape[-1] == 3 * 2 * 64           # 3 KV heads' keys and values
+    assert (np.asarray(runner.params["kv_scale"]) == 1).all()   # per-token: no calibration
+    stats = llm.get_stats()
+    assert stats["kv_bytes_per_block"] == float_stats["kv_bytes_per_block"] // 4
+    ours = _tokens(llm, PROMPTS)
+    assert sum(a[:8] == b[:8] for a, b in zip(ours, float_tokens)) >= 3, (ours, float_tokens)
+
+
 def test_preemption_and_prefix_cache_with_int8_kv(tiny_checkpoints):
     prompts = ["a b c d e f g h i j k l m n o p q r s t u v w x y z " * 2] * 3 + ["hello"]
     roomy = LLM(tiny_checkpoints["llama"], kv_cache_dtype="int8", num_kv_blocks=128,

@@ -129,20 +129,21 @@ def test_the_fused_update_writes_what_the_split_update_writes(hkv, head_dim, dty
 
 @pytest.mark.parametrize("backend", ["reference", "tpu"])
 def test_write_and_attend_on_a_fused_byte_cache(backend):
-    """An int8 fused cache, one KV head of 128: written, then read back by attention."""
+    """An fp8 fused cache, one KV head of 128: written, then read back by attention (an
+    int8 one carries scale codes in its value bytes: test_kv_embedded_scale.py)."""
     require_backend(backend) if backend != "reference" else None
     rng = np.random.default_rng(7)
     layers, blocks, block_size, hq, hkv, d = 2, 10, 16, 4, 1, 128
     k, v = _caches(rng, layers, blocks, block_size, hkv, d, np.float32)
-    k8, v8 = encode(k, "int8"), encode(v, "int8")
-    k_new = encode(jnp.asarray(rng.normal(size=(3, hkv, d))), "int8")
-    v_new = encode(jnp.asarray(rng.normal(size=(3, hkv, d))), "int8")
+    k8, v8 = encode(k, "fp8_e4m3"), encode(v, "fp8_e4m3")
+    k_new = encode(jnp.asarray(rng.normal(size=(3, hkv, d))), "fp8_e4m3")
+    v_new = encode(jnp.asarray(rng.normal(size=(3, hkv, d))), "fp8_e4m3")
     q = jnp.asarray(rng.normal(size=(3, hq, d)), jnp.float32)
     args = (jnp.asarray([20, 37, -1], jnp.int32), )
     meta = (jnp.asarray([21, 38, 0], jnp.int32), jnp.asarray([[1, 2, 0], [4, 5, 6], [0, 0, 0]],
                                                                jnp.int32),
             jnp.asarray([0, 1, 2, 2], jnp.int32), jnp.asarray([2], jnp.int32))
-    kw = dict(layer=1, sm_scale=d ** -0.5, kv_format="int8")
+    kw = dict(layer=1, sm_scale=d ** -0.5, kv_format="fp8_e4m3")
     want, want_k, want_v = write_and_attend(q, k_new, v_new, *args, k8, v8, *meta,
                                             backend="reference", **kw)
     got, fused, none = write_and_attend(q, k_new, v_new, *args, kv_layout.fuse(k8, v8), None,

@@ -8,8 +8,9 @@ channel, times ``HEADROOM``, maps to the format's largest value. Values beyond i
 saturate. Keys have a few channels far larger than the rest (RoPE pairs), which a scale
 per channel absorbs; a scale per layer would give them all the code points.
 
-Not for an int8 cache in the split layout (CPUs, GPUs): that one stores a scale per token
-and KV head with the token (``pallas_kernels.kv_token_scale``) and calibrates nothing.
+Not for an int8 cache, in either layout: that one stores a scale per token and KV head
+with the token (``pallas_kernels.kv_token_scale``) and calibrates nothing. So this is the
+fp8 caches' (e4m3, e5m2).
 """
 
 from __future__ import annotations
