@@ -111,16 +111,20 @@ def _bits(codes: jax.Array) -> jax.Array:
     return (codes.astype(jnp.int32)[..., None] >> jnp.arange(EMBEDDED_BITS)) & 1
 
 
+def check_embeddable(head_dim: int) -> None:
+    """Raise ``ValueError`` unless a value of ``head_dim`` bytes can carry both codes."""
+    if head_dim < 2 * EMBEDDED_BITS:
+        raise ValueError(f"an int8 KV cache in the fused layout (TPUs) keeps its scale codes "
+                         f"in the values' first {2 * EMBEDDED_BITS} bytes: head_dim={head_dim} "
+                         f"is too small (use kv_cache_dtype='fp8')")
+
+
 def encode_embedded(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Rotated keys and values [T, Hkv, D] -> their bytes uint8 [T, Hkv, D] each, as the
     fused layout stores them: ``encode_per_token``'s, but the value's first
     ``2 * EMBEDDED_BITS`` codes hold the key's and the value's scale codes in their
     parity (each rounded to the nearest integer of the parity its bit asks for)."""
-    head_dim = v.shape[-1]
-    if head_dim < 2 * EMBEDDED_BITS:
-        raise ValueError(f"an int8 KV cache in the fused layout keeps its scale codes in "
-                         f"the values' first {2 * EMBEDDED_BITS} bytes: head_dim={head_dim} "
-                         f"is too small (use kv_cache_dtype='fp8', or the split layout)")
+    check_embeddable(v.shape[-1])
     k_bytes, k_codes = encode_per_token(k)
     v = v.astype(jnp.float32)
     v_codes = _codes(v)

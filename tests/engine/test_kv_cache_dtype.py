@@ -67,6 +67,13 @@ def test_fused_int8_cache_keeps_the_codes_in_its_rows(smollm2_path, float_run, m
     assert sum(a[:8] == b[:8] for a, b in zip(ours, float_tokens)) >= 3, (ours, float_tokens)
 
 
+def test_a_fused_int8_cache_needs_16_bytes_a_head(monkeypatch):
+    monkeypatch.setenv("JAXPAGE_KV_LAYOUT", "fused")
+    with pytest.raises(ValueError, match="head_dim=8 is too small"):
+        LLM("preset:tiny-llama", hf_overrides={"head_dim": 8}, kv_cache_dtype="int8",
+            **ENGINE)
+
+
 def test_preemption_and_prefix_cache_with_int8_kv(tiny_checkpoints):
     prompts = ["a b c d e f g h i j k l m n o p q r s t u v w x y z " * 2] * 3 + ["hello"]
     roomy = LLM(tiny_checkpoints["llama"], kv_cache_dtype="int8", num_kv_blocks=128,
