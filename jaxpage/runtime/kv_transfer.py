@@ -44,6 +44,8 @@ class TransferTicket:
     num_arrays: int = 2    # 2: split K and V; 1: fused rows (kv_layout); 4: split K and V,
     #                        then their per-token scale codes (int8, kv_token_scale), each
     #                        ``shape`` without its head dim
+    kv_format: str | None = None  # how the bytes of a byte cache read (kv_quant): uint8
+    #                        pages of "int8", "fp8_e4m3" and "fp8_e5m2" look alike
 
     def to_dict(self) -> dict:
         return dict(asdict(self), shape=list(self.shape))
@@ -55,14 +57,16 @@ class TransferTicket:
                          shape=tuple(int(x) for x in data["shape"]), dtype=str(data["dtype"]),
                          num_blocks=int(data["num_blocks"]),
                          kv_shards=int(data.get("kv_shards", 1)),
-                         num_arrays=int(data.get("num_arrays", 2)))
+                         num_arrays=int(data.get("num_arrays", 2)),
+                         kv_format=data.get("kv_format"))
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"kv_transfer_params={data!r} is not a KV transfer ticket "
                              f"({error})") from None
         if (ticket.num_arrays not in (1, 2, 4)
                 or len(ticket.shape) != 3 + min(ticket.num_arrays, 2)
                 or not 0 < ticket.num_blocks <= ticket.shape[1]
-                or ticket.kv_shards < 1):
+                or ticket.kv_shards < 1
+                or not (ticket.kv_format is None or isinstance(ticket.kv_format, str))):
             raise ValueError(f"kv_transfer_params={data!r} has an invalid shape, block count "
                              "or shard count")
         return ticket
@@ -78,12 +82,13 @@ class KVTransfer:
 
     def __init__(self, device: jax.Device, host: str = "127.0.0.1",
                  kv_sharding: jax.sharding.Sharding | None = None,
-                 max_age_s: float = 60.0) -> None:
+                 max_age_s: float = 60.0, kv_format: str | None = None) -> None:
         from jax.experimental import transfer
 
         self.device = device
         self.sharding = kv_sharding or jax.sharding.SingleDeviceSharding(device)
         self.kv_shards = len(self.sharding.device_set)
+        self.kv_format = kv_format  # the cache's byte format (None: model-dtype pages)
         self.server = transfer.start_transfer_server(device.client, f"{host}:0", [f"{host}:0"])
         self.address = self.server.address()
         # Ids unique across processes that may offer to the same puller.
@@ -113,7 +118,7 @@ class KVTransfer:
         self.server.await_pull(uuid, pages)
         self.num_exported += 1
         ticket = TransferTicket(self.address, uuid, tuple(pages[0].shape), str(pages[0].dtype),
-                                len(block_ids), self.kv_shards, len(pages))
+                                len(block_ids), self.kv_shards, len(pages), self.kv_format)
         with self._lock:
             self._offered[uuid] = (ticket, time.monotonic())
         return ticket

@@ -66,14 +66,15 @@ class ModelRunner:
         self.params = nnx.to_pure_dict(self.state)
         self.dtype = loaded.model.final_norm[...].dtype
         # a byte KV cache (int8 / fp8, pallas_kernels.kv_quant) is uint8 whatever its format
-        dtype = np.uint8 if getattr(loaded, "kv_format", None) else self.dtype
+        self.kv_format = getattr(loaded, "kv_format", None)
+        dtype = np.uint8 if self.kv_format else self.dtype
         if layout is None:
             devices = (jax.devices() if loaded.mesh is None else loaded.mesh.devices.flat)
             layout = kv_layout.for_platform(devices[0].platform)
         self.kv_layout = layout
         self.kv_cache = allocate_kv_cache(
             self.arch, num_blocks, block_size, dtype, self.placement.kv_sharding, layout,
-            kv_token_scale.applies(getattr(loaded, "kv_format", None), layout))
+            kv_token_scale.applies(self.kv_format, layout))
         self.host_pool = block_ops.HostKVPool(
             num_host_blocks, [(c.shape[0],) + c.shape[2:] for c in self.kv_cache],
             np.dtype(dtype))

@@ -41,4 +41,4 @@ def add_kv_routes(app: FastAPI, engine, errors: dict) -> None:
                 "layout": runner.kv_layout,
                 "num_layers": first.shape[0], "block_size": first.shape[2],
                 "kv_heads": runner.run_arch.num_kv_heads, "head_dim": runner.run_arch.head_dim,
-                "dtype": str(first.dtype)}
+                "dtype": str(first.dtype), "kv_format": runner.kv_format}

@@ -207,7 +207,7 @@ def _round_up(x: int, multiple: int) -> int:
 
 
 def vmem_bytes(*, num_kv_heads: int, head_dim: int, rows: int, block_kv: int,
-               itemsize: int) -> int:
+               itemsize: int, embedded: bool = False) -> int:
     """VMEM the kernel needs for one grid step, counted with TPU tile padding.
 
     A VMEM array's last two dimensions are stored in (sublane, 128-lane) tiles: the
@@ -217,8 +217,9 @@ def vmem_bytes(*, num_kv_heads: int, head_dim: int, rows: int, block_kv: int,
     double-buffered by the Pallas pipeline), the float32 accumulator ``[Hkv, rows, Qw]``,
     the row max and sum ``[Hkv, rows, 1]``, a few ``[rows, block_kv]`` float32
     temporaries of the body (logits, probabilities, masks) and a head's key and value
-    ``[block_kv, Qw]`` as float32 (masking, byte decoding), and for byte pages two more
-    of those (an int8 page's scale codes summed out of its value bytes, ``_token_scaled``).
+    ``[block_kv, Qw]`` as float32 (masking, byte decoding), and with ``embedded`` two
+    more of those (an int8 page's scale codes summed out of its value bytes,
+    ``_token_scaled``).
     """
     sublanes = 8 * (4 // itemsize)
     width = q_width(head_dim)
@@ -228,7 +229,7 @@ def vmem_bytes(*, num_kv_heads: int, head_dim: int, rows: int, block_kv: int,
     rows32 = _round_up(rows, 8)
     accumulators = num_kv_heads * rows32 * (width + 2 * LANES) * 4
     temporaries = 4 * rows32 * _round_up(block_kv, LANES) * 4 + 2 * block_kv * width * 4
-    if itemsize == 1:
+    if embedded:
         temporaries += 2 * block_kv * width * 4
     return pages + tiles + accumulators + temporaries
 
@@ -236,7 +237,8 @@ def vmem_bytes(*, num_kv_heads: int, head_dim: int, rows: int, block_kv: int,
 def choose_blocks(*, num_tokens: int, max_num_seqs: int, group: int, block_size: int,
                   max_blocks_per_seq: int, num_kv_heads: int = 1, head_dim: int = 128,
                   itemsize: int = 4, block_q: int | None = None,
-                  block_kv: int | None = None) -> tuple[int, int, int]:
+                  block_kv: int | None = None, embedded: bool = False
+                  ) -> tuple[int, int, int]:
     """Static tiling: (block_q, group_padded, pages_per_block).
 
     Defaults: 8 query rows per kv head for decode-shaped batches, 128 for prefill-shaped
@@ -257,7 +259,7 @@ def choose_blocks(*, num_tokens: int, max_num_seqs: int, group: int, block_size:
     def fits() -> bool:
         return vmem_bytes(num_kv_heads=num_kv_heads, head_dim=head_dim,
                           rows=block_q * group_padded, block_kv=pages_per_block * block_size,
-                          itemsize=itemsize) <= VMEM_BUDGET
+                          itemsize=itemsize, embedded=embedded) <= VMEM_BUDGET
 
     while not fits():
         rows = block_q * group_padded
@@ -314,7 +316,8 @@ def ragged_paged_attention_tpu(
     block_q, group_padded, pages_per_block = choose_blocks(
         num_tokens=num_tokens, max_num_seqs=max_num_seqs, group=group,
         block_size=block_size, max_blocks_per_seq=max_blocks, num_kv_heads=num_kv_heads,
-        head_dim=head_dim, itemsize=itemsize, block_q=block_q, block_kv=block_kv)
+        head_dim=head_dim, itemsize=itemsize, block_q=block_q, block_kv=block_kv,
+        embedded=embedded)
     num_tiles = tiling.num_tiles_for(num_tokens, max_num_seqs, block_q)
     rows = block_q * group_padded
     block_kv = pages_per_block * block_size

@@ -53,6 +53,12 @@ def test_codes_ride_in_the_values_parity_and_come_back(head_dim):
     assert (err[..., :CARRIERS][inside] <= 1.0001).all()    # the carriers: one step
     assert (err[..., CARRIERS:][inside] <= 0.5001).all()    # the rest: half a step
     assert err[..., :CARRIERS][inside].mean() > 0.3          # (they do round coarser)
+    # the saturating head: its carriers clip to the ends of int8 too (not wrapped around)
+    codes_at = np.asarray(decode(v_bytes, "int8"))[1, 1]
+    big = np.asarray(v)[1, 1] / scale[1, 1]
+    assert codes_at[5] >= 126 and np.all(np.abs(codes_at) <= 128)
+    np.testing.assert_array_less(np.abs(codes_at[:CARRIERS] - np.clip(big[:CARRIERS], -128, 127)),
+                                 1.0001)
 
 
 def test_too_small_a_head_is_refused():
@@ -84,11 +90,13 @@ def _close(got, want, n):
                                atol=2e-5 * float(np.abs(want).max()))
 
 
-@pytest.mark.parametrize("head_dim,num_kv_heads", [(64, 2), (128, 1), (256, 2)])
+@pytest.mark.parametrize("head_dim,num_kv_heads", [(64, 2), (32, 3), (128, 1), (96, 2),
+                                                   (256, 2)])
 @pytest.mark.parametrize("backend", ["reference", "tpu"])
 def test_attention_over_embedded_bytes_equals_attention_over_their_values(
         head_dim, num_kv_heads, backend):
-    """head_dim 64: key and value share one 128-lane group; 128 and 256: their own."""
+    """head_dim 64 and 32: key and value share one 128-lane group (32: each padded to 64
+    lanes); 128, 96 (padded to 128) and 256: their own lanes."""
     if backend != "reference":
         require_backend(backend)
     case, q, fused, split, codes, values, rest = _embedded_case(0, head_dim, num_kv_heads)

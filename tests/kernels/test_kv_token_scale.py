@@ -3,8 +3,9 @@ scale each token needs, and every backend reads bytes x their token's scale.
 
 Attention over token-scaled bytes must equal attention over the float values they stand
 for, for the reference, the C++ CPU kernel (read-only and write-and-attend, which also
-writes the codes) and the Pallas GPU kernel in interpret mode; the TPU's fused rows keep
-no token scales, so its backend falls back to the reference for them.
+writes the codes) and the Pallas GPU kernel in interpret mode; the TPU backend falls back
+to the reference for split caches with token scales (its fused int8 rows carry their
+codes in the value bytes: test_kv_embedded_scale.py).
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ def start_kv_transfer(role: str | None, runner: Any, parallel: Any,
     sharding = runner.kv_cache[0].sharding if runner.placement.mesh is not None else None
     # an offered ticket nobody settles is released after twice the pull deadline
     return KVTransfer(next(iter(runner.kv_cache[0].devices())), kv_sharding=sharding,
-                      max_age_s=2 * timeout_s)
+                      max_age_s=2 * timeout_s, kv_format=runner.kv_format)
 
 
 def check_request(role: str | None, params: dict | None,
@@ -83,6 +83,11 @@ def check_request(role: str | None, params: dict | None,
                          f"heads over {ticket.kv_shards} device(s), this decode instance over "
                          f"{transfer.kv_shards}: start both with the same "
                          "tensor_parallel_size")
+    if transfer is not None and ticket.kv_format != transfer.kv_format:
+        raise ValueError(f"kv_transfer_params come from a prefill instance whose KV cache "
+                         f"holds {ticket.kv_format or 'model-dtype'} pages, this decode "
+                         f"instance's {transfer.kv_format or 'model-dtype'} ones: start both "
+                         "with the same kv_cache_dtype")
     return ticket
 
 
