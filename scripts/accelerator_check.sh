@@ -20,7 +20,8 @@
 #                     64 x (1,024 + 128) run split into prefill (against the FLOP bound) and
 #                     decode (weights + KV at the copy bandwidth), batch-1 decode against the
 #                     weights floor, the device-idle fraction for greedy and top-p rows, and a
-#                     jax.profiler trace's device time by kernel;
+#                     jax.profiler trace's device time by kernel, and a batch-1 trace's
+#                     kernels per token, device-busy fraction and launch gaps;
 #   startup           issue [16]: LLM("preset:llama3-8b", dtype="bfloat16") to its first token,
 #                     cold (empty cache) and warm (scripts/bench_startup.py), then
 #                     bench_throughput.py's 64 x (1,024 + 128) random run started cold

@@ -103,19 +103,59 @@ def decode_bound_s(weight_bytes: int, kv_per_token: int, seqs: int, input_len: i
     return total
 
 
-def trace_summary(trace_dir: Path, top: int = 12) -> dict:
-    """Device time by kernel name in the Perfetto trace ``jax.profiler`` wrote (the events
-    of the processes named for a GPU / TPU device), the ``top`` largest."""
+def device_timeline(events: list, device_pids: set) -> dict:
+    """When the device ran kernels, from a Perfetto trace's events: the kernels (complete
+    events of the device processes' stream threads; every device thread when none is
+    named ``Stream...``), the span from the first kernel's start to the last one's end,
+    the time at least one kernel ran (the union of their intervals, so streams that
+    overlap count once), and the idle gaps between them. A step slower than its bound
+    with the device busy most of the span is slow kernels; one with many short gaps is
+    launches (each kernel's fixed cost), which fewer, larger kernels or CUDA graphs cut."""
+    names = {(e.get("pid"), e.get("tid")): str(e.get("args", {}).get("name", ""))
+             for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    on_device = [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids]
+    streams = [e for e in on_device
+               if names.get((e.get("pid"), e.get("tid")), "").startswith("Stream")]
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+                   for e in (streams or on_device))
+    if not spans:
+        return {}
+    busy, gaps, end = 0.0, [], spans[0][0]
+    for start, stop in spans:
+        if start > end:
+            gaps.append(start - end)
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    span = end - spans[0][0]
+    return dict(kernels=len(spans), span_s=span / 1e6, busy_s=busy / 1e6,
+                busy_fraction=busy / span if span else None, gaps=len(gaps),
+                gap_s=sum(gaps) / 1e6, mean_gap_us=sum(gaps) / len(gaps) if gaps else 0.0)
+
+
+def _device_pids(events: list) -> set:
+    return {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") ==
+            "process_name" and any(k in str(e.get("args", {}).get("name", ""))
+                                   for k in ("GPU", "TPU", "/device:"))}
+
+
+def _trace_events(trace_dir: Path) -> list | None:
     import gzip
 
     files = sorted(trace_dir.rglob("*.trace.json.gz"))
     if not files:
-        return {}
+        return None
     trace = json.loads(gzip.open(files[-1]).read())
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    device_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") ==
-                   "process_name" and any(k in str(e.get("args", {}).get("name", ""))
-                                          for k in ("GPU", "TPU", "/device:"))}
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def trace_summary(trace_dir: Path, top: int = 12) -> dict:
+    """Device time by kernel name in the Perfetto trace ``jax.profiler`` wrote (the events
+    of the processes named for a GPU / TPU device), the ``top`` largest."""
+    files = sorted(trace_dir.rglob("*.trace.json.gz"))
+    events = _trace_events(trace_dir)
+    if events is None:
+        return {}
+    device_pids = _device_pids(events)
     by_name: dict[str, float] = {}
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in device_pids:
@@ -124,7 +164,8 @@ def trace_summary(trace_dir: Path, top: int = 12) -> dict:
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
     return dict(file=str(files[-1]), device_s=total,
                 kernels=[dict(name=n[:120], s=t, fraction=t / total if total else 0.0)
-                         for n, t in ranked])
+                         for n, t in ranked],
+                timeline=device_timeline(events, device_pids))
 
 
 def run(llm, prompts, output_len: int, top_p: float | None = None) -> dict:
@@ -235,8 +276,23 @@ def main(argv=None) -> int:
     if args.trace_dir:
         try:
             with jax.profiler.trace(str(args.trace_dir)):
-                run(llm, prompts[:8], 16)
+                run(llm, prompts[:8], min(16, args.output_len))
             result["trace"] = trace_summary(args.trace_dir)
+            if args.batch1_output:  # batch 1 alone: are its steps kernels, or launches?
+                one_dir = args.trace_dir / "batch1"
+                with jax.profiler.trace(str(one_dir)):
+                    run(llm, prompts[:1], args.batch1_output)
+                result["trace_batch1"] = summary = trace_summary(one_dir)
+                timeline = summary.get("timeline") or {}
+                if timeline:
+                    timeline["kernels_per_output_token"] = (timeline["kernels"]
+                                                            / args.batch1_output)
+                    print(f"batch 1 traced: {timeline['kernels']} kernels "
+                          f"({timeline['kernels_per_output_token']:.0f} an output token, "
+                          f"the prompt's step included), device busy "
+                          f"{100 * (timeline['busy_fraction'] or 0):.1f}% of their span, "
+                          f"{timeline['gaps']} gaps of {timeline['mean_gap_us']:.1f} us on "
+                          f"average", flush=True)
         except Exception as error:  # noqa: BLE001 - the trace is extra
             result["trace_error"] = f"{type(error).__name__}: {error}"
         save()
