@@ -57,3 +57,23 @@ def test_prequantized_checkpoint_tp_1_2(fixture, tmp_path):
         if f"layers/0/q_proj/{part}" in report:
             entry = report[f"layers/0/q_proj/{part}"]
             assert all(s == entry["shape"] for _, s in entry["shards"])  # whole on each
+
+
+@pytest.mark.slow
+def test_fused_int8_kv_tp_1_2(tmp_path, smollm2_tokenizer, tp_prompts, monkeypatch):
+    """The TPU's fused layout (``JAXPAGE_KV_LAYOUT``), int8: each device holds whole head
+    slots of the one cache array, their scale codes inside their value bytes
+    (``kv_token_scale.embedded``), so splitting the heads changes no token."""
+    from tests.reference import make_tiny_checkpoint
+
+    monkeypatch.setenv("JAXPAGE_KV_LAYOUT", "fused")   # the workers inherit it
+    model = make_tiny_checkpoint("llama", str(tmp_path / "llama"), smollm2_tokenizer, seed=13,
+                                 hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
+                                 num_hidden_layers=2)   # head_dim 16: the codes' 16 bytes
+    result = run_worker("tensor_parallel", dict(
+        model=model, tp_sizes=[1, 2], prompts=tp_prompts[:4], max_tokens=8,
+        engine={**ENGINE, "kv_cache_dtype": "int8"}))
+    assert result["2"]["tokens"] == result["1"]["tokens"]
+    kv = result["2"]["shards"]["kv_cache"]
+    assert len(kv["shape"]) == 4                                   # [L, N, B, W]: fused
+    assert all(s[3] == kv["shape"][3] // 2 for _, s in kv["shards"])
