@@ -8,15 +8,18 @@ next token equals float32's), the mean per-token KL divergence KL(float32 || opt
 the next-token distribution, and perplexity; then greedy continuations of 16 prompts
 compared with float32's (how many agree on their first 16 tokens).
 
-    python scripts/bench_quantization_quality.py [--options int8,int4,gguf,kv_int8,kv_fp8]
+    python scripts/bench_quantization_quality.py [--options int8,int4,gguf,kv_int8,kv_int8:fused,kv_fp8]
 
-(``kv_X``: float32 weights with ``kv_cache_dtype="X"``; ``int8@32``: int8 with
+(``kv_X``: float32 weights with ``kv_cache_dtype="X"``; ``kv_X:fused``: the same in the
+TPU's fused KV layout, run here through the reference kernel (``JAXPAGE_KV_LAYOUT``; an
+int8 cache there carries its scale codes in its value bytes); ``int8@32``: int8 with
 ``quantization_group_size=32``.)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import glob
 import json
@@ -59,15 +62,41 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 def evaluate(option: str | None, windows: list[list[int]], reference: list[np.ndarray] | None,
              engine: dict) -> dict:
-    from jaxpage import LLM, SamplingParams
+    from jaxpage import LLM
 
     start = time.perf_counter()
     if option is not None and option.startswith("kv_"):  # a byte KV cache, float weights
-        llm = LLM(kv_cache_dtype=option[3:], **engine)
-    else:
-        mode, _, group = (option or "").partition("@")
-        llm = LLM(quantization=mode or None,
-                  quantization_group_size=int(group) if group else None, **engine)
+        kv_dtype, _, layout = option[3:].partition(":")
+        with kv_layout_for(layout or None):
+            return _measure(option, LLM(kv_cache_dtype=kv_dtype, **engine), windows,
+                            reference, start)
+    mode, _, group = (option or "").partition("@")
+    llm = LLM(quantization=mode or None,
+              quantization_group_size=int(group) if group else None, **engine)
+    return _measure(option, llm, windows, reference, start)
+
+
+@contextlib.contextmanager
+def kv_layout_for(layout: str | None):
+    """``JAXPAGE_KV_LAYOUT=layout`` while an option is built and measured (None: as is)."""
+    if layout is None:
+        yield
+        return
+    before = os.environ.get("JAXPAGE_KV_LAYOUT")
+    os.environ["JAXPAGE_KV_LAYOUT"] = layout
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("JAXPAGE_KV_LAYOUT")
+        else:
+            os.environ["JAXPAGE_KV_LAYOUT"] = before
+
+
+def _measure(option: str | None, llm, windows: list[list[int]],
+             reference: list[np.ndarray] | None, start: float) -> dict:
+    from jaxpage import SamplingParams
+
     stats = llm.get_stats()
     nll, kl, count, agree = 0.0, 0.0, 0, 0
     logprobs_out = []
@@ -94,7 +123,8 @@ def evaluate(option: str | None, windows: list[list[int]], reference: list[np.nd
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--options", default="int8,int4,gguf,kv_int8,kv_fp8,kv_fp8_e5m2")
+    parser.add_argument("--options",
+                        default="int8,int4,gguf,kv_int8,kv_int8:fused,kv_fp8,kv_fp8_e5m2")
     parser.add_argument("--corpus", default=DEFAULT_CORPUS)
     parser.add_argument("--reference", default=None,
                         help="an .npz to keep float32's results in (reused when it exists: "
