@@ -119,6 +119,13 @@ def check_embeddable(head_dim: int) -> None:
                          f"is too small (use kv_cache_dtype='fp8')")
 
 
+def check_cache(kv_format: str | None, layout: str, head_dim: int) -> None:
+    """Raise ``ValueError`` when a cache of ``kv_format`` in ``layout`` cannot be built
+    for ``head_dim`` (an embedded int8 cache needs ``check_embeddable``'s bytes)."""
+    if embedded(kv_format, layout):
+        check_embeddable(head_dim)
+
+
 def encode_embedded(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Rotated keys and values [T, Hkv, D] -> their bytes uint8 [T, Hkv, D] each, as the
     fused layout stores them: ``encode_per_token``'s, but the value's first

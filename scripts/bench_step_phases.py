@@ -138,23 +138,24 @@ def _device_pids(events: list) -> set:
                                    for k in ("GPU", "TPU", "/device:"))}
 
 
-def _trace_events(trace_dir: Path) -> list | None:
+def _trace_events(trace_dir: Path) -> tuple[Path, list] | None:
+    """(the newest Perfetto trace file under ``trace_dir``, its events), or None."""
     import gzip
 
     files = sorted(trace_dir.rglob("*.trace.json.gz"))
     if not files:
         return None
     trace = json.loads(gzip.open(files[-1]).read())
-    return trace["traceEvents"] if isinstance(trace, dict) else trace
+    return files[-1], trace["traceEvents"] if isinstance(trace, dict) else trace
 
 
 def trace_summary(trace_dir: Path, top: int = 12) -> dict:
     """Device time by kernel name in the Perfetto trace ``jax.profiler`` wrote (the events
     of the processes named for a GPU / TPU device), the ``top`` largest."""
-    files = sorted(trace_dir.rglob("*.trace.json.gz"))
-    events = _trace_events(trace_dir)
-    if events is None:
+    found = _trace_events(trace_dir)
+    if found is None:
         return {}
+    path, events = found
     device_pids = _device_pids(events)
     by_name: dict[str, float] = {}
     for e in events:
@@ -162,7 +163,7 @@ def trace_summary(trace_dir: Path, top: int = 12) -> dict:
             by_name[e["name"]] = by_name.get(e["name"], 0.0) + float(e.get("dur", 0)) / 1e6
     total = sum(by_name.values())
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
-    return dict(file=str(files[-1]), device_s=total,
+    return dict(file=str(path), device_s=total,
                 kernels=[dict(name=n[:120], s=t, fraction=t / total if total else 0.0)
                          for n, t in ranked],
                 timeline=device_timeline(events, device_pids))

@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         kv_cache_dtype=args.kv_cache_dtype)
     engine = AbstractEngine(config, target_devices(args.target), num_kv_blocks=1024)
     shape = engine.builder.decode_shapes()[0]                   # the smallest decode bucket
-    program = engine.program(engine._key("decode", shape, False))
+    program = engine.decode_program(shape)
     text = engine.compile(program).as_text()
     comps = computations(text)
     bodies = [b for b in loop_bodies(text) if b in comps]

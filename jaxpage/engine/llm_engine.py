@@ -136,8 +136,7 @@ class LLMEngine(LoRAAdapters, kv_handoff.KVHandoff):
         # what the KV cache holds: the model dtype, or bytes (int8 / fp8 KV)
         dtype = np.uint8 if cc.kv_format else loaded.model.final_norm[...].dtype
         token_scales = kv_token_scale.applies(cc.kv_format, layout)
-        if kv_token_scale.embedded(cc.kv_format, layout):
-            kv_token_scale.check_embeddable(self.arch.head_dim)
+        kv_token_scale.check_cache(cc.kv_format, layout, self.arch.head_dim)
         if cc.kv_format and not kv_token_scale.per_token(cc.kv_format):  # per-token
             # scales (int8, in every layout) need no calibration
             calibrate_kv_scales(loaded.model, cc.kv_format, tokenizer.result(),

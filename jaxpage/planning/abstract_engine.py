@@ -137,8 +137,7 @@ class AbstractEngine:
         self.kv_dtype = jnp.uint8 if cc.kv_format else self.dtype
         self.kv_layout = kv_layout.for_platform(self.platform)  # fused rows on TPUs
         self.token_scales = kv_token_scale.applies(cc.kv_format, self.kv_layout)
-        if kv_token_scale.embedded(cc.kv_format, self.kv_layout):
-            kv_token_scale.check_embeddable(self.arch.head_dim)
+        kv_token_scale.check_cache(cc.kv_format, self.kv_layout, self.arch.head_dim)
         limit = self.arch.max_position_embeddings
         if mc.max_model_len is not None and mc.max_model_len > limit:
             raise ValueError(f"max_model_len={mc.max_model_len} exceeds the model's context "

@@ -67,8 +67,8 @@ class TransferTicket:
                 or not 0 < ticket.num_blocks <= ticket.shape[1]
                 or ticket.kv_shards < 1
                 or not (ticket.kv_format is None or isinstance(ticket.kv_format, str))):
-            raise ValueError(f"kv_transfer_params={data!r} has an invalid shape, block count "
-                             "or shard count")
+            raise ValueError(f"kv_transfer_params={data!r} has an invalid shape, block count, "
+                             "shard count or byte format")
         return ticket
 
 
