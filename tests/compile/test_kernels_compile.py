@@ -55,6 +55,19 @@ BATCHES = {"decode": (64, 64), "prefill": (512, 8)}  # (tokens, sequences)
 # tests/kernels/test_attention_kernels.py::test_gpu_tuning_table_is_read).
 
 
+TPU_TARGETS = [t for t in TARGETS if t[0] == "v"]
+GPU_TARGETS = [t for t in TARGETS if t[0] != "v"]
+
+
+def _in_default_suite(target: str, family_index: int) -> bool:
+    """The default suite compiles every family for one TPU and one GPU target, rotating
+    over the generations (every target keeps some families); the whole matrix runs with
+    the slow cases (``make test-all``)."""
+    if target in TPU_TARGETS:  # (2 x index: the block sizes rotate too, not only b16)
+        return TPU_TARGETS[2 * family_index % len(TPU_TARGETS)] == target
+    return GPU_TARGETS[family_index % len(GPU_TARGETS)] == target
+
+
 def _cases():
     for ti, target in enumerate(TARGETS):
         for fi, family in enumerate(FAMILIES):
@@ -63,8 +76,9 @@ def _cases():
             case_id = f"{target}-{family}-{dtype}-b{block_size}"
             # float32 on a GPU compiles for 10-40 s a case (bf16 is the GPU's dtype): one
             # stays in the default suite, the rest run with the slow ones
-            slow = (target in ("h100", "a100") and dtype == "f32"
-                    and case_id != "a100-llama3_8b_tp8-f32-b64")
+            slow = not _in_default_suite(target, fi) or (
+                target in GPU_TARGETS and dtype == "f32"
+                and case_id != "a100-llama3_8b_tp8-f32-b64")
             yield pytest.param(target, family, dtype, block_size, id=case_id,
                                marks=[pytest.mark.slow] if slow else [])
 

@@ -37,9 +37,10 @@ def _generate(path, **options):
     return llm, [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])  # not int8: its fused cache
-# rounds the 16 value bytes that carry the scale codes coarser (kv_token_scale), and a tiny
-# random model's nearly tied logits then pick other tokens: test_kv_cache_dtype checks it
+# fp8 with the slow cases (~20 s each on 2 cores). Not int8: its fused cache rounds the 16
+# value bytes that carry the scale codes coarser (kv_token_scale), and a tiny random
+# model's nearly tied logits then pick other tokens: test_kv_cache_dtype checks it
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", pytest.param("fp8", marks=pytest.mark.slow)])
 def test_fused_and_split_caches_give_the_same_tokens(kv_cache_dtype, tiny_checkpoints,
                                                      monkeypatch):
     path = tiny_checkpoints["qwen2"]

@@ -181,6 +181,8 @@ def test_qwen2_ngram_matches_plain(tiny_checkpoints):
     assert outcomes(spec, prompts, params) == outcomes(plain, prompts, params)
 
 
+@pytest.mark.slow  # ~45 s on 2 cores; sampled rows equal plain decoding in the default suite
+# (test_every_accept_length_gives_the_plain_tokens at temperature 1)
 def test_seeded_samples_are_the_plain_samples_seed_for_seed(llama_engines):
     """128 seeded requests, temperature 1 and top-p 0.8, proposals of every accept length:
     the first tokens of each are those of plain decoding with the same seed. Equal draws

@@ -192,6 +192,9 @@ class _State:
         self.consumed = 0
 
 
+RANDOM_MASK_STEPS = 120  # tokens a request; 7 masked requests and one free row a step
+
+
 def test_random_masks_are_never_violated(llm, monkeypatch):
     engine = llm.llm_engine
     grammars = engine.grammars
@@ -212,8 +215,8 @@ def test_random_masks_are_never_violated(llm, monkeypatch):
         return mask
 
     monkeypatch.setattr(grammars, "fill_masks", fill_masks)
-    params = [SamplingParams(max_tokens=240, ignore_eos=True, temperature=t, top_k=k, top_p=p,
-                             min_p=m, seed=i, presence_penalty=pp)
+    params = [SamplingParams(max_tokens=RANDOM_MASK_STEPS, ignore_eos=True, temperature=t,
+                             top_k=k, top_p=p, min_p=m, seed=i, presence_penalty=pp)
               for i, (t, k, p, m, pp) in enumerate([
                   (0.0, -1, 1.0, 0.0, 0.0), (1.0, -1, 1.0, 0.0, 0.0), (0.7, 50, 1.0, 0.0, 0.5),
                   (1.3, -1, 0.9, 0.0, 0.0), (1.0, 5, 0.5, 0.0, 0.0), (0.0, -1, 1.0, 0.0, 1.0),
@@ -225,7 +228,8 @@ def test_random_masks_are_never_violated(llm, monkeypatch):
         requests[id(request.grammar)] = request
         made.append(request)
     free = engine.make_request("free", {"prompt_token_ids": [9, 9, 9]},
-                               SamplingParams(max_tokens=240, ignore_eos=True, temperature=1.0))
+                               SamplingParams(max_tokens=RANDOM_MASK_STEPS, ignore_eos=True,
+                                              temperature=1.0))
     for request in made + [free]:
         engine.add_validated_request(request)
     while engine.has_unfinished_requests():
@@ -233,8 +237,8 @@ def test_random_masks_are_never_violated(llm, monkeypatch):
     checked = 0
     for request in made:
         tokens = request.output_token_ids
-        assert len(tokens) == 240
+        assert len(tokens) == RANDOM_MASK_STEPS
         for k, token in enumerate(tokens):
             assert request.grammar.matcher.masks[k][token], (request.request_id, k, token)
             checked += 1
-    assert checked == 7 * 240
+    assert checked == 7 * RANDOM_MASK_STEPS

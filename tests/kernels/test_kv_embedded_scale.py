@@ -90,8 +90,9 @@ def _close(got, want, n):
                                atol=2e-5 * float(np.abs(want).max()))
 
 
-@pytest.mark.parametrize("head_dim,num_kv_heads", [(64, 2), (32, 3), (128, 1), (96, 2),
-                                                   (256, 2)])
+@pytest.mark.parametrize("head_dim,num_kv_heads", [
+    (64, 2), (128, 1), (96, 2),  # (32 and 256: with the slow cases)
+    pytest.param(32, 3, marks=pytest.mark.slow), pytest.param(256, 2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("backend", ["reference", "tpu"])
 def test_attention_over_embedded_bytes_equals_attention_over_their_values(
         head_dim, num_kv_heads, backend):

@@ -2,10 +2,14 @@
 same greedy tokens at 1, 2 and 4 devices. The tiny Llama has 2 KV heads, so at 4 devices
 its K/V projections (and the adapters' K/V outputs) are repeated per device."""
 
+import pytest
+
 from tests.parallel.helpers import ENGINE, run_worker
 from tests.reference import make_lora_adapter
 
 
+@pytest.mark.slow  # ~35 s on 2 cores (three worker processes); LoRA alone and TP alone are
+# in the default suite
 def test_lora_tp_1_2_4_token_identical(tiny_checkpoints, tmp_path, tp_prompts):
     base = tiny_checkpoints["llama"]
     every = make_lora_adapter(base, str(tmp_path / "every"), rank=8, alpha=16, seed=21)

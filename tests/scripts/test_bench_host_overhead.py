@@ -1,6 +1,8 @@
 """Host work per step does not grow with the number of waiting requests (a regression
 guard, not a timing claim: the margin is generous), and bench_host_overhead reports it."""
 
+import pytest
+
 import bench_host_overhead
 
 
@@ -23,6 +25,7 @@ def test_ten_thousand_waiting_cost_no_more_host_time_than_none(tmp_path):
     assert engine.num_used_blocks() == 0
 
 
+@pytest.mark.slow  # ~40 s on 2 cores: the whole script; the cost rows are checked above
 def test_the_script_writes_its_table(tmp_path):
     payload = bench_host_overhead.main(["--running", "4,8", "--waiting", "0,20", "--steps",
                                         "1,4", "--calls", "8", "--repeats", "2",

@@ -52,6 +52,10 @@ def test_the_script_runs_on_the_cpu_and_writes_its_json(tmp_path):
         "--num-scheduler-steps", "2", "--batch1-output", "4", "--top-p", "0",
         "--trace-dir", str(tmp_path / "trace"), "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["batch1_ms_per_token"] > 0 and result["decode_s"] > 0
+    # decode_s and batch 1's time a token are differences of two wall times: on a CPU's tiny
+    # model they are noise around zero (CI once saw decode_s = -0.0003 s), so only that they
+    # were measured is asserted, with the bounds they are compared to.
+    assert all(isinstance(result[k], float) for k in ("decode_s", "batch1_ms_per_token"))
+    assert result["decode_bound_s"] > 0 and result["prefill"]["wall_s"] > 0
     assert "trace_error" not in result, result.get("trace_error")
     assert result["trace"].get("timeline", {}) == {}     # the CPU: no device process

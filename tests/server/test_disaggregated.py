@@ -481,6 +481,7 @@ def test_a_full_decode_instance_is_waited_for_or_answers_503_never_drops(cluster
         decode.wait(20)
 
 
+@pytest.mark.slow  # ~35 s on 2 cores: three server processes; 1P1D runs in the default suite
 def test_serve_disaggregated_2p1d_spreads_prompts_over_both_prefill_instances(cluster,
                                                                              tiny_checkpoints):
     """``jaxpage serve --disaggregated 2P1D``: two prefill and one decode instance started
