@@ -22,6 +22,12 @@
 #                     weights floor, the device-idle fraction for greedy and top-p rows, and a
 #                     jax.profiler trace's device time by kernel, and a batch-1 trace's
 #                     kernels per token, device-busy fraction and launch gaps;
+#   batch1_flags      issue [18]: batch-1 decode alone (bench_step_phases.py, 1 request under
+#                     a 64-sequence engine) once per XLA_FLAGS variant, default, command
+#                     buffers (CUDA graphs) off, and on for loops and conditionals too
+#                     (BATCH1_VARIANTS: names of the variants below): whether batch 1's
+#                     1.35x of the weights floor is launch costs that graphs remove;
+#                     one json per variant (not in the default steps);
 #   startup           issue [16]: LLM("preset:llama3-8b", dtype="bfloat16") to its first token,
 #                     cold (empty cache) and warm (scripts/bench_startup.py), then
 #                     bench_throughput.py's 64 x (1,024 + 128) random run started cold
@@ -109,6 +115,23 @@ if [ -s "$dir/gpu_tuned.json" ]; then
 fi
 run_step step_phases "$PYTHON" scripts/bench_step_phases.py --model preset:llama3-8b \
     --dtype bfloat16 --json "$dir/step_phases.json" --trace-dir "${TRACE_DIR:-$(mktemp -d)}"
+# batch 1 under XLA flag variants (each a process of its own: XLA reads its flags once)
+export FLAGS_default=""
+export FLAGS_no_graphs="--xla_gpu_enable_command_buffer="
+export FLAGS_graphs_all="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1"
+export BATCH1_DIR="$dir"
+run_step batch1_flags bash -c '
+    status=0
+    for variant in ${BATCH1_VARIANTS:-default no_graphs graphs_all}; do
+        name="FLAGS_$variant"
+        flags="${XLA_FLAGS:+$XLA_FLAGS }${!name}"
+        echo "== $variant: XLA_FLAGS=$flags"
+        XLA_FLAGS="$flags" "$0" scripts/bench_step_phases.py --model preset:llama3-8b \
+            --dtype bfloat16 --num-requests 1 --max-num-seqs 64 --input-len 1024 \
+            --output-len 2 --top-p 0 --batch1-output 128 \
+            --json "$BATCH1_DIR/batch1_$variant.json" || status=1
+    done
+    exit $status' "$PYTHON"
 # each case compiles its kernel (~6 s there, on one core): spread the cases over worker
 # processes where pytest-xdist is installed, each taking GPU memory as it needs it
 workers=$("$PYTHON" -c 'import xdist' 2>/dev/null && echo "-n ${KERNEL_TEST_WORKERS:-8}")

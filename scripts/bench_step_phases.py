@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -51,6 +52,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="preset:llama3-8b")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="the engine's batch limit (default: --num-requests); batch 1 alone "
+                        "under a serving engine's limit: --num-requests 1 --max-num-seqs 64 "
+                        "--output-len 2 --top-p 0")
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -200,7 +205,7 @@ def main(argv=None) -> int:
     bandwidth, matmul = measured_ceilings()
     print(f"copy {bandwidth / 1e9:.0f} GB/s, bf16 matmul {matmul / 1e12:.0f} TFLOP/s", flush=True)
     began = time.perf_counter()
-    llm = LLM(model, dtype=args.dtype, max_num_seqs=args.num_requests,
+    llm = LLM(model, dtype=args.dtype, max_num_seqs=args.max_num_seqs or args.num_requests,
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.input_len + max(args.output_len, args.batch1_output),
               num_scheduler_steps=args.num_scheduler_steps, enable_prefix_caching=False,
@@ -224,7 +229,9 @@ def main(argv=None) -> int:
                   weight_bytes=weights, kv_bytes_per_token=kv_per_token, load_s=load_s,
                   untimed_passes_s=compile_s,
                   workload=dict(requests=args.num_requests, input_len=args.input_len,
-                                output_len=args.output_len))
+                                output_len=args.output_len,
+                                max_num_seqs=args.max_num_seqs or args.num_requests),
+                  xla_flags=os.environ.get("XLA_FLAGS", ""))
 
     def save():  # after every measurement: a run stopped by a time limit keeps what it has
         if args.json:

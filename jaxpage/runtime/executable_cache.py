@@ -5,7 +5,8 @@ every program (about a second each for a model step). This cache stores the comp
 executables themselves (``jax.experimental.serialize_executable``), one file per program
 (``core.batch.program_set.ProgramKey``: its ``file_name`` tells every variant and the bucket),
 under a directory whose name fingerprints everything the programs depend on:
-jax and jaxlib versions, the platform and its devices, the source code of ``jaxpage`` and
+jax and jaxlib versions, the platform and its devices, the compiler's flags from the
+environment (``XLA_FLAGS``, ``LIBTPU_INIT_ARGS``), the source code of ``jaxpage`` and
 ``pallas_kernels``, and the avals of the fixed arguments (params, KV cache). A changed
 model, option or code gets a fresh directory; nothing stale is ever loaded. Files are
 written atomically; one that cannot be read is recompiled and replaced.
@@ -79,6 +80,9 @@ def _avals(tree: Any) -> str:
     return f"{treedef}|{shapes}"
 
 
+COMPILER_FLAG_VARIABLES = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
+
+
 def fingerprint(*fixed_args: Any, extra: str = "") -> str:
     """A digest of what every cached program depends on besides its own bucket."""
     import jaxlib
@@ -86,6 +90,9 @@ def fingerprint(*fixed_args: Any, extra: str = "") -> str:
     devices = jax.devices()
     parts = [jax.__version__, jaxlib.__version__, jax.default_backend(),
              str([(d.platform, d.device_kind) for d in devices]), _source_digest(),
+             # flags change the code XLA emits (an executable built under other flags
+             # would be loaded as if it were this one: a tuning run compared nothing)
+             *(f"{name}={os.environ.get(name, '')}" for name in COMPILER_FLAG_VARIABLES),
              *(_avals(arg) for arg in fixed_args), extra]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 

@@ -154,3 +154,22 @@ def test_compile_ahead_builds_the_drain_programs_and_changes_no_token(tiny_check
     assert plain.llm_engine.device_calls.drain_programs is None
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     assert got == want
+
+
+@pytest.mark.parametrize("variable", ["XLA_FLAGS", "LIBTPU_INIT_ARGS"])
+def test_programs_built_under_other_compiler_flags_are_not_loaded(monkeypatch, variable):
+    """The compiler's flags change the code it emits: executables saved under other flags
+    live in another directory (a run comparing flags once loaded the first run's)."""
+    import jax.numpy as jnp
+
+    from jaxpage.runtime.executable_cache import fingerprint
+
+    params = {"w": jnp.zeros((4, 4), jnp.float32)}
+    monkeypatch.delenv(variable, raising=False)
+    plain = fingerprint(params)
+    assert fingerprint(params) == plain
+    monkeypatch.setenv(variable, "--xla_gpu_enable_command_buffer=")
+    flagged = fingerprint(params)
+    assert flagged != plain
+    monkeypatch.setenv(variable, "--xla_gpu_graph_min_graph_size=1")
+    assert fingerprint(params) not in (plain, flagged)

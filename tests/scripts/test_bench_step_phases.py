@@ -48,10 +48,12 @@ def test_the_script_runs_on_the_cpu_and_writes_its_json(tmp_path):
     out = tmp_path / "phases.json"
     assert bench_step_phases.main([
         "--model", "preset:tiny-llama", "--dtype", "float32", "--num-requests", "2",
+        "--max-num-seqs", "4",
         "--input-len", "16", "--output-len", "4", "--max-num-batched-tokens", "32",
         "--num-scheduler-steps", "2", "--batch1-output", "4", "--top-p", "0",
         "--trace-dir", str(tmp_path / "trace"), "--json", str(out)]) == 0
     result = json.loads(out.read_text())
+    assert result["workload"]["max_num_seqs"] == 4 and "xla_flags" in result
     # decode_s and batch 1's time a token are differences of two wall times: on a CPU's tiny
     # model they are noise around zero (CI once saw decode_s = -0.0003 s), so only that they
     # were measured is asserted, with the bounds they are compared to.
