@@ -25,7 +25,14 @@ Schemes (``SCHEME:FORMAT``, FORMAT ``int8`` or ``fp8`` = e4m3):
   its calibrated range / its mean), never added back to keys (softmax ignores a constant
   key vector) and added back to values;
 * ``static_x_token``: the static channel scales times a scalar per token and head;
-* ``kt_X``: keys by scheme X, values ``static``.
+* ``kt_X``: keys by scheme X, values ``static``;
+* ``kshaped``: a scale per token and KV head, and the keys rounded channel by channel with
+  each rounding error carried into the channels after it (GPTQ's update, weighted by the
+  queries' second moment per layer and KV head from the calibration pass, dampened by
+  ``SHAPING_DAMP`` of its mean diagonal, default 0.01), so that the error q . (k_hat - k)
+  is least for the queries seen; values per token; ``shaped`` the values too, weighted by
+  the output projection (sum over the group of W_o's block times its transpose);
+  ``kshaped_vfloat`` the keys shaped and the values not quantized (the keys' share alone).
 
     python scripts/bench_kv_scale_schemes.py [--schemes static:int8,token:int8,token:fp8]
 
@@ -49,6 +56,7 @@ os.environ.setdefault("JAXPAGE_CACHE_DIR", tempfile.mkdtemp())  # patched progra
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
 
 import bench_quantization_quality as quality  # noqa: E402
 from jaxpage.models import llama  # noqa: E402
@@ -99,6 +107,16 @@ def quantized(x, layer: int, which: int):
         stolen = 8 if scheme == "token_lsb8" else (16 if which == 1 else 0)
         y = jnp.where(jnp.arange(xr.shape[-1]) < stolen, even, y)
         return jnp.einsum("the,de->thd", y * s, r, precision="highest").astype(x.dtype)
+    elif scheme == "kshaped_vfloat" and which == 1:   # values kept: the keys' share alone
+        return x
+    elif (scheme in ("shaped", "kshaped", "kshaped_vfloat") and which == 0
+          or scheme == "shaped"):   # GPTQ-shaped rounding (keys; values too for "shaped")
+        s = _token_scale(xr, limit)
+        u = jnp.asarray(_shaping_factor(layer, which))
+        y = _shaped_round(jnp.clip(xr / s, -limit, limit), u, fmt)
+        return jnp.einsum("the,de->thd", y * s, r, precision="highest").astype(x.dtype)
+    elif scheme == "kshaped":   # values: per token
+        s = _token_scale(xr, limit)
     elif scheme == "token_shared":
         s = _token_scale(xr, limit, axes=(-1, -2))
     elif scheme in ("mid", "mean"):   # a static centre per channel, then a static scale
@@ -129,6 +147,63 @@ def quantized(x, layer: int, which: int):
                       precision="highest").astype(x.dtype)
 
 
+_qq: dict = {}     # layer -> [Hkv, D, D] sum of (rotated q)(rotated q)^T over its group
+_shaping: dict = {}  # layer -> [Hkv, D, D] upper Cholesky factor of (E[q q^T] + damp)^-1
+
+
+def _record_queries(q, positions, layer: int, num_kv_heads: int) -> None:
+    r = rotation(q.shape[-1])
+    q = np.asarray(q, np.float64)[np.asarray(positions) >= 0] @ r        # [T, Hq, D]
+    q = q.reshape(q.shape[0], num_kv_heads, -1, q.shape[-1])             # [T, Hkv, G, D]
+    _qq[layer] = _qq.get(layer, 0.0) + np.einsum("thgd,thge->hde", q, q)
+
+
+_wo: dict = {}     # layer -> [Hkv, D, D] sum over the group of W_o's block W_o^T (rotated)
+DAMP = float(os.environ.get("SHAPING_DAMP", "0.01"))
+
+
+def _record_output_projection(wo, layer: int, num_kv_heads: int, head_dim: int) -> None:
+    if layer in _wo:   # the weights do not change between calibration calls
+        return
+    r = rotation(head_dim)
+    wo = np.asarray(wo, np.float64).reshape(num_kv_heads, -1, head_dim, wo.shape[-1])
+    gram = np.einsum("hgdo,hgfo->hdf", wo, wo, optimize=True)          # [Hkv, D, D]
+    _wo[layer] = r.T @ gram @ r                                         # rotated basis
+
+
+def _shaping_factor(layer: int, which: int) -> np.ndarray:
+    """GPTQ's factor: the upper Cholesky factor of the inverse of the error's weighting
+    (keys: the queries' second moment; values: the output projection's W_o W_o^T),
+    dampened by ``DAMP`` of its mean diagonal, per KV head."""
+    if (layer, which) not in _shaping:
+        h = (_qq if which == 0 else _wo)[layer]
+        h = h / max(np.trace(h, axis1=1, axis2=2).mean(), 1e-30)
+        d = h.shape[-1]
+        h = h + DAMP * np.mean(np.diagonal(h, axis1=1, axis2=2), axis=1)[:, None, None] * np.eye(d)
+        inv = np.linalg.inv(h)
+        _shaping[layer, which] = np.stack([np.linalg.cholesky(m).T for m in inv]
+                                          ).astype(np.float32)
+    return _shaping[layer, which]
+
+
+def _shaped_round(y, u, fmt: str):
+    """y [T, Hkv, D] (scaled) rounded channel by channel, each channel's rounding error
+    carried into the channels after it as GPTQ does (u: [Hkv, D, D] upper factor), so
+    the error q . (k_hat - k) is least for the queries the calibration saw."""
+    d = y.shape[-1]
+    after = jnp.arange(d)
+
+    def step(c, carry):
+        y, out = carry
+        rounded = _round(y[..., c], fmt)                                  # [T, Hkv]
+        err = (y[..., c] - rounded) / u[:, c, c][None, :]                 # [T, Hkv]
+        row = jnp.where(after > c, u[:, c, :], 0.0)                       # [Hkv, D]
+        y = y - err[..., None] * row[None]
+        return y, out.at[..., c].set(rounded)
+
+    return lax.fori_loop(0, d, step, (y, jnp.zeros_like(y)))[1]
+
+
 def _record(k, v, positions, layer: int) -> None:
     r = rotation(k.shape[-1])
     positions = np.asarray(positions)
@@ -156,6 +231,12 @@ def _patch() -> None:
         if _state["capture"]:
             jax.debug.callback(lambda kk, vv, p: _record(kk, vv, p, layer), k, v,
                                _state["positions"])
+            jax.debug.callback(lambda qq, p: _record_queries(qq, p, layer, k.shape[1]), q,
+                               _state["positions"])
+            q_dim = q.shape[1] * q.shape[2]
+            wo = llama.linear(jnp.eye(q_dim, dtype=h.dtype), self.o_proj, self.matmul_backend)
+            jax.debug.callback(lambda w: _record_output_projection(w, layer, k.shape[1],
+                                                                   k.shape[2]), wo)
             return q, k, v
         if _state["scheme"] is None:   # float32's reference
             return q, k, v
