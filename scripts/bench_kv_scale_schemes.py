@@ -148,7 +148,8 @@ def quantized(x, layer: int, which: int):
 
 
 _qq: dict = {}     # layer -> [Hkv, D, D] sum of (rotated q)(rotated q)^T over its group
-_shaping: dict = {}  # layer -> [Hkv, D, D] upper Cholesky factor of (E[q q^T] + damp)^-1
+_shaping: dict = {}  # (layer, keys 0 / values 1) -> [Hkv, D, D] upper Cholesky factor of
+#                     the inverse of the error's dampened weighting (_shaping_factor)
 
 
 def _record_queries(q, positions, layer: int, num_kv_heads: int) -> None:
@@ -178,8 +179,8 @@ def _shaping_factor(layer: int, which: int) -> np.ndarray:
     if (layer, which) not in _shaping:
         h = (_qq if which == 0 else _wo)[layer]
         h = h / max(np.trace(h, axis1=1, axis2=2).mean(), 1e-30)
-        d = h.shape[-1]
-        h = h + DAMP * np.mean(np.diagonal(h, axis1=1, axis2=2), axis=1)[:, None, None] * np.eye(d)
+        diagonal = np.mean(np.diagonal(h, axis1=1, axis2=2), axis=1)       # [Hkv]
+        h = h + DAMP * diagonal[:, None, None] * np.eye(h.shape[-1])
         inv = np.linalg.inv(h)
         _shaping[layer, which] = np.stack([np.linalg.cholesky(m).T for m in inv]
                                           ).astype(np.float32)

@@ -205,7 +205,8 @@ def main(argv=None) -> int:
     bandwidth, matmul = measured_ceilings()
     print(f"copy {bandwidth / 1e9:.0f} GB/s, bf16 matmul {matmul / 1e12:.0f} TFLOP/s", flush=True)
     began = time.perf_counter()
-    llm = LLM(model, dtype=args.dtype, max_num_seqs=args.max_num_seqs or args.num_requests,
+    max_num_seqs = args.max_num_seqs or args.num_requests
+    llm = LLM(model, dtype=args.dtype, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.input_len + max(args.output_len, args.batch1_output),
               num_scheduler_steps=args.num_scheduler_steps, enable_prefix_caching=False,
@@ -230,7 +231,7 @@ def main(argv=None) -> int:
                   untimed_passes_s=compile_s,
                   workload=dict(requests=args.num_requests, input_len=args.input_len,
                                 output_len=args.output_len,
-                                max_num_seqs=args.max_num_seqs or args.num_requests),
+                                max_num_seqs=max_num_seqs),
                   xla_flags=os.environ.get("XLA_FLAGS", ""))
 
     def save():  # after every measurement: a run stopped by a time limit keeps what it has

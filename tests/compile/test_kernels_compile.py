@@ -74,11 +74,10 @@ def _cases():
             dtype = list(DTYPES)[(ti + fi) % len(DTYPES)]
             block_size = BLOCK_SIZES[(ti + 2 * fi) % len(BLOCK_SIZES)]
             case_id = f"{target}-{family}-{dtype}-b{block_size}"
-            # float32 on a GPU compiles for 10-40 s a case (bf16 is the GPU's dtype): one
-            # stays in the default suite, the rest run with the slow ones
-            slow = not _in_default_suite(target, fi) or (
-                target in GPU_TARGETS and dtype == "f32"
-                and case_id != "a100-llama3_8b_tp8-f32-b64")
+            # float32 on a GPU compiles for 10-40 s a case (bf16 is the GPU's dtype): those
+            # run with the slow cases
+            slow = not _in_default_suite(target, fi) or (target in GPU_TARGETS
+                                                           and dtype == "f32")
             yield pytest.param(target, family, dtype, block_size, id=case_id,
                                marks=[pytest.mark.slow] if slow else [])
 
