@@ -29,8 +29,13 @@ run: install                                  # the OpenAI-compatible server on 
 generate: install                             # one chat answer, streamed to the terminal
 	$(PYTHON) -m jaxpage.cli generate --chat "$(PROMPT)"
 
+# Test files are spread over TEST_WORKERS processes (pytest-xdist; a file's tests stay in one
+# process, which keeps its module fixtures and shared programs). Each process compiles and
+# runs on the CPU: more workers than cores only adds contention and memory (~6 GB each).
+TEST_WORKERS ?= 2
+
 test: install-test install-compilers          # the default suite (CI): cases marked slow are skipped
-	JAX_PLATFORMS=cpu $(PYTHON) -m pytest -m "not slow" --durations=60
+	JAX_PLATFORMS=cpu $(PYTHON) -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=60
 
 test-all: install-test install-compilers      # everything, slow cases included
-	JAX_PLATFORMS=cpu $(PYTHON) -m pytest
+	JAX_PLATFORMS=cpu $(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadfile

@@ -13,6 +13,7 @@ from jaxpage.arch_config import ArchConfig
 from jaxpage.models.llama import CausalLM
 from jaxpage.parallel.targets import single_device_spec, target_devices
 from jaxpage.runtime.draft_model import _fill_program, _propose_program
+from tests.default_suite import SLOW
 
 K = 4
 ARCH = dict(architecture="LlamaForCausalLM", vocab_size=4096, hidden_size=256, intermediate_size=512, num_layers=2,
@@ -25,7 +26,8 @@ def _arch() -> ArchConfig:
 
 
 @pytest.mark.parametrize("target", ["v5e:1x1", "h100"])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float32, marks=SLOW)],
+                         ids=["bf16", "f32"])  # float32: with the slow cases
 def test_draft_fill_and_propose_compile_for_tpu_and_gpu(target, dtype):
     device = target_devices(target)[0]
     arch = _arch()

@@ -28,6 +28,7 @@ from jaxpage.parallel.targets import single_device_spec, target_devices
 from jaxpage.runtime.decode_loop import make_decode_loop
 from jaxpage.runtime.step import make_step
 from jaxpage.core.batch.step_features import ALL_FEATURES, NO_FEATURES
+from tests.default_suite import SLOW
 
 # Enough layers and tokens that RoPE's table would be computed once behind a conditional
 # on the CPU (``CausalLM._rope_tables``).
@@ -80,7 +81,8 @@ def _host_waits(text: str) -> list[str]:
 
 
 @pytest.mark.parametrize("kind", ["step", "verify", "decode"])
-@pytest.mark.parametrize("features", [NO_FEATURES, ALL_FEATURES], ids=["none", "all"])
+@pytest.mark.parametrize("features", [pytest.param(NO_FEATURES, marks=SLOW), ALL_FEATURES],
+                         ids=["none", "all"])  # no features: with the slow cases
 def test_host_decided_programs_have_no_branch_the_host_waits_for(kind, features):
     text = _compiled_text(kind, features)
     assert _host_waits(text) == []

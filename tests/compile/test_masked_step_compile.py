@@ -17,6 +17,7 @@ from jaxpage.core.kv.kv_cache_manager import KVCacheManager
 from jaxpage.models.llama import CausalLM
 from jaxpage.parallel.targets import single_device_spec, target_devices
 from jaxpage.runtime.step import make_step
+from tests.default_suite import SLOW
 
 ARCH = dict(architecture="LlamaForCausalLM", vocab_size=4100, hidden_size=256,
             intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
@@ -24,7 +25,8 @@ ARCH = dict(architecture="LlamaForCausalLM", vocab_size=4100, hidden_size=256,
 
 
 @pytest.mark.parametrize("target", ["v5e:1x1", "h100"])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float32, marks=SLOW)],
+                         ids=["bf16", "f32"])  # float32: with the slow cases
 def test_masked_step_compiles_for_tpu_and_gpu(target, dtype):
     device = target_devices(target)[0]
     arch = ArchConfig(**ARCH)

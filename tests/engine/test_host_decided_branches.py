@@ -23,6 +23,7 @@ from jaxpage.core.kv.block_pool import BlockPool
 from jaxpage.core.kv.kv_cache_manager import KVCacheManager
 from jaxpage.core.batch.step_features import (BASE_FEATURES, NO_FEATURES, StepFeatures,
                                         features_of)
+from tests.default_suite import every_nth
 from tests.engine.prompts import BASE
 from tests.options import TINY
 
@@ -45,7 +46,7 @@ def _outputs(llm: LLM) -> list[tuple[list[int], list | None]]:
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-@pytest.mark.parametrize("steps", [1, 4])
+@pytest.mark.parametrize("steps", every_nth([4, 1], 2))  # single steps: slow
 def test_host_decided_features_give_the_same_outputs(tiny_checkpoints, steps):
     path = tiny_checkpoints["llama"]
     device_decided = LLM(path, num_scheduler_steps=steps, **TINY)

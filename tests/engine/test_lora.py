@@ -13,6 +13,7 @@ import pytest
 
 from jaxpage import LLM, LoRARequest, SamplingParams
 from tests.conftest import assert_all_blocks_free
+from tests.default_suite import every_nth
 from tests.engine.prompts import BASE
 from tests.engine.test_greedy_matches_hf import CONFIG
 from tests.reference import (hf_greedy, load_hf_merged, load_hf_model, make_lora_adapter,
@@ -51,7 +52,7 @@ def _references(base: str, loras: list[LoRARequest | None], prompt_ids, eos) -> 
     return out
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", every_nth(["llama", "qwen2"], 2))  # qwen2: slow
 def test_a_batch_mixing_three_adapters_and_the_base_model_equals_hf_merged(
         kind, tiny_checkpoints, adapters, smollm2_tokenizer):
     base = tiny_checkpoints[kind]

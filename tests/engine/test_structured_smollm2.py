@@ -108,6 +108,9 @@ def test_json_schemas_greedy(smollm2):
     _check_schemas(smollm2, 0.0)
 
 
+# ~25 s, slow: grammars under sampling run in the default suite in the regex / choice /
+# grammar test below (temperature 0.8) and in the tiny model's random masks
+@pytest.mark.slow
 def test_json_schemas_sampled(smollm2):
     _check_schemas(smollm2, 0.7)
 

@@ -21,6 +21,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
+from tests.default_suite import crossed, every_nth
 from tests.kernels.cases import make_case, random_lens, tolerance
 from tests.kernels.mode import BACKENDS, INTERPRET, interpret_only, require_backend
 
@@ -52,7 +53,8 @@ def rng_for(*key) -> np.random.Generator:
     return np.random.default_rng(zlib.crc32(repr(key).encode()))
 
 
-# One case per feature of the issue's matrix; each runs on both kernels.
+# One case per feature of the issue's matrix; each runs on both kernels (in the default
+# suite on one of them, in turn).
 FAST_CASES = {
     # name: (q_lens, kv_lens, options)
     "decode_only_gqa4_d128": ([1, 1, 1, 1], [9, 23, 4, 16], dict(num_q_heads=8, num_kv_heads=2,
@@ -69,16 +71,14 @@ FAST_CASES = {
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", list(FAST_CASES))
+@pytest.mark.parametrize("name,backend", crossed(list(FAST_CASES), BACKENDS))
 def test_kernel_matches_reference(name, backend):
     q_lens, kv_lens, options = FAST_CASES[name]
     run_and_compare(make_case(rng_for(name), q_lens, kv_lens, **options), backend)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("sliding_window,soft_cap,dtype", [
-    (5, None, np.float32), (None, 3.0, np.float32), (4, 2.0, BF16)])
+@pytest.mark.parametrize("sliding_window,soft_cap,dtype,backend", crossed(
+    [(5, None, np.float32), (None, 3.0, np.float32), (4, 2.0, BF16)], BACKENDS))
 def test_sliding_window_and_soft_cap(backend, sliding_window, soft_cap, dtype):
     case = make_case(rng_for(sliding_window, soft_cap), [1, 9, 1], [21, 9, 6], num_q_heads=4,
                      num_kv_heads=1, dtype=dtype)
@@ -94,7 +94,7 @@ def test_no_sequences_gives_zeros(backend):
     assert (np.asarray(got) == 0).all()
 
 
-@pytest.mark.parametrize("splits", [2, 4])
+@pytest.mark.parametrize("splits", every_nth([2, 4], 2))
 def test_gpu_kv_splits_match_reference(splits):
     """Flash decoding: the KV range split across programs, partials merged after."""
     case = make_case(rng_for("splits", splits), [1, 1, 3, 1], [37, 5, 29, 64],
@@ -121,7 +121,7 @@ GPU_TUNINGS = {
 }
 
 
-@pytest.mark.parametrize("tuning", list(GPU_TUNINGS))
+@pytest.mark.parametrize("tuning", every_nth(list(GPU_TUNINGS), 3))  # 3 of 8 by default
 def test_gpu_tunings_match_reference(tuning):
     """Decode, prefill chunks and padding in one batch, each tuning (interpret mode)."""
     case = make_case(rng_for("tuning", tuning), [1, 9, 1, 4], [40, 9, 70, 21],

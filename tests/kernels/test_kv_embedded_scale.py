@@ -20,6 +20,7 @@ from pallas_kernels.kv_token_scale import (embedded_codes, encode_embedded, enco
                                            token_scale_values)
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.write_and_attend import write_and_attend
+from tests.default_suite import SLOW, crossed
 from tests.kernels.cases import make_case
 from tests.kernels.mode import INTERPRET, require_backend
 from tests.kernels.test_attention_kernels import rng_for
@@ -90,10 +91,11 @@ def _close(got, want, n):
                                atol=2e-5 * float(np.abs(want).max()))
 
 
-@pytest.mark.parametrize("head_dim,num_kv_heads", [
-    (64, 2), (128, 1), (96, 2),  # (32 and 256: with the slow cases)
-    pytest.param(32, 3, marks=pytest.mark.slow), pytest.param(256, 2, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("backend", ["reference", "tpu"])
+@pytest.mark.parametrize("head_dim,num_kv_heads,backend", [
+    # each of 64, 128 and 96 on one backend by default; 32, 256 and the rest: slow
+    *crossed([(64, 2), (128, 1), (96, 2)], ["tpu", "reference"]),
+    *(pytest.param(*shape, backend, marks=SLOW)
+      for shape in [(32, 3), (256, 2)] for backend in ["tpu", "reference"])])
 def test_attention_over_embedded_bytes_equals_attention_over_their_values(
         head_dim, num_kv_heads, backend):
     """head_dim 64 and 32: key and value share one 128-lane group (32: each padded to 64
@@ -125,8 +127,7 @@ def test_a_split_int8_cache_given_to_the_tpu_kernel_reads_without_embedded_codes
     _close(got, want, case.num_real_tokens)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("backend", ["reference", "tpu"])
+@pytest.mark.parametrize("head_dim,backend", crossed([64, 128], ["tpu", "reference"]))
 def test_write_and_attend_on_a_fused_int8_cache(head_dim, backend):
     """New tokens encoded as the model encodes them, written into layer 1 of a fused
     cache and attended over: the split layout's attention with the codes in arrays."""

@@ -16,6 +16,7 @@ from pallas_kernels.kv_quant import KV_FORMATS, decode, encode, lookup_table
 from pallas_kernels.ragged_paged_attention import cpu, ragged_paged_attention
 from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 from pallas_kernels.write_and_attend import write_and_attend
+from tests.default_suite import crossed
 from tests.kernels.cases import make_case
 from tests.kernels.mode import BACKENDS, INTERPRET, require_backend
 from tests.kernels.test_attention_kernels import rng_for
@@ -101,9 +102,8 @@ def test_byte_caches_need_their_format_and_float_caches_none():
         ragged_paged_attention(q, k_bytes, v_bytes, *rest, sm_scale=0.1, kv_format="int4")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kv_format", FORMATS)
-@pytest.mark.parametrize("layered_cache", [False, True])
+@pytest.mark.parametrize("layered_cache,kv_format,backend", crossed(  # one backend by default
+    [(layered, kv_format) for layered in [False, True] for kv_format in FORMATS], BACKENDS))
 def test_pallas_kernels_over_bytes(backend, kv_format, layered_cache):
     require_backend(backend)
     case, q, k_bytes, v_bytes, rest = _byte_case(kv_format, LENS[2], 2)
@@ -121,13 +121,11 @@ def test_pallas_kernels_over_bytes(backend, kv_format, layered_cache):
                                atol=2e-5 * float(np.abs(np.asarray(want)[:n]).max()))
 
 
-@pytest.mark.parametrize("kv_format", FORMATS)
-@pytest.mark.parametrize("tuning", [dict(prefetch=True, num_stages=1, block_kv=16,
-                                         target_programs=4096),
-                                    dict(direct_io=False, mask_split=False, block_kv=32),
-                                    # what an A100 runs for e4m3 (no FP8 conversion there)
-                                    dict(fp8_in_integers=True)],
-                         ids=["prefetch_split", "tiled_masked", "fp8_in_integers"])
+@pytest.mark.parametrize("tuning,kv_format", crossed(  # each tuning on one format by default
+    [dict(prefetch=True, num_stages=1, block_kv=16, target_programs=4096),
+     dict(fp8_in_integers=True),  # what an A100 runs for e4m3 (no FP8 conversion there)
+     dict(direct_io=False, mask_split=False, block_kv=32)],
+    FORMATS, first_ids=["prefetch_split", "fp8_in_integers", "tiled_masked"]))
 def test_gpu_kernel_tunings_over_bytes(kv_format, tuning):
     """The GPU kernel's tilings for byte caches (``gpu_config``), interpret mode."""
     require_backend("gpu")

@@ -21,6 +21,7 @@ from pallas_kernels.kv_token_scale import encode_per_token, token_scale_values
 from pallas_kernels.ragged_paged_attention import cpu, ragged_paged_attention
 from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 from pallas_kernels.write_and_attend import write_and_attend
+from tests.default_suite import crossed
 from tests.kernels.cases import make_case
 from tests.kernels.mode import BACKENDS, INTERPRET, require_backend
 from tests.kernels.test_attention_kernels import rng_for
@@ -73,8 +74,9 @@ def _close(got, want, n, err_msg=""):
                                atol=2e-5 * float(np.abs(want).max()), err_msg=err_msg)
 
 
-@pytest.mark.parametrize("lens", LENS)
-@pytest.mark.parametrize("backend", ["reference", "cpu"] + BACKENDS)
+@pytest.mark.parametrize("backend,lens", crossed(  # each backend on one batch by default
+    ["reference", "cpu"] + BACKENDS, [(lens,) for lens in LENS],
+    second_ids=[f"lens{i}" for i in range(len(LENS))]))
 def test_attention_over_token_scaled_bytes_equals_attention_over_their_values(lens, backend):
     if backend == "cpu" and not cpu.available():
         pytest.skip("no C++ compiler for the kernel")

@@ -12,6 +12,7 @@ import pytest
 
 from jaxpage.models.quantize import QuantFormat, quantize
 from pallas_kernels.quantized_matmul import reference
+from tests.default_suite import crossed
 from tests.kernels.quantized_cases import assert_kernel_matches_reference
 from pallas_kernels.quantized_matmul.gpu import quantized_matmul_gpu, supported
 
@@ -27,9 +28,12 @@ CASES = [  # (format, K, N, M)
 ]
 
 
-@pytest.mark.parametrize("fmt,k,n,m", CASES, ids=[
-    f"{f.codes}{f.bits}-g{f.group_size}-z{int(f.has_zero)}-{k}x{n}-m{m}" for f, k, n, m in CASES])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+CASE_IDS = [
+    f"{f.codes}{f.bits}-g{f.group_size}-z{int(f.has_zero)}-{k}x{n}-m{m}" for f, k, n, m in CASES]
+
+
+@pytest.mark.parametrize("fmt,k,n,m,dtype", crossed(  # each case in one dtype by default
+    CASES, [jnp.float32, jnp.bfloat16], second_ids=["f32", "bf16"], first_ids=CASE_IDS))
 def test_gpu_kernel_matches_the_reference(fmt, k, n, m, dtype):
     assert_kernel_matches_reference(
         lambda x, parts: quantized_matmul_gpu(x, parts, interpret=True, block_m=64), supported,

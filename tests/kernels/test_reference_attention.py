@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.kv_cache_update import kv_cache_update
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from tests.default_suite import crossed
 
 
 def dense_oracle(q, k_cache, v_cache, kv_lens, block_tables, q_lens, *, sm_scale,
@@ -69,8 +70,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (8, 2), (8, 1)])
+@pytest.mark.parametrize("name,num_q_heads,num_kv_heads", crossed(  # each batch with one
+    sorted(CASES), [(4, 4), (8, 2), (8, 1)]))                      # head grouping by default
 def test_reference_matches_dense_oracle(name, num_q_heads, num_kv_heads):
     rng = np.random.default_rng(zlib.crc32(f"{name}{num_q_heads}".encode()))
     q_lens, kv_lens = CASES[name]
