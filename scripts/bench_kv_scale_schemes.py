@@ -13,6 +13,8 @@ Schemes (``SCHEME:FORMAT``, FORMAT ``int8`` or ``fp8`` = e4m3):
   shipped cache stores;
 * ``sink``: ``static`` calibrated without position 0, and position 0 (the attention sink)
   with its own scalar on top: the first token alone made per-token;
+* ``token_sinkfloat``: ``token``, and position 0 (the attention sink) not quantized at
+  all (what a float side buffer of one token per sequence would give);
 * ``token``: a scale per token and KV head (its largest |value|); ``token_bf16`` that
   scale rounded to bfloat16 (2 bytes); ``token_pow2`` rounded up to a power of two
   (1 byte); ``token_shared`` one scale per token for all KV heads of the layer;
@@ -93,6 +95,11 @@ def quantized(x, layer: int, which: int):
     xr = jnp.einsum("thd,de->the", x.astype(jnp.float32), r, precision="highest")
     if scheme == "token":
         s = _token_scale(xr, limit)
+    elif scheme == "token_sinkfloat":   # per token; position 0 (the sink) kept unquantized
+        s = _token_scale(xr, limit)
+        deq = jnp.einsum("the,de->thd", _round(xr / s, fmt) * s, r, precision="highest")
+        first = (_state["positions"] == 0)[:, None, None]
+        return jnp.where(first, x.astype(jnp.float32), deq).astype(x.dtype)
     elif scheme == "token_bf16":   # rounded to bfloat16, nudged up so nothing saturates
         s = _token_scale(xr, limit).astype(jnp.bfloat16).astype(jnp.float32) * (1 + 2.0 ** -8)
     elif scheme == "token_pow2":
