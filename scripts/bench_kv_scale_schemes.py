@@ -13,11 +13,11 @@ Schemes (``SCHEME:FORMAT``, FORMAT ``int8`` or ``fp8`` = e4m3):
   shipped cache stores;
 * ``sink``: ``static`` calibrated without position 0, and position 0 (the attention sink)
   with its own scalar on top: the first token alone made per-token;
-* ``token_sinkfloat``: ``token``, and position 0 (the attention sink) not quantized at
-  all (what a float side buffer of one token per sequence would give);
 * ``token``: a scale per token and KV head (its largest |value|); ``token_bf16`` that
   scale rounded to bfloat16 (2 bytes); ``token_pow2`` rounded up to a power of two
   (1 byte); ``token_shared`` one scale per token for all KV heads of the layer;
+* ``token_sinkfloat``: ``token``, and position 0 (the attention sink) not quantized at
+  all (what a float side buffer of one token per sequence would give);
 * ``token_logN``: the per-token scale as one byte, ``2^(e/N)`` rounded up (N steps per
   octave; ``token_log16`` is what the int8 cache stores, ``kv_token_scale``); ``token_lsb8``
   that byte kept in the low bits of the first 8 of each head's D codes, which are rounded
@@ -93,13 +93,8 @@ def quantized(x, layer: int, which: int):
     limit = LIMITS[fmt]
     r = jnp.asarray(rotation(x.shape[-1]))
     xr = jnp.einsum("thd,de->the", x.astype(jnp.float32), r, precision="highest")
-    if scheme == "token":
+    if scheme in ("token", "token_sinkfloat"):
         s = _token_scale(xr, limit)
-    elif scheme == "token_sinkfloat":   # per token; position 0 (the sink) kept unquantized
-        s = _token_scale(xr, limit)
-        deq = jnp.einsum("the,de->thd", _round(xr / s, fmt) * s, r, precision="highest")
-        first = (_state["positions"] == 0)[:, None, None]
-        return jnp.where(first, x.astype(jnp.float32), deq).astype(x.dtype)
     elif scheme == "token_bf16":   # rounded to bfloat16, nudged up so nothing saturates
         s = _token_scale(xr, limit).astype(jnp.bfloat16).astype(jnp.float32) * (1 + 2.0 ** -8)
     elif scheme == "token_pow2":
@@ -150,8 +145,10 @@ def quantized(x, layer: int, which: int):
             s = s * _token_scale(xr / channel, limit)
     else:
         raise SystemExit(f"unknown scheme {scheme!r}")
-    return jnp.einsum("the,de->thd", _round(xr / s, fmt) * s, r,
-                      precision="highest").astype(x.dtype)
+    out = jnp.einsum("the,de->thd", _round(xr / s, fmt) * s, r, precision="highest")
+    if scheme == "token_sinkfloat":   # position 0 (the sink) kept unquantized
+        out = jnp.where((_state["positions"] == 0)[:, None, None], x.astype(out.dtype), out)
+    return out.astype(x.dtype)
 
 
 _qq: dict = {}     # layer -> [Hkv, D, D] sum of (rotated q)(rotated q)^T over its group

@@ -70,8 +70,9 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name,num_q_heads,num_kv_heads", crossed(  # each batch with one
-    sorted(CASES), [(4, 4), (8, 2), (8, 1)]))                      # head grouping by default
+# each batch with one head grouping by default, all of them with the slow cases
+@pytest.mark.parametrize("name,num_q_heads,num_kv_heads",
+                         crossed(sorted(CASES), [(4, 4), (8, 2), (8, 1)]))
 def test_reference_matches_dense_oracle(name, num_q_heads, num_kv_heads):
     rng = np.random.default_rng(zlib.crc32(f"{name}{num_q_heads}".encode()))
     q_lens, kv_lens = CASES[name]
