@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxpage.server.proxy.disaggregated import check_kv_layouts, start_instance, wait_healthy
 from jaxpage.server.launch import BackgroundServer, free_port
-from jaxpage.server.proxy.app import build_proxy_app
+from jaxpage.server.proxy.app import DECODE_ATTEMPTS, build_proxy_app
 from tests.engine.prompts import BASE
 from tests.server.conftest import API_KEY, MODEL_NAME
 
@@ -416,7 +416,7 @@ def test_a_full_decode_instance_is_waited_for_or_answers_503_never_drops(cluster
     prompt's pages: a pulled request waits there until a seat is free, and one that finds
     them taken is refused with a 503 and ``Retry-After``) behind a real proxy, sent three
     times more requests at once than it holds. Every request ends, none dropped: with the
-    colocated text (the proxy waited and retried some refused ones), or with the decode
+    colocated text (at once, or after the proxy waited and retried it), or with the decode
     instance's 503, its ``Retry-After`` and an OpenAI error body once the proxy's attempts
     are spent. Afterwards every block of both instances is free and every ticket settled."""
     prompt_len, num_requests = 40, 12                   # 5 blocks of 8 tokens per prompt
@@ -464,11 +464,12 @@ def test_a_full_decode_instance_is_waited_for_or_answers_503_never_drops(cluster
             assert r.json()["error"]["type"] == "ServiceUnavailableError"
             assert "no room for the request's KV pages" in r.json()["error"]["message"]
             final.append(i)
-        # The instance was full: some requests got its 503 for good (after the proxy's
-        # three rounds each), and it refused more often than that, so some refused
-        # request was retried and then served.
+        # The instance was full: some requests got its 503 for good, each after the
+        # proxy's DECODE_ATTEMPTS rounds. Whether a refused request is served in a later
+        # round depends on how fast the instance decodes (a slow, loaded machine frees no
+        # seat within the rounds); test_proxy_retry checks that path deterministically.
         assert 1 <= len(final) < num_requests, (final, elapsed)
-        assert refused() > 3 * len(final), (refused(), final, elapsed)
+        assert refused() >= DECODE_ATTEMPTS * len(final), (refused(), final, elapsed)
         for _ in range(50):  # every ticket of these requests settled (pulled or not)
             if _metric(cluster["prefill"], "jaxpage:kv_transfer_pending_tickets") == pending:
                 break

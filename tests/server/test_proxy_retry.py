@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from jaxpage.server.launch import BackgroundServer
-from jaxpage.server.proxy.app import DECODE_ATTEMPTS, build_proxy_app
+from jaxpage.server.proxy.app import DECODE_ATTEMPTS, RETRY_AFTER_S, build_proxy_app
 
 
 def _prefill_app(settled: list) -> FastAPI:
@@ -39,13 +39,15 @@ def _prefill_app(settled: list) -> FastAPI:
     return app
 
 
-def _decode_app(full: bool, seen: list) -> FastAPI:
+def _decode_app(full: bool | int, seen: list) -> FastAPI:
+    """A decode instance that answers "full" to every request (``full=True``), to none
+    (``False``), or to its first ``full`` requests (an int: a seat frees after them)."""
     app = FastAPI()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         seen.append((await request.json())["kv_transfer_params"]["uuid"])
-        if full:
+        if full is True or (full is not False and len(seen) <= full):
             return JSONResponse({"error": {"message": "the host pool is full", "type":
                                            "ServiceUnavailableError", "param": None,
                                            "code": 503}},
@@ -90,6 +92,24 @@ def test_a_full_decode_instance_is_left_for_another(servers):
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decoded"
     assert seen_full == [1] and seen_ok == [2]  # the second prefill's ticket went elsewhere
     assert _settled(settled, 2) == {1: False, 2: True}
+
+
+def test_the_only_decode_instance_is_waited_for_and_serves_once_it_has_room(servers):
+    """One decode instance, full for its first DECODE_ATTEMPTS - 1 answers: the proxy
+    waits Retry-After between rounds, prefills again and the last round is served."""
+    settled, seen = [], []
+    prefill = servers(_prefill_app(settled))
+    decode = servers(_decode_app(DECODE_ATTEMPTS - 1, seen))
+    proxy = servers(build_proxy_app([prefill], [decode]))
+    began = time.monotonic()
+    r = httpx.post(proxy + "/v1/completions", timeout=60,
+                   json={"model": "m", "prompt": "hello", "max_tokens": 8})
+    elapsed = time.monotonic() - began
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decoded"
+    assert seen == list(range(1, DECODE_ATTEMPTS + 1))
+    assert elapsed >= (DECODE_ATTEMPTS - 1) * RETRY_AFTER_S  # it waited between rounds
+    assert _settled(settled, DECODE_ATTEMPTS) == {
+        i: i == DECODE_ATTEMPTS for i in range(1, DECODE_ATTEMPTS + 1)}
 
 
 def test_the_503_reaches_the_client_after_the_last_attempt(servers):
