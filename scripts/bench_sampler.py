@@ -1,8 +1,10 @@
 """The device sampler's cost per step on this machine, by kind of request.
 
-Sampling with a temperature but no top-k / top-p (vLLM's defaults) skips the sort of the
-whole vocabulary that top-k / top-p need; this times both side by side, with greedy
-beside them, at the tiny preset's and SmolLM2's shapes (rows x vocabulary).
+Sampling with a temperature but no top-k / top-p (vLLM's defaults) skips the top-k /
+top-p cut, which takes passes over the whole vocabulary; this times both side by side,
+with greedy beside them, at the tiny preset's and SmolLM2's shapes (rows x vocabulary).
+Then the cut alone by each method (``jaxpage.runtime.cut_threshold``: a sort, or a
+bisection over the float keys) on top-p rows, and the ratio sort / bisection.
 
     python scripts/bench_sampler.py
     python scripts/bench_sampler.py --shapes 48x49152 --repeats 10
@@ -53,12 +55,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     import jax
     import numpy as np
 
+    from jaxpage.runtime.cut_threshold import METHODS, cut_method, cut_threshold
     from jaxpage.runtime.sampler import sample
 
     run = jax.jit(sample)
+    print(f"platform {jax.default_backend()}: the sampler cuts by {cut_method()}\n")
     rows_out = []
     print("| rows x vocab | greedy ms | temperature 1 ms | temperature 1, top_p 0.95 ms "
-          "(sorts) | sort / no sort |")
+          "(cuts) | cut / no cut |")
     print("|---|---|---|---|---|")
     for shape in args.shapes.split(","):
         rows, vocab = (int(v) for v in shape.split("x"))
@@ -72,6 +76,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows_out.append(row)
         print(f"| {rows} x {vocab} | {row['greedy']:.1f} | {row['temperature']:.1f} | "
               f"{row['top_p']:.1f} | {row['top_p'] / row['temperature']:.1f}x |", flush=True)
+    print("\n| rows x vocab | cut by sort ms | cut by bisection ms | sort / bisection |")
+    print("|---|---|---|---|")
+    for row in rows_out:
+        rows, vocab = row["rows"], row["vocab"]
+        logits = jax.numpy.asarray(np.random.default_rng(0).standard_normal((rows, vocab),
+                                                                            np.float32))
+        inputs = (logits, jax.numpy.ones(rows), jax.numpy.zeros(rows, "int32"),
+                  jax.numpy.full(rows, 0.95))
+        for method in METHODS:
+            cut = jax.jit(lambda *a, method=method: cut_threshold(*a, method=method))
+            row[f"cut_{method}"] = time_ms(cut, *inputs, repeats=args.repeats)
+        print(f"| {rows} x {vocab} | {row['cut_sort']:.1f} | {row['cut_bisect']:.1f} | "
+              f"{row['cut_sort'] / row['cut_bisect']:.1f}x |", flush=True)
     return rows_out
 
 

@@ -11,7 +11,7 @@ output tokens, presence and frequency over output tokens), then greedy or temper
 the top-k / top-p / min-p filters. Log-probabilities are those of the raw model
 distribution (before penalties and temperature), over the whole vocabulary.
 
-Optional work (the sort for top-k / top-p, penalties, log-probabilities, the noise of
+Optional work (the top-k / top-p cut, ``cut_threshold``; penalties, log-probabilities, the noise of
 sampled rows) is skipped by a conditional on the device when no row needs it, or, given
 ``features`` (``jaxpage.core.batch.step_features``: the host decided), left out of the
 program or done for every row, with no conditional.
@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from jaxpage.core.batch.penalty_slots import SEEN
 from jaxpage.core.batch.step_features import StepFeatures
+from jaxpage.runtime.cut_threshold import cut_threshold
 from jaxpage.runtime.step_batch import StepBatch
 from pallas_kernels.sampling import first_argmax, gumbel_noise, sample_rows
 from pallas_kernels.sampling.reference import kept_scaled
@@ -52,51 +53,39 @@ def apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.where(unpack_token_mask(mask, logits.shape[-1]), logits, -jnp.inf)
 
 
-def _sort_threshold(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                    top_p: jax.Array, features: StepFeatures | None = None) -> jax.Array:
+def _cut_threshold(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                   top_p: jax.Array, features: StepFeatures | None = None) -> jax.Array:
     """float32 [S]: each sampled row's smallest logit (unscaled) that top-k and top-p keep,
-    -inf where neither cuts anything. A token is kept when its logit is at least this.
+    -inf where neither cuts anything (``cut_threshold``). A token is kept when its logit is
+    at least this.
 
     Unscaled, so the cut never depends on how a backend rounds logits / temperature
     (dividing by a positive temperature keeps the order): a kernel that scaled a row one
     ulp differently from XLA would otherwise drop the very top token at top_k=1.
-    Top-k and top-p need the row sorted, which XLA does slowly on the CPU (far slower than
-    the rest of sampling: ``docs/benchmarks/design_measurements.md``), so the sort only
-    runs when some sampled row asks for either (``features.sort``, when given).
+    Finding the cut takes passes over the whole vocabulary (a sort, or a bisection), far
+    more than the rest of sampling (``docs/benchmarks/design_measurements.md``), so it only
+    runs when some sampled row asks for top-k or top-p (``features.sort``, when given).
     """
     vocab = logits.shape[-1]
-    sampled = temperature > 0                                               # [S]
-    cuts = sampled & ((top_k > 0) & (top_k < vocab) | (top_p < 1.0))       # [S]
-    needs_sort = jnp.any(cuts)
+    cuts = (temperature > 0) & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))  # [S]
 
-    def sorted_threshold() -> jax.Array:                                    # [S]
-        ordered = -jnp.sort(-logits, axis=-1)                               # [S, V] descending
-        k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)          # [S]
-        rank = jnp.arange(vocab)[None, :]
-        scaled = ordered / jnp.where(sampled, temperature, 1.0)[:, None]
-        probs = jax.nn.softmax(jnp.where(rank < k[:, None], scaled, -jnp.inf), axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs   # probability mass ranked above each token
-        keep = (before < top_p[:, None]) & (rank < k[:, None])
-        num_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
-        threshold = jnp.take_along_axis(ordered, (num_keep - 1)[:, None], axis=-1)[:, 0]
-        # a row that asks for no cut keeps every token: its float32 cumsum can reach 1.0
-        # before the tail and must not drop it because a batch-mate needed the sort
-        return jnp.where(cuts, threshold, -jnp.inf)
+    def find() -> jax.Array:
+        return cut_threshold(logits, temperature, top_k, top_p)
 
     def no_threshold() -> jax.Array:
         return jnp.full((logits.shape[0],), -jnp.inf, logits.dtype)
 
     if features is not None:
-        return sorted_threshold() if features.sort else no_threshold()
-    return jax.lax.cond(needs_sort, sorted_threshold, no_threshold)
+        return find() if features.sort else no_threshold()
+    return jax.lax.cond(jnp.any(cuts), find, no_threshold)
 
 
 def _filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
                      top_p: jax.Array, min_p: jax.Array,
                      features: StepFeatures | None = None) -> jax.Array:
     """Temperature-scaled logits with everything outside top-k / top-p / min-p at -inf
-    (``_sort_threshold``; min-p alone needs only each row's maximum)."""
-    threshold = _sort_threshold(logits, temperature, top_k, top_p, features)
+    (``_cut_threshold``; min-p alone needs only each row's maximum)."""
+    threshold = _cut_threshold(logits, temperature, top_k, top_p, features)
     return kept_scaled(logits, temperature, threshold, min_p)
 
 
@@ -249,7 +238,7 @@ def sample(logits: jax.Array, batch: StepBatch,
     ``pallas_kernels.sampling.sample_rows``: on the CPU a C++ kernel, one pass per row."""
     logits = adjusted_logits(logits, batch, penalty_table, features)
     temperature = batch.temperature
-    threshold = _sort_threshold(logits, temperature, batch.top_k, batch.top_p, features)
+    threshold = _cut_threshold(logits, temperature, batch.top_k, batch.top_p, features)
     return sample_rows(logits, temperature, threshold, batch.min_p,
                        batch.sample_seeds, batch.sample_index,
                        stochastic=None if features is None else features.sampled)

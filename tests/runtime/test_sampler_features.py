@@ -52,7 +52,7 @@ def _batch(rng, *, sampled: bool, sort: bool, penalties: bool, logprobs: bool,
 
 def _run(logits, batch, table, features):
     adjusted = sampler.adjusted_logits(logits, batch, table, features)
-    threshold = sampler._sort_threshold(adjusted, batch.temperature, batch.top_k,
+    threshold = sampler._cut_threshold(adjusted, batch.temperature, batch.top_k,
                                         batch.top_p, features)
     tokens = reference.sample_rows(adjusted, batch.temperature, threshold, batch.min_p,
                                    batch.sample_seeds, batch.sample_index,
@@ -124,7 +124,7 @@ def test_a_row_without_top_k_or_top_p_keeps_every_token_beside_one_that_cuts():
     top_k = jnp.asarray([0, 0, 0], jnp.int32)
     top_p = jnp.asarray([0.5, 1.0, 1.0], jnp.float32)
     for features in (None, ALL_FEATURES):
-        threshold = np.asarray(sampler._sort_threshold(logits, temperature, top_k, top_p,
+        threshold = np.asarray(sampler._cut_threshold(logits, temperature, top_k, top_p,
                                                        features))
         assert threshold[0] == 30.0                       # top-p 0.5 keeps the one token
         assert threshold[1] == -np.inf                    # no cut asked: none made
