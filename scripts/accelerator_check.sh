@@ -51,6 +51,9 @@
 #                     prompts), bfloat16, jaxpage only (THROUGHPUT_REQUESTS requests, default 500);
 #   bench_spec_decode scripts/bench_spec_decode.py on preset:llama3-8b, bfloat16, batch 1, 4, 32
 #                     (n-gram speculation against plain decoding);
+#   bench_sampler     scripts/bench_sampler.py at Llama-3's vocabulary (128,256) and SmolLM2's:
+#                     the top-k / top-p cut by sort (what GPUs use) against the bisection
+#                     (what CPUs and TPUs use; runtime/cut_threshold.py), side by side;
 #   bench_quantized   issue [21]: scripts/bench_quantized_matmul.py, one Llama-3-8B layer's
 #                     projections at 1 / 64 / 512 / 2,048 tokens: FP8 and int8 W8A8, FP8
 #                     weight-only, int8 / int4 groups, against bf16 side by side;
@@ -65,7 +68,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$(pwd)"
 export PYTHONUNBUFFERED=1
 PYTHON="${PYTHON:-python3}"
-STEPS="${STEPS:-tune_attention step_phases kernel_tests startup host_overhead bench_kernels engine_vs_hf bench_throughput bench_spec_decode bench_quantized}"
+STEPS="${STEPS:-tune_attention step_phases kernel_tests startup host_overhead bench_kernels engine_vs_hf bench_throughput bench_spec_decode bench_quantized bench_sampler}"
 STEP_TIMEOUT="${STEP_TIMEOUT:-300}"
 # The tests and benchmark scripts default to the CPU; here the device's own platform runs.
 if command -v nvidia-smi >/dev/null 2>&1; then export JAX_PLATFORMS=cuda; else export JAX_PLATFORMS=tpu; fi
@@ -170,6 +173,8 @@ run_step bench_spec_decode "$PYTHON" scripts/bench_spec_decode.py --model preset
     --out "$dir" --stem spec_decode_llama3-8b
 run_step bench_quantized "$PYTHON" scripts/bench_quantized_matmul.py \
     --tokens "${QUANT_TOKENS:-1,64,512,2048}" --json "$dir/bench_quantized.json"
+run_step bench_sampler "$PYTHON" scripts/bench_sampler.py \
+    --shapes "${SAMPLER_SHAPES:-1x128256,64x128256,256x128256,48x49152}"
 
 echo
 cat "$summary"

@@ -27,7 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._backend import current_platform
+from pallas_kernels._backend import platform_backend
 
 METHODS = ("sort", "bisect")
 _SIGN = 0x80000000
@@ -36,7 +36,7 @@ _SIGN = 0x80000000
 def cut_method(platform: str | None = None) -> str:
     """``"bisect"`` on the CPU and TPUs; ``"sort"`` on GPUs, where the decode step timed on
     an H200 (``docs/benchmarks/accelerator/``) sorted and the bisection is untimed."""
-    return "sort" if (platform or current_platform()) in ("gpu", "cuda", "rocm") else "bisect"
+    return "sort" if platform_backend(platform) == "gpu" else "bisect"
 
 
 def order_keys(x: jax.Array) -> jax.Array:

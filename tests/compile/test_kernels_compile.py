@@ -28,6 +28,7 @@ from pallas_kernels.kv_cache_update.gpu import kv_cache_update_gpu
 from pallas_kernels.kv_cache_update.tpu import kv_cache_update_fused_tpu
 from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
+from tests.default_suite import SLOW
 
 TARGETS = ["v5e:1x1", "v6e:1x1", "v5p:2x2x1", "h100", "a100"]
 FAMILIES = {  # name -> (num_q_heads, num_kv_heads, head_dim, options)
@@ -60,12 +61,15 @@ GPU_TARGETS = [t for t in TARGETS if t[0] != "v"]
 
 
 def _in_default_suite(target: str, family_index: int) -> bool:
-    """The default suite compiles every family for one TPU and one GPU target, rotating
-    over the generations (every target keeps some families); the whole matrix runs with
-    the slow cases (``make test-all``)."""
-    if target in TPU_TARGETS:  # (2 x index: the block sizes rotate too, not only b16)
-        return TPU_TARGETS[2 * family_index % len(TPU_TARGETS)] == target
-    return GPU_TARGETS[family_index % len(GPU_TARGETS)] == target
+    """The default suite compiles every family for one target: a TPU for half of them,
+    rotating over the generations, an A100 or an H100 for the others (picked so that each
+    gets its dtype, bfloat16); the whole matrix runs with the slow cases
+    (``make test-all``)."""
+    slot = family_index % 4
+    if slot in (1, 2):
+        return target == ("a100" if slot == 1 else "h100")
+    tpu_families_before = sum(1 for j in range(family_index) if j % 4 in (0, 3))
+    return TPU_TARGETS[tpu_families_before % len(TPU_TARGETS)] == target
 
 
 def _cases():
@@ -152,7 +156,14 @@ KV_FORMAT_CASES = [("v5e:1x1", "int8", "llama3_8b", 16), ("v6e:1x1", "fp8_e4m3",
                    ("a100", "fp8_e4m3", "llama3_8b_tp8", 32)]
 
 
-@pytest.mark.parametrize("target,kv_format,family,block_size", KV_FORMAT_CASES,
+# In the default suite: each format on a TPU, an H100's and an A100's FP8, and the codes in
+# value bytes; the rest with the slow cases.
+KV_FORMAT_DEFAULT = {0, 2, 3, 7, 8}
+
+
+@pytest.mark.parametrize("target,kv_format,family,block_size", [
+    pytest.param(*case, marks=[] if i in KV_FORMAT_DEFAULT else SLOW)
+    for i, case in enumerate(KV_FORMAT_CASES)],
                          ids=[f"{t}-{f}-{m}-b{b}" for t, f, m, b in KV_FORMAT_CASES])
 def test_byte_kv_cache_kernels_compile_for_target(target, kv_format, family, block_size):
     """int8 / fp8 KV (uint8 pages converted as they load, ``kv_quant``), bfloat16 queries."""

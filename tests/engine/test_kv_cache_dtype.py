@@ -6,6 +6,7 @@ import pytest
 
 from jaxpage import LLM, SamplingParams
 from tests.options import FEW_BUCKETS
+from tests.default_suite import SLOW
 
 MEMORY = 8 * 2**20  # float32 SmolLM2: 11 blocks (below the 64 that 4 x 256 tokens can use)
 ENGINE = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, **FEW_BUCKETS)
@@ -27,7 +28,8 @@ def float_run(smollm2_path):
     return llm.get_stats(), _tokens(llm, PROMPTS)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+# int8 with the slow cases: the fused int8 cache's and int8 preemption's tests below run it
+@pytest.mark.parametrize("kv_cache_dtype", [pytest.param("int8", marks=SLOW), "fp8"])
 def test_byte_cache_holds_4x_the_blocks_and_keeps_greedy_tokens(smollm2_path, float_run,
                                                                  kv_cache_dtype):
     float_stats, float_tokens = float_run

@@ -40,8 +40,8 @@ def test_kernel_matches_reference(name):
     compare(make_case(rng_for("cpu", name), q_lens, kv_lens, **options), jit=True)
 
 
-@pytest.mark.parametrize("seed", [*range(6), *(pytest.param(seed, marks=pytest.mark.slow)
-                                               for seed in range(6, 16))])
+@pytest.mark.parametrize("seed", [*range(3), *(pytest.param(seed, marks=pytest.mark.slow)
+                                               for seed in range(3, 16))])
 def test_random_matrix(seed):
     rng = rng_for("cpu-matrix", seed)
     kind = ["decode", "prefill", "mixed", "boundary"][seed % 4]

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpage.runtime.cut_threshold import METHODS, cut_threshold, key_values, order_keys
+from jaxpage.runtime.cut_threshold import (METHODS, cut_method, cut_threshold, key_values,
+                                           order_keys)
 
 INF = np.inf
 
@@ -94,3 +95,9 @@ def test_an_unknown_method_is_a_value_error():
     with pytest.raises(ValueError, match="'heap'"):
         cut_threshold(jnp.zeros((1, 4)), jnp.ones(1), jnp.ones(1, jnp.int32), jnp.ones(1),
                       method="heap")
+
+
+def test_each_platform_cuts_by_its_method():
+    """A sort on GPUs (the method their timed step used), the bisection elsewhere."""
+    assert [cut_method(p) for p in ("cpu", "tpu", "gpu", "cuda")] == [
+        "bisect", "bisect", "sort", "sort"]
