@@ -52,8 +52,8 @@
 #   bench_spec_decode scripts/bench_spec_decode.py on preset:llama3-8b, bfloat16, batch 1, 4, 32
 #                     (n-gram speculation against plain decoding);
 #   bench_sampler     scripts/bench_sampler.py at Llama-3's vocabulary (128,256) and SmolLM2's:
-#                     the top-k / top-p cut by sort (what GPUs use) against the bisection
-#                     (what CPUs and TPUs use; runtime/cut_threshold.py), side by side;
+#                     the top-k / top-p cut by sort (what GPUs and TPUs use) against the
+#                     bisection (what CPUs use; runtime/cut_threshold.py), side by side;
 #   bench_quantized   issue [21]: scripts/bench_quantized_matmul.py, one Llama-3-8B layer's
 #                     projections at 1 / 64 / 512 / 2,048 tokens: FP8 and int8 W8A8, FP8
 #                     weight-only, int8 / int4 groups, against bf16 side by side;

@@ -17,9 +17,11 @@ Two ways to find it, the same cut up to the rounding of the mass sums:
   only changes where ``t`` crosses one. The top-``k`` normaliser takes a first bisection
   for the ``k``-th largest logit (counts only).
 
-XLA sorts slowly on the CPU and on TPUs (a 49k vocabulary: ~9 ms a row on this project's
-CPU), where the bisection's passes are plain fused reductions; ``cut_method`` picks per
-platform (``scripts/bench_sampler.py`` times both).
+XLA:CPU sorts slowly (a 49k vocabulary: ~12 ms a row on this project's CPU), where the
+bisection's passes are plain fused reductions: 5.8x faster there
+(``scripts/bench_sampler.py`` times both). On GPUs and TPUs the sort stays until the
+bisection is timed there: its 64 passes read ~384 bytes per logit, which at 128 rows of
+a 262k vocabulary is ~13 GB a step, not obviously less than a sort (``cut_method``).
 """
 
 from __future__ import annotations
@@ -27,16 +29,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._backend import platform_backend
+from pallas_kernels._backend import current_platform
 
 METHODS = ("sort", "bisect")
 _SIGN = 0x80000000
 
 
 def cut_method(platform: str | None = None) -> str:
-    """``"bisect"`` on the CPU and TPUs; ``"sort"`` on GPUs, where the decode step timed on
-    an H200 (``docs/benchmarks/accelerator/``) sorted and the bisection is untimed."""
-    return "sort" if platform_backend(platform) == "gpu" else "bisect"
+    """``"bisect"`` on the CPU (timed faster); ``"sort"`` on GPUs and TPUs, where the
+    bisection is compiled, not timed (an H200's timed decode step sorted)."""
+    return "bisect" if (platform or current_platform()) == "cpu" else "sort"
 
 
 def order_keys(x: jax.Array) -> jax.Array:
