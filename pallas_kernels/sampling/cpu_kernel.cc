@@ -158,6 +158,66 @@ inline __m512 Scores16(const RowRule& r, int64_t v0, __mmask16 live) {
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// The same lanes on AVX2 machines (most AMD and laptop CPUs): 16 tokens as two registers
+// of 8, the operations of the AVX-512 code above in the same order.
+#define JAXPAGE_AVX2_SAMPLING 1
+inline __m256 LogPositive8(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  __m256i e = _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(255)),
+                               _mm256_set1_epi32(127));
+  __m256 m = _mm256_castsi256_ps(_mm256_or_si256(
+      _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFF)), _mm256_set1_epi32(127 << 23)));
+  const __m256 big = _mm256_cmp_ps(m, _mm256_set1_ps(1.41421356f), _CMP_GT_OQ);
+  m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), big);
+  e = _mm256_sub_epi32(e, _mm256_castps_si256(big));  // all-ones lanes: e + 1
+  const __m256 f = _mm256_sub_ps(m, _mm256_set1_ps(1.0f));
+  __m256 p = _mm256_set1_ps(-0.0810227021574974f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.1271267831325531f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-0.12972144782543182f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.14202114939689636f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-0.166422501206398f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.20001471042633057f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-0.2500029504299164f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.333333283662796f));
+  const __m256 f2 = _mm256_mul_ps(f, f);
+  __m256 r = _mm256_mul_ps(_mm256_mul_ps(f2, f), p);
+  r = _mm256_add_ps(_mm256_fnmadd_ps(_mm256_set1_ps(0.5f), f2, r), f);
+  const __m256 ef = _mm256_cvtepi32_ps(e);
+  return _mm256_fmadd_ps(ef, _mm256_set1_ps(0.693359375f),
+                         _mm256_fmadd_ps(ef, _mm256_set1_ps(-2.12194440e-4f), r));
+}
+
+inline __m256i Mix32x8(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int32_t>(0x85EBCA6Bu)));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 13));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int32_t>(0xC2B2AE35u)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+// Scores of tokens [v0, v0 + 8), all inside the row.
+inline __m256 Scores8(const RowRule& r, int64_t v0) {
+  const __m256 logits = _mm256_loadu_ps(r.logits + v0);
+  if (!(r.temperature > 0.0f)) return logits;
+  const __m256 scaled = _mm256_div_ps(logits, _mm256_set1_ps(r.temperature));
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i v = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(v0)), lane);
+  const __m256i bits = Mix32x8(_mm256_add_epi32(
+      _mm256_set1_epi32(static_cast<int32_t>(r.key)),
+      _mm256_mullo_epi32(v, _mm256_set1_epi32(static_cast<int32_t>(kGolden)))));
+  const __m256 uniform = _mm256_mul_ps(
+      _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bits, 8)), _mm256_set1_ps(0.5f)),
+      _mm256_set1_ps(1.0f / 16777216.0f));
+  const __m256 minus_log = _mm256_sub_ps(_mm256_setzero_ps(), LogPositive8(uniform));
+  const __m256 noisy = _mm256_sub_ps(scaled, LogPositive8(minus_log));
+  const __m256 kept = _mm256_and_ps(
+      _mm256_cmp_ps(logits, _mm256_set1_ps(r.threshold), _CMP_GE_OQ),
+      _mm256_cmp_ps(scaled, _mm256_set1_ps(r.floor), _CMP_GE_OQ));
+  return _mm256_blendv_ps(_mm256_set1_ps(-kInf), noisy, kept);
+}
+#endif
+
 // First index of the row's maximum score: lane-wise strict maxima (each lane keeps its
 // first maximum), then the smallest index among the lanes' ties. Scores of -inf never
 // win unless every score is -inf (or NaN): then token 0, as the reference's min of an
@@ -185,7 +245,30 @@ int32_t FirstArgmax(const RowRule& r, int64_t vocab) {
     best[j] = -kInf;
     where[j] = static_cast<int32_t>(vocab);
   }
-  for (int64_t v = 0; v < vocab; ++v) {
+  int64_t v_start = 0;
+#ifdef JAXPAGE_AVX2_SAMPLING
+  __m256 best_v[2] = {_mm256_set1_ps(-kInf), _mm256_set1_ps(-kInf)};
+  __m256i where_v[2] = {_mm256_set1_epi32(static_cast<int32_t>(vocab)),
+                        _mm256_set1_epi32(static_cast<int32_t>(vocab))};
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  v_start = vocab - vocab % kLanes;
+  for (int64_t v0 = 0; v0 < v_start; v0 += kLanes) {
+    for (int h = 0; h < 2; ++h) {
+      const int64_t first = v0 + 8 * h;
+      const __m256 score = Scores8(r, first);
+      const __m256 better = _mm256_cmp_ps(score, best_v[h], _CMP_GT_OQ);
+      best_v[h] = _mm256_blendv_ps(best_v[h], score, better);
+      const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(first)), lane);
+      where_v[h] = _mm256_castps_si256(_mm256_blendv_ps(
+          _mm256_castsi256_ps(where_v[h]), _mm256_castsi256_ps(index), better));
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    _mm256_storeu_ps(best + 8 * h, best_v[h]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(where + 8 * h), where_v[h]);
+  }
+#endif
+  for (int64_t v = v_start; v < vocab; ++v) {
     const float score = ScoreOf(r, v);
     const int j = static_cast<int>(v % kLanes);
     if (score > best[j]) {
