@@ -54,6 +54,13 @@ inline uint32_t Mix32(uint32_t x) {
 // Natural logarithm of a positive, finite, normal float: x = m * 2^e with m in
 // [sqrt(1/2), sqrt(2)), log(x) = e * ln 2 + log1p(f), f = m - 1, and
 // log1p(f) = f - f^2 / 2 + f^3 * P(f), P a degree-7 least-squares fit (max error ~1 ulp).
+// P's coefficients, highest degree first (Horner's rule; every path below uses them in
+// this order, so the vector paths give the scalar path's values).
+constexpr int kLogPolyTerms = 8;
+constexpr float kLogPoly[kLogPolyTerms] = {
+    -0.0810227021574974f, 0.1271267831325531f, -0.12972144782543182f, 0.14202114939689636f,
+    -0.166422501206398f, 0.20001471042633057f, -0.2500029504299164f, 0.333333283662796f};
+
 inline float LogPositive(float x) {
   int32_t bits;
   std::memcpy(&bits, &x, sizeof bits);
@@ -65,14 +72,8 @@ inline float LogPositive(float x) {
   m = big ? m * 0.5f : m;
   e += big ? 1 : 0;
   const float f = m - 1.0f;
-  float p = -0.0810227021574974f;
-  p = p * f + 0.1271267831325531f;
-  p = p * f - 0.12972144782543182f;
-  p = p * f + 0.14202114939689636f;
-  p = p * f - 0.166422501206398f;
-  p = p * f + 0.20001471042633057f;
-  p = p * f - 0.2500029504299164f;
-  p = p * f + 0.333333283662796f;
+  float p = kLogPoly[0];
+  for (int i = 1; i < kLogPolyTerms; ++i) p = p * f + kLogPoly[i];
   const float ef = static_cast<float>(e);
   const float r = f * f * f * p - 0.5f * f * f + f;
   return (r + ef * -2.12194440e-4f) + ef * 0.693359375f;  // ln 2 split in two parts
@@ -113,14 +114,8 @@ inline __m512 LogPositive16(__m512 x) {
   m = _mm512_mask_mul_ps(m, big, m, _mm512_set1_ps(0.5f));
   e = _mm512_mask_add_epi32(e, big, e, _mm512_set1_epi32(1));
   const __m512 f = _mm512_sub_ps(m, _mm512_set1_ps(1.0f));
-  __m512 p = _mm512_set1_ps(-0.0810227021574974f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.1271267831325531f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-0.12972144782543182f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.14202114939689636f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-0.166422501206398f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.20001471042633057f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-0.2500029504299164f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.333333283662796f));
+  __m512 p = _mm512_set1_ps(kLogPoly[0]);
+  for (int i = 1; i < kLogPolyTerms; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kLogPoly[i]));
   const __m512 f2 = _mm512_mul_ps(f, f);
   __m512 r = _mm512_mul_ps(_mm512_mul_ps(f2, f), p);
   r = _mm512_add_ps(_mm512_fnmadd_ps(_mm512_set1_ps(0.5f), f2, r), f);
@@ -174,14 +169,8 @@ inline __m256 LogPositive8(__m256 x) {
   m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), big);
   e = _mm256_sub_epi32(e, _mm256_castps_si256(big));  // all-ones lanes: e + 1
   const __m256 f = _mm256_sub_ps(m, _mm256_set1_ps(1.0f));
-  __m256 p = _mm256_set1_ps(-0.0810227021574974f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.1271267831325531f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-0.12972144782543182f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.14202114939689636f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-0.166422501206398f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.20001471042633057f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-0.2500029504299164f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.333333283662796f));
+  __m256 p = _mm256_set1_ps(kLogPoly[0]);
+  for (int i = 1; i < kLogPolyTerms; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kLogPoly[i]));
   const __m256 f2 = _mm256_mul_ps(f, f);
   __m256 r = _mm256_mul_ps(_mm256_mul_ps(f2, f), p);
   r = _mm256_add_ps(_mm256_fnmadd_ps(_mm256_set1_ps(0.5f), f2, r), f);
