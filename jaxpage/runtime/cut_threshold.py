@@ -121,6 +121,12 @@ def sorted_cut(logits: jax.Array, temperature: jax.Array, k: jax.Array,
     return jnp.take_along_axis(ordered, (num_keep - 1)[:, None], axis=-1)[:, 0]
 
 
+def rows_cut(temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+             vocab: int) -> jax.Array:
+    """bool [S]: the rows whose top-k or top-p cuts something (sampled rows only)."""
+    return (temperature > 0) & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
+
+
 def cut_threshold(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
                   top_p: jax.Array, method: str | None = None) -> jax.Array:
     """float32 [S]: the smallest logit (unscaled) each sampled row of ``logits`` [S, V]
@@ -132,7 +138,7 @@ def cut_threshold(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
         raise ValueError(f"cut method={method!r} is not one of {METHODS}")
     vocab = logits.shape[-1]
     sampled = temperature > 0                                               # [S]
-    cuts = sampled & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))      # [S]
+    cuts = rows_cut(temperature, top_k, top_p, vocab)                       # [S]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab).astype(jnp.int32)
     temperature = jnp.where(sampled, temperature, 1.0)
     find = bisected_cut if method == "bisect" else sorted_cut

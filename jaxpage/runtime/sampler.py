@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from jaxpage.core.batch.penalty_slots import SEEN
 from jaxpage.core.batch.step_features import StepFeatures
-from jaxpage.runtime.cut_threshold import cut_threshold
+from jaxpage.runtime.cut_threshold import cut_threshold, rows_cut
 from jaxpage.runtime.step_batch import StepBatch
 from pallas_kernels.sampling import first_argmax, gumbel_noise, sample_rows
 from pallas_kernels.sampling.reference import kept_scaled
@@ -66,9 +66,6 @@ def _cut_threshold(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     more than the rest of sampling (``docs/benchmarks/design_measurements.md``), so it only
     runs when some sampled row asks for top-k or top-p (``features.sort``, when given).
     """
-    vocab = logits.shape[-1]
-    cuts = (temperature > 0) & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))  # [S]
-
     def find() -> jax.Array:
         return cut_threshold(logits, temperature, top_k, top_p)
 
@@ -77,6 +74,7 @@ def _cut_threshold(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
 
     if features is not None:
         return find() if features.sort else no_threshold()
+    cuts = rows_cut(temperature, top_k, top_p, logits.shape[-1])            # [S]
     return jax.lax.cond(jnp.any(cuts), find, no_threshold)
 
 
