@@ -34,7 +34,12 @@ Schemes (``SCHEME:FORMAT``, FORMAT ``int8`` or ``fp8`` = e4m3):
   ``SHAPING_DAMP`` of its mean diagonal, default 0.01), so that the error q . (k_hat - k)
   is least for the queries seen; values per token; ``shaped`` the values too, weighted by
   the output projection (sum over the group of W_o's block times its transpose);
-  ``kshaped_vfloat`` the keys shaped and the values not quantized (the keys' share alone).
+  ``kshaped_vfloat`` the keys shaped and the values not quantized (the keys' share alone);
+* ``kprecentered``: a scale per token and KV head, and the keys' pre-RoPE mean per layer,
+  KV head and channel (calibrated), turned by each token's RoPE, taken out before the
+  byte and added back after it (the mean is ~half the keys' energy on SmolLM2; a kernel
+  would have to add ``q . RoPE_p(mean)`` per key position); ``precentered`` the values'
+  mean too. Both print the means' share of the energy per layer first.
 
     python scripts/bench_kv_scale_schemes.py [--schemes static:int8,token:int8,token:fp8]
 
@@ -109,6 +114,20 @@ def quantized(x, layer: int, which: int):
         stolen = 8 if scheme == "token_lsb8" else (16 if which == 1 else 0)
         y = jnp.where(jnp.arange(xr.shape[-1]) < stolen, even, y)
         return jnp.einsum("the,de->thd", y * s, r, precision="highest").astype(x.dtype)
+    elif scheme in ("precentered", "kprecentered") and (which == 0 or scheme == "precentered"):
+        # keys: the pre-RoPE mean, turned by each token's RoPE, taken out before the byte
+        # and added back after it; values: their (rotated) mean likewise
+        mean = jnp.asarray(_pre_sum[which, layer] / _pre_count[which, layer], jnp.float32)
+        centre = jnp.broadcast_to(mean, x.shape)
+        if which == 0:
+            centre = llama.rotate(centre, _state["rope"])
+        centre = centre.astype(jnp.float32)
+        cr = jnp.einsum("thd,de->the", x.astype(jnp.float32) - centre, r, precision="highest")
+        s = _token_scale(cr, limit)
+        deq = jnp.einsum("the,de->thd", _round(cr / s, fmt) * s, r, precision="highest")
+        return (deq + centre).astype(x.dtype)
+    elif scheme in ("kprecentered",):   # values per token
+        s = _token_scale(xr, limit)
     elif scheme == "kshaped_vfloat" and which == 1:   # values kept: the keys' share alone
         return x
     elif (scheme in ("shaped", "kshaped", "kshaped_vfloat") and which == 0
@@ -209,6 +228,21 @@ def _shaped_round(y, u, fmt: str):
     return lax.fori_loop(0, d, step, (y, jnp.zeros_like(y)))[1]
 
 
+_pre_sum: dict = {}    # (keys 0 / values 1, layer) -> [Hkv, D] sum of pre-RoPE keys / values
+_pre_count: dict = {}  # and their count (the precentered schemes)
+_pre_energy: dict = {}  # and the sum of their squares
+
+
+def _record_pre(k_pre, v, positions, layer: int) -> None:
+    rows = np.asarray(positions) >= 0
+    for which, x in ((0, np.asarray(k_pre, np.float64)), (1, np.asarray(v, np.float64))):
+        x = x[rows]
+        key = (which, layer)
+        _pre_sum[key] = _pre_sum.get(key, 0.0) + x.sum(0)
+        _pre_count[key] = _pre_count.get(key, 0) + x.shape[0]
+        _pre_energy[key] = _pre_energy.get(key, 0.0) + (x * x).sum(0)
+
+
 def _record(k, v, positions, layer: int) -> None:
     r = rotation(k.shape[-1])
     positions = np.asarray(positions)
@@ -233,8 +267,12 @@ def _patch() -> None:
         q, k, v = qkv(self, cfg, h, rope, lora, rows)
         layer = _state["layer"]
         _state["layer"] += 1
+        _state["rope"] = rope
         if _state["capture"]:
             jax.debug.callback(lambda kk, vv, p: _record(kk, vv, p, layer), k, v,
+                               _state["positions"])
+            k_pre = llama.rotate(k, (rope[0], -rope[1]))   # RoPE undone
+            jax.debug.callback(lambda kk, vv, p: _record_pre(kk, vv, p, layer), k_pre, v,
                                _state["positions"])
             jax.debug.callback(lambda qq, p: _record_queries(qq, p, layer, k.shape[1]), q,
                                _state["positions"])
@@ -282,6 +320,12 @@ def main() -> None:
     jax.effects_barrier()
     _state["capture"] = False
     del llm
+    for which, name in ((0, "keys (pre-RoPE)"), (1, "values")):
+        shares = [float((_pre_sum[which, n] ** 2 / _pre_count[which, n]).sum()
+                        / _pre_energy[which, n].sum())
+                  for n in range(len({k[1] for k in _pre_sum}))]
+        print(f"{name}: the mean's share of the energy per layer: "
+              + " ".join(f"{x:.2f}" for x in shares))
     print(f"SmolLM2-135M-Instruct, {len(ids)} tokens of {os.path.relpath(args.corpus, ROOT)}, "
           f"windows of {args.window}; emulated (quantize-dequantize into a float32 cache)")
     print("| scheme | format | top-1 agree | mean KL | perplexity |")
