@@ -54,6 +54,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels import kv_quant  # noqa: E402
 from pallas_kernels.ragged_paged_attention import gpu, ragged_paged_attention  # noqa: E402
+from pallas_kernels.ragged_paged_attention import half_products as in_halves  # noqa: E402
 from pallas_kernels.ragged_paged_attention import tiling  # noqa: E402
 from pallas_kernels.ragged_paged_attention.gpu_config import (  # noqa: E402
     DEFAULTS, ENV_TUNING, GpuKernelConfig, config_for)
@@ -186,8 +187,10 @@ DECODE_TILINGS = [(64, 2, False, False), (64, 1, False, True), (128, 1, False, T
                   (256, 1, False, True), (64, 3, False, False), (128, 3, True, False)]
 
 
-def decode_candidates(quick: bool) -> list[GpuKernelConfig]:
-    base = DEFAULTS["decode"]
+def decode_candidates(quick: bool, kv_format: str) -> list[GpuKernelConfig]:
+    # e4m3 searched with its products in float16 (one conversion fewer per element:
+    # ``half_products.py``); ``variants`` times the best of them without
+    base = DEFAULTS["decode"].replace(half_products=kv_format in in_halves.FORMATS or None)
     if quick:
         return [base, base.replace(block_kv=128, num_stages=1, prefetch=True)]
     return [dataclasses.replace(base, block_kv=kv, num_stages=st, heads_fastest=hf, prefetch=pf)
@@ -200,11 +203,15 @@ def refine_candidates(best: GpuKernelConfig) -> list[GpuKernelConfig]:
         dataclasses.replace(best, heads_fastest=not best.heads_fastest)]
 
 
-def variants(best: GpuKernelConfig) -> list[GpuKernelConfig]:
+def variants(best: GpuKernelConfig, kv_format: str | None = None) -> list[GpuKernelConfig]:
     """The chosen tiling with q / output tiled by XLA, and with every block masked: what
-    reading in place and the unmasked loop each buy, measured side by side."""
-    return [dataclasses.replace(best, direct_io=False),
-            dataclasses.replace(best, mask_split=False)]
+    reading in place and the unmasked loop each buy, measured side by side; for e4m3 also
+    with the products in the other 16-bit type (float16 / bfloat16)."""
+    out = [dataclasses.replace(best, direct_io=False),
+           dataclasses.replace(best, mask_split=False)]
+    if kv_format in in_halves.FORMATS:
+        out.append(dataclasses.replace(best, half_products=not best.half_products))
+    return out
 
 
 # (block_q, block_kv, warps, stages, prefetch)
@@ -223,9 +230,11 @@ def prefill_candidates(quick: bool) -> list[GpuKernelConfig]:
                      for bq, kv, w, st, pf in PREFILL_TILINGS]
 
 
-def table_config(*, decode: bool, kv_itemsize: int) -> GpuKernelConfig:
+def table_config(*, decode: bool, kv_itemsize: int,
+                 kv_format: str | None = None) -> GpuKernelConfig:
     """What the kernel runs here when no knob is given: its table's entry, fitted."""
     return config_for(decode=decode, kv_itemsize=kv_itemsize, compute_itemsize=2,
+                      kv_format=kv_format if kv_format in kv_quant.KV_FORMATS else None,
                       head_dim=HEADS["head_dim"], block_size=HEADS["block_size"],
                       group_padded=HEADS["num_q_heads"] // HEADS["num_kv_heads"],
                       kind=jax.devices()[0].device_kind)
@@ -386,8 +395,9 @@ def tune_decode(args, ceilings, shapes, kv_format, deadline) -> dict:
     moved = [decode_bytes(b) for b in batches]
     searched = []
     kv_itemsize = batches[0]["k"].dtype.itemsize
-    candidates = ([table_config(decode=True, kv_itemsize=kv_itemsize)] if args.no_search
-                  else decode_candidates(args.quick))
+    candidates = ([table_config(decode=True, kv_itemsize=kv_itemsize, kv_format=kv_format)]
+                  if args.no_search
+                  else decode_candidates(args.quick, kv_format))
     for config in effective(candidates, decode=True, kv_itemsize=kv_itemsize):
         if searched and time.perf_counter() > deadline:
             break
@@ -403,7 +413,8 @@ def tune_decode(args, ceilings, shapes, kv_format, deadline) -> dict:
             searched.append(try_config(batches[0], config, wants[0], args, moved[0]))
     ok = sorted((r for r in searched if usable(r)), key=lambda r: r["ms"])
     finalists = [GpuKernelConfig(**r["config"]) for r in ok[:args.top]]
-    for extra in [DEFAULTS["decode"]] + (variants(finalists[0]) if finalists else []):
+    for extra in [DEFAULTS["decode"]] + (variants(finalists[0], kv_format) if finalists
+                                         else []):
         if extra not in finalists:
             finalists.append(extra)
     per_shape = []
@@ -460,10 +471,12 @@ def _key(config) -> str:
     return json.dumps(config if isinstance(config, dict) else config.to_json(), sort_keys=True)
 
 
-def _variant_rows(result, rows):
-    """Rows of the best searched tiling's variants: q / output tiled by XLA, all masked."""
+def _variant_rows(result, rows, columns: int = 2):
+    """Rows of the best searched tiling's variants (q / output tiled by XLA, all masked,
+    e4m3 products in the other 16-bit type), ``columns`` of them ({} where none ran)."""
     best = GpuKernelConfig(**result["best"])
-    return [rows.get(_key(v), {}) for v in variants(best)]
+    found = [rows.get(_key(v), {}) for v in variants(best, result.get("kv_format"))]
+    return (found + [{}] * columns)[:columns]
 
 
 def decode_table(result, ceilings) -> list[str]:
@@ -480,7 +493,7 @@ def decode_table(result, ceilings) -> list[str]:
         untuned = rows.get(_key(DEFAULTS["decode"]), {})
         shipped = s["shipped"]
         cells = [result["kv_format"], f"{s['batch']} x {s['context']}", rate(tuned),
-                 rate(untuned), *(rate(r) for r in _variant_rows(result, rows)),
+                 rate(untuned), *(rate(r) for r in _variant_rows(result, rows, 3)),
                  rate(shipped) if shipped.get("gb_s") else str(shipped.get("error", "-"))[:40],
                  f"{tuned['gb_s'] / shipped['gb_s']:.2f}x" if "gb_s" in tuned
                  and shipped.get("gb_s") else "-",
@@ -491,8 +504,9 @@ def decode_table(result, ceilings) -> list[str]:
 
 
 DECODE_HEADER = ("| KV | batch x context | tuned GB/s (of copy) | untuned | q / out tiled by XLA "
-                 "| every block masked | JAX shipped | tuned / shipped | error (rel. to max) "
-                 "| ms around the kernel |\n|---|---|---|---|---|---|---|---|---|---|")
+                 "| every block masked | e4m3 products in the other 16-bit type | JAX shipped "
+                 "| tuned / shipped | error (rel. to max) | ms around the kernel |"
+                 "\n|---|---|---|---|---|---|---|---|---|---|---|")
 PREFILL_HEADER = ("| prefill (bf16) | tuned TFLOP/s | untuned | q / out tiled by XLA | every "
                   "block masked | of measured matmul | of datasheet | ms around the kernel |"
                   "\n|---|---|---|---|---|---|---|---|")
@@ -566,6 +580,9 @@ def main(argv=None) -> int:
         if not any(e["phase"] == "decode" and e["kv_bytes"] == kv_bytes for e in entries):
             entries.append(dict(device=device.device_kind, phase="decode", kv_bytes=kv_bytes,
                                 config=result["chosen"]))
+        if kv_bytes == 1:  # and each byte format its own (``gpu_config.tuned``)
+            entries.append(dict(device=device.device_kind, phase="decode", kv_bytes=kv_bytes,
+                                kv_format=kv_format, config=result["chosen"]))
         save()
         print(f"decode {kv_format}: chosen {result['chosen']} "
               f"({len(result['searched'])} searched, {time.perf_counter() - began:.0f} s)",

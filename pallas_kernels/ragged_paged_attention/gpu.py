@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 import pallas_kernels.ragged_paged_attention.tiling as tiling
+import pallas_kernels.ragged_paged_attention.half_products as in_halves
 from pallas_kernels.kv_quant import decode, decode_in_integers
 from pallas_kernels.kv_token_scale import token_scale_values_computed
 from pallas_kernels._backend import has_fp8_units
@@ -88,7 +89,7 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] e
             rows: int, q_heads: int, group: int, group_padded: int, pages_per_block: int,
             num_splits: int, heads_fastest: bool, direct: bool, mask_split: bool,
             prefetch: bool, kv_format: str | None = None, fp8_in_integers: bool = False,
-            token_scales: bool = False):
+            token_scales: bool = False, halves: bool = False):
     code_refs, (o_ref, *lm_refs) = (refs[:2], refs[2:]) if token_scales else ((), refs)
     tile, split = pl.program_id(1 if heads_fastest else 0), pl.program_id(2)
     kv_head = pl.program_id(0 if heads_fastest else 1)
@@ -127,6 +128,10 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] e
         out_at = (flat[:, None], cols)
     else:
         q = q_ref[...]
+    score_scale = sm_scale
+    if halves:  # e4m3 pages multiplied in float16 (``half_products``)
+        q, row_scale = in_halves.queries_in_halves(q)                  # [R, D], [R]
+        score_scale = (sm_scale * row_scale)[:, None]
     num_pages = k_ref.shape[0]
 
     def load_block(j):  # [K, D] K and V of KV block j (as stored), then [K] scale codes
@@ -150,7 +155,7 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] e
             convert = decode_in_integers if fp8_in_integers else decode
             k, v = convert(k, kv_format, q.dtype), convert(v, kv_format, q.dtype)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=dot_precision(q.dtype),
-                            preferred_element_type=jnp.float32) * sm_scale  # [R, K]
+                            preferred_element_type=jnp.float32) * score_scale  # [R, K]
         if token_scales:  # each key's own scale multiplies its scores (kv_token_scale)
             k_mul, v_mul = (token_scale_values_computed(codes) for codes in block[2:])  # [K]
             s = s * k_mul[None, :]
@@ -172,6 +177,8 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] e
         l_next = alpha * l_prev + jnp.sum(p, axis=1)
         if token_scales:  # and each value's scale its probabilities, after the row sum
             p = p * v_mul[None, :]
+        if halves:  # float16's range: the probabilities times PROBABILITY_SCALE
+            p = p * in_halves.PROBABILITY_SCALE
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                              precision=dot_precision(v.dtype),
                              preferred_element_type=jnp.float32)     # [R, D]
@@ -191,6 +198,8 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] e
     else:
         whole_hi = my_lo
     m, l, acc = lax.fori_loop(whole_hi, my_hi, functools.partial(body, masked=True), carry)[:3]
+    if halves:
+        acc = acc * (1.0 / in_halves.PROBABILITY_SCALE)
 
     if num_splits == 1:
         out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
@@ -240,7 +249,8 @@ def choose_blocks(*, num_tokens: int, max_num_seqs: int, group: int, block_size:
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "interpret", "block_q", "block_kv",
     "num_kv_splits", "num_warps", "num_stages", "layer", "kv_format", "heads_fastest",
-    "target_programs", "direct_io", "mask_split", "prefetch", "fp8_in_integers"))
+    "target_programs", "direct_io", "mask_split", "prefetch", "fp8_in_integers",
+    "half_products"))
 def ragged_paged_attention_gpu(
         q: jax.Array,             # [T, Hq, D]
         k_cache: jax.Array,       # [N, B, Hkv, D], or [L, N, B, Hkv, D] with ``layer``
@@ -259,6 +269,7 @@ def ragged_paged_attention_gpu(
         mask_split: bool | None = None,
         prefetch: bool | None = None,
         fp8_in_integers: bool | None = None,
+        half_products: bool | None = None,
         token_scales: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:  # [T, Hq, D]
     """The Pallas GPU (Triton) kernel; shapes are checked by the public function.
     ``kv_format``: the caches are bytes of that format, converted as pages load, with
@@ -266,7 +277,9 @@ def ragged_paged_attention_gpu(
     with their pages: key scales multiply scores, value scales probabilities.
     Tiling knobs left None come from ``gpu_config.config_for``. ``fp8_in_integers``: build
     e4m3 values from the bytes' fields (``kv_quant.decode_in_integers``); None: where the
-    GPU has no FP8 conversion (compute capability < 8.9; never in interpret mode)."""
+    GPU has no FP8 conversion (compute capability < 8.9; never in interpret mode).
+    ``half_products``: e4m3 pages become float16 and are multiplied in float16
+    (``half_products.py``; 16-bit queries only), a tuning knob like the others."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape[-4:]
     max_num_seqs, max_blocks = block_tables.shape
@@ -276,14 +289,15 @@ def ragged_paged_attention_gpu(
     if reason:
         raise ValueError(reason)
     out_dtype = q.dtype
-    config = config_for(decode=num_tokens <= max_num_seqs,
+    config = config_for(decode=num_tokens <= max_num_seqs, kv_format=kv_format,
                         kv_itemsize=jnp.dtype(k_cache.dtype).itemsize,
                         compute_itemsize=jnp.dtype(compute_dtype).itemsize,
                         head_dim=head_dim, block_size=block_size,
                         group_padded=tiling.next_pow2(group), block_q=block_q,
                         block_kv=block_kv, num_warps=num_warps, num_stages=num_stages,
                         heads_fastest=heads_fastest, target_programs=target_programs,
-                        direct_io=direct_io, mask_split=mask_split, prefetch=prefetch)
+                        direct_io=direct_io, mask_split=mask_split, prefetch=prefetch,
+                        half_products=half_products)
     block_q, group_padded, pages_per_block, splits = choose_blocks(
         num_tokens=num_tokens, max_num_seqs=max_num_seqs, group=group,
         block_size=block_size, max_blocks_per_seq=max_blocks, num_kv_heads=num_kv_heads,
@@ -295,6 +309,11 @@ def ragged_paged_attention_gpu(
     tiles = tiling.build_tile_table(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens,
                                     block_q=block_q, num_tiles=num_tiles)
     direct = config.direct_io
+    # e4m3 pages multiplied in float16 (``half_products``): 16-bit queries only (float32
+    # ones keep float32's products); int8 and e5m2 keep bfloat16, which Triton converts
+    # them to with integer operations (to float16 with conversion instructions)
+    halves = (config.half_products and kv_format in in_halves.FORMATS
+              and jnp.dtype(q.dtype).itemsize == 2)
     q = q.astype(compute_dtype)
     if direct:  # the kernel gathers its rows of q and scatters its output rows itself
         q_in = q.reshape(num_tokens * num_q_heads, head_dim)
@@ -360,6 +379,7 @@ def ragged_paged_attention_gpu(
         direct=direct, mask_split=config.mask_split, prefetch=config.prefetch,
         kv_format=kv_format, token_scales=bool(codes),
         # an A100's Triton has no FP8 conversion (a fatal compiler error): bytes to floats
+        halves=halves,
         fp8_in_integers=kv_format == "fp8_e4m3" and (
             not interpret and not has_fp8_units() if fp8_in_integers is None
             else fp8_in_integers))
@@ -378,7 +398,7 @@ def ragged_paged_attention_gpu(
         name=(f"ragged_paged_attention_gpu_q{rows}_kv{pages_per_block * block_size}_s{splits}"
               f"_w{config.num_warps}_p{config.num_stages}{'_h' if fastest else ''}"
               f"{'_d' if direct else ''}{'_m' if config.mask_split else ''}"
-              f"{'_f' if config.prefetch else ''}"),
+              f"{'_f' if config.prefetch else ''}{'_f16' if halves else ''}"),
     )(tiles.seq, tiles.pos0, tiles.count, tiles.kv_len, tiles.start, tables, q_in, k_cache,
       v_cache, *codes)
     out = result if splits == 1 else tiling.combine_splits(*result)

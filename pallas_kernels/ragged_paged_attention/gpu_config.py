@@ -16,7 +16,8 @@ An entry applies to a device whose ``device_kind`` contains its ``device`` (``"H
 ``"H200"``; ``""`` for any), a ``phase`` (``"decode"``: every sequence brings at most one
 token per KV head's tile, the batch no larger than its sequences; ``"prefill"``
 otherwise) and the KV cache's bytes per element (2: bf16 / fp16, 1: int8 / fp8, 4:
-float32); the last matching entry wins. Whatever it says, ``fit_shared_memory`` keeps the
+float32), and, when it names a ``kv_format`` (``"int8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``),
+to that byte format only; the last matching entry wins. Whatever it says, ``fit_shared_memory`` keeps the
 pipelined K / V tiles inside the device's shared memory (an H100 has 227 KiB a block; a
 float32 head_dim-256 tile of 64 keys in 2 stages needs 272 KiB and did not compile).
 """
@@ -35,6 +36,7 @@ from pallas_kernels.ragged_paged_attention.tiling import next_pow2
 TUNED_FILE = Path(__file__).with_name("gpu_tuned.json")
 ENV_TUNING = "JAXPAGE_GPU_ATTENTION_TUNING"
 PHASES = ("decode", "prefill")
+BYTE_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")   # kv_quant.KV_FORMATS' names
 # Shared memory a block may take, in bytes, by device kind (Hopper: 227 KiB; Ampere
 # A100: 163 KiB; others: 99 KiB), less what the kernel's other buffers need.
 SHARED_MEMORY = (("H100", 227 * 1024), ("H200", 227 * 1024), ("H800", 227 * 1024),
@@ -58,6 +60,8 @@ class GpuKernelConfig:
     mask_split: bool = True      # KV blocks every row sees whole run a loop without the mask
     prefetch: bool = False       # each loop step loads the next block's pages into registers
                                  # (with num_stages 1: byte caches then skip shared memory)
+    half_products: bool = False  # e4m3 pages become float16, not bfloat16, and are multiplied
+                                 # in float16 (16-bit queries; ``half_products.py``)
 
     def replace(self, **changes) -> "GpuKernelConfig":
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -80,6 +84,8 @@ def _entries_from(path: Path) -> list[dict]:
     for entry in entries:
         if entry.get("phase") not in PHASES:
             raise ValueError(f"{path}: entry {entry} needs a phase in {PHASES}")
+        if entry.get("kv_format", "int8") not in BYTE_FORMATS:
+            raise ValueError(f"{path}: entry {entry} names a kv_format not in {BYTE_FORMATS}")
         unknown = set(entry.get("config", {})) - set(FIELDS)
         if unknown:
             raise ValueError(f"{path}: entry {entry} has unknown config fields {sorted(unknown)}")
@@ -102,13 +108,15 @@ def device_kind() -> str:
     return device.device_kind if _backend.platform_backend(device.platform) == "gpu" else ""
 
 
-def tuned(phase: str, kv_itemsize: int, kind: str) -> GpuKernelConfig:
-    """The table's choice for this phase, KV element size and device kind (before the
-    shared-memory fit)."""
+def tuned(phase: str, kv_itemsize: int, kind: str,
+          kv_format: str | None = None) -> GpuKernelConfig:
+    """The table's choice for this phase, KV element size, device kind and byte format
+    (None: a float cache) before the shared-memory fit."""
     config = DEFAULTS[phase]
     for entry in _table(os.environ.get(ENV_TUNING) or None):
         if (entry["phase"] == phase and entry.get("kv_bytes", kv_itemsize) == kv_itemsize
-                and entry.get("device", "") in kind):
+                and entry.get("device", "") in kind
+                and entry.get("kv_format", kv_format) == kv_format):
             config = dataclasses.replace(DEFAULTS[phase], **entry.get("config", {}))
     return config
 
@@ -194,11 +202,12 @@ def query_rows(config: GpuKernelConfig, *, decode: bool, group_padded: int) -> i
 
 def config_for(*, decode: bool, kv_itemsize: int, compute_itemsize: int, head_dim: int,
                block_size: int, group_padded: int = 1, kind: str | None = None,
-               **given) -> GpuKernelConfig:
+               kv_format: str | None = None, **given) -> GpuKernelConfig:
     """The kernel's configuration for one call (see the module docstring): the table's,
     with the knobs ``given`` (not None) in their place, fitted to shared memory."""
     kind = device_kind() if kind is None else kind
-    config = tuned("decode" if decode else "prefill", kv_itemsize, kind).replace(**given)
+    config = tuned("decode" if decode else "prefill", kv_itemsize, kind,
+                   kv_format).replace(**given)
     return fit_shared_memory(config, head_dim=head_dim, kv_itemsize=kv_itemsize,
                              compute_itemsize=compute_itemsize, block_size=block_size,
                              decode=decode, group_padded=group_padded, kind=kind)

@@ -204,6 +204,20 @@ def test_token_scaled_int8_kernel_compiles_for_gpu(target, family, block_size):
         assert "__gpu$xla.gpu.triton" in compiled.as_text(), kind
 
 
+def test_e4m3_pages_multiplied_in_float16_compile_for_an_h100():
+    """e4m3 pages converted to float16 and multiplied in float16 (``half_products``), decode
+    and prefill batches at Llama-3-8B's heads: the Triton kernel compiles with it."""
+    device = target_devices("h100")[0]
+    hq, hkv, head_dim, options = FAMILIES["llama3_8b"]
+    for kind, (num_tokens, num_seqs) in BATCHES.items():
+        specs = _attention_specs(num_tokens, num_seqs, hq, hkv, head_dim, 16, jnp.uint8,
+                                 False)
+        specs[0] = ((num_tokens, hq, head_dim), jnp.bfloat16)
+        compiled = compile_on_device(device, ragged_paged_attention_gpu, *specs, static_kwargs=dict(
+            sm_scale=head_dim ** -0.5, kv_format="fp8_e4m3", half_products=True, **options))
+        assert "_f16" in compiled.as_text(), kind   # the float16 kernel, by its name
+
+
 @pytest.mark.parametrize("target", ["v5e:1x1", "h100"])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_matmul_compiles_for_target(target, bits):

@@ -196,7 +196,8 @@ def test_committed_gpu_tuning_is_read():
         for entry in entries:
             got = gpu_config.config_for(
                 decode=entry["phase"] == "decode", kv_itemsize=entry["kv_bytes"],
-                compute_itemsize=2, head_dim=128, block_size=16, group_padded=4, kind=kind)
+                compute_itemsize=2, head_dim=128, block_size=16, group_padded=4, kind=kind,
+                kv_format=entry.get("kv_format"))
             assert {k: getattr(got, k) for k in entry["config"]} == entry["config"], entry
 
 
