@@ -51,26 +51,29 @@ from pallas_kernels._backend import branches_wait_for_device
 _TARGET_KERNELS = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "cpu": "cpu"}
 
 
-def model_config(model: str | None) -> dict[str, Any]:
-    """The HF-style config of a preset, checkpoint directory or GGUF file (no weights read)."""
-    if model is not None and model.startswith(PRESET_PREFIX):
-        return preset_config(model)
+def open_checkpoint(model: str | None, weight_cache: bool = True) -> Any:
+    """The weight source of a checkpoint directory or GGUF file (None: the default model),
+    opened as a live engine opens it: through the converted-weight cache when
+    ``weight_cache`` (a GGUF file's config and tensor types are then read from the cache a
+    start or an earlier plan wrote, not parsed again: seconds for a real model)."""
+    import os
+
+    from jaxpage.engine.tokenizer import cache_dir
     from jaxpage.models.loader import default_model_path
     from jaxpage.models.weight_sources import open_source
 
-    return open_source(default_model_path() if model is None else model).hf_config
+    return open_source(default_model_path() if model is None else model,
+                       os.path.join(cache_dir(), "weights") if weight_cache else None)
 
 
-def _quant_plan(mc: Any, arch: ArchConfig, device: Any) -> dict:
+def _quant_plan(mc: Any, source: Any, arch: ArchConfig, device: Any) -> dict:
     """The stored formats of ``quantization`` for ``arch`` (``jaxpage.models.quantize``);
-    a pre-quantized checkpoint's own (``jaxpage.models.prequantized``)."""
+    a pre-quantized checkpoint's own (``jaxpage.models.prequantized``). ``source``: the
+    checkpoint's (``open_checkpoint``), None for a preset."""
     from jaxpage.models.loader import quantizable_dims
     from jaxpage.models.quantize import mode_plan
 
-    if mc.model is not None and not mc.model.startswith(PRESET_PREFIX):
-        from jaxpage.models.weight_sources import open_source
-
-        source = open_source(mc.model)
+    if source is not None:
         stored = getattr(source, "stored", None)
         if stored is not None:  # a pre-quantized checkpoint: its stored formats
             from jaxpage.models.prequantized import canonical_method, for_device
@@ -82,10 +85,6 @@ def _quant_plan(mc: Any, arch: ArchConfig, device: Any) -> dict:
     if mc.quantization is None:
         return {}
     if mc.quantization == "gguf":
-        from jaxpage.models.loader import default_model_path
-        from jaxpage.models.weight_sources import open_source
-
-        source = open_source(default_model_path() if mc.model is None else mc.model)
         if not hasattr(source, "gguf_plan"):
             raise ValueError(f"quantization='gguf' needs a GGUF file, not {mc.model!r}")
         return source.gguf_plan(arch)
@@ -128,7 +127,11 @@ class AbstractEngine:
         self.host_decides = self.platform == "cpu" or branches_wait_for_device(self.platform)
         self.mesh = Mesh(np.array(devices[:tp]), (TP,))
         self.placement = Placement(self.mesh)
-        self.hf_config = {**model_config(mc.model), **(mc.hf_overrides or {})}
+        # the checkpoint, opened once (None: a preset, which has no file)
+        preset = mc.model is not None and mc.model.startswith(PRESET_PREFIX)
+        source = None if preset else open_checkpoint(mc.model, mc.weight_cache)
+        self.hf_config = {**(preset_config(mc.model) if preset else source.hf_config),
+                          **(mc.hf_overrides or {})}
         model_cls, arch = resolve_architecture(self.hf_config)
         self.arch: ArchConfig = replicated_arch(arch, tp)
         self.dtype = DTYPES[auto_dtype(None, self.hf_config, self.platform)
@@ -149,7 +152,7 @@ class AbstractEngine:
         # rngs=None: parameter shapes only (quantized weights as their stored parts)
         abstract = model_cls(self.arch, dtype=self.dtype, attention_backend=mc.attention_backend,
                              rngs=None, mesh=self.mesh,
-                             quant_plan=_quant_plan(mc, self.arch, self.device), kv_format=cc.kv_format)
+                             quant_plan=_quant_plan(mc, source, self.arch, self.device), kv_format=cc.kv_format)
         if mc.enable_lora:  # the adapter slots every program then takes (models.lora)
             attach_lora(abstract, mc.max_loras, mc.max_lora_rank, abstract=True)
         self.graphdef, state = nnx.split(abstract)

@@ -213,3 +213,28 @@ def test_second_engine_loads_converted_weights_from_cache(tmp_path, monkeypatch,
 
     LLM(str(gguf), weight_cache=False, **options)  # the option turns the cache off
     assert counts["dequantized"] > 0 and counts["parsed"] == 1
+
+
+def test_planning_reads_a_gguf_files_config_from_the_cache(tmp_path, monkeypatch, counts):
+    """``AbstractEngine`` (``jaxpage plan``, the deviceless compiles) opens a checkpoint
+    as a live engine does: the first plan parses the GGUF file once and saves its config,
+    later plans (and starts) read it from the cache; ``weight_cache=False`` parses."""
+    from jaxpage.config import EngineConfig
+    from jaxpage.parallel.targets import target_devices
+    from jaxpage.planning.abstract_engine import AbstractEngine
+
+    monkeypatch.setenv("JAXPAGE_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", seed=0)
+
+    def plan(**options):
+        config = EngineConfig.from_kwargs(model=str(gguf), max_model_len=64, max_num_seqs=2,
+                                          max_num_batched_tokens=16, **options)
+        return AbstractEngine(config, target_devices("h100"), num_kv_blocks=8)
+
+    first = plan(quantization="gguf")
+    assert counts["parsed"] == 1
+    second = plan(quantization="gguf")
+    assert counts["parsed"] == 1   # config and tensor types from the cache
+    assert second.hf_config == first.hf_config and second.arch == first.arch
+    plan(weight_cache=False)
+    assert counts["parsed"] == 2
