@@ -40,40 +40,11 @@ import pallas_kernels.ragged_paged_attention.half_products as in_halves
 from pallas_kernels.kv_quant import decode, decode_in_integers
 from pallas_kernels.kv_token_scale import token_scale_values_computed
 from pallas_kernels._backend import has_fp8_units
-from pallas_kernels.ragged_paged_attention.gpu_config import (
-    GpuKernelConfig, config_for, device_kind, too_large_reason)
+from pallas_kernels.ragged_paged_attention.gpu_config import (  # noqa: F401 (re-exported)
+    GpuKernelConfig, call_unsupported_reason, config_for, unsupported_reason)
 from pallas_kernels.precision import dot_precision
 
 MIN_DOT = 16  # Triton's tensor-core dot wants every dimension >= 16
-
-
-def unsupported_reason(*, head_dim: int, block_size: int, kv_itemsize: int | None = None,
-                       compute_itemsize: int | None = None, group: int = 1,
-                       kind: str | None = None) -> str | None:
-    """Why this kernel cannot take these shapes (None when it can). With the element
-    sizes, also whether one page's tiles fit the device's shared memory
-    (``gpu_config.too_large_reason``; ``kind``: the device kind, default the device's)."""
-    for name, value in (("head_dim", head_dim), ("block_size", block_size)):
-        if value & (value - 1):
-            return f"the Pallas GPU kernel needs a power-of-two {name}, got {value}"
-    if kv_itemsize is None:
-        return None
-    return too_large_reason(head_dim=head_dim, block_size=block_size, kv_itemsize=kv_itemsize,
-                            compute_itemsize=compute_itemsize or kv_itemsize,
-                            group_padded=tiling.next_pow2(group),
-                            kind=device_kind() if kind is None else kind)
-
-
-def call_unsupported_reason(q: jax.Array, k_cache: jax.Array, *, kv_format: str | None,
-                            interpret: bool) -> str | None:
-    """``unsupported_reason`` for one call: q [T, Hq, D] and a split cache ``[(L,) N, B,
-    Hkv, D]`` (bytes for ``kv_format``, converted to q's dtype); shared memory is not
-    checked in interpret mode (no device)."""
-    compute = q.dtype if kv_format is not None else k_cache.dtype
-    return unsupported_reason(
-        head_dim=q.shape[-1], block_size=k_cache.shape[-3],
-        kv_itemsize=None if interpret else jnp.dtype(k_cache.dtype).itemsize,
-        compute_itemsize=jnp.dtype(compute).itemsize, group=q.shape[1] // k_cache.shape[-2])
 
 
 def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] each

@@ -1,5 +1,5 @@
-"""How the Pallas GPU attention kernel tiles a batch: its tunable knobs, and the measured
-choice of them per GPU.
+"""How the Pallas GPU attention kernel tiles a batch: its tunable knobs, the measured
+choice of them per GPU, and which shapes it cannot take (``unsupported_reason``).
 
 A ``GpuKernelConfig`` holds what the kernel's speed depends on and its numbers do not:
 the KV tokens one loop step loads, the Triton warps and pipeline stages, how many
@@ -29,6 +29,9 @@ import json
 import os
 from functools import lru_cache
 from pathlib import Path
+
+import jax
+import jax.numpy as jnp
 
 from pallas_kernels import _backend
 from pallas_kernels.ragged_paged_attention.tiling import next_pow2
@@ -211,3 +214,32 @@ def config_for(*, decode: bool, kv_itemsize: int, compute_itemsize: int, head_di
     return fit_shared_memory(config, head_dim=head_dim, kv_itemsize=kv_itemsize,
                              compute_itemsize=compute_itemsize, block_size=block_size,
                              decode=decode, group_padded=group_padded, kind=kind)
+
+
+def unsupported_reason(*, head_dim: int, block_size: int, kv_itemsize: int | None = None,
+                       compute_itemsize: int | None = None, group: int = 1,
+                       kind: str | None = None) -> str | None:
+    """Why this kernel cannot take these shapes (None when it can). With the element
+    sizes, also whether one page's tiles fit the device's shared memory
+    (``too_large_reason``; ``kind``: the device kind, default the device's)."""
+    for name, value in (("head_dim", head_dim), ("block_size", block_size)):
+        if value & (value - 1):
+            return f"the Pallas GPU kernel needs a power-of-two {name}, got {value}"
+    if kv_itemsize is None:
+        return None
+    return too_large_reason(head_dim=head_dim, block_size=block_size, kv_itemsize=kv_itemsize,
+                            compute_itemsize=compute_itemsize or kv_itemsize,
+                            group_padded=next_pow2(group),
+                            kind=device_kind() if kind is None else kind)
+
+
+def call_unsupported_reason(q: jax.Array, k_cache: jax.Array, *, kv_format: str | None,
+                            interpret: bool) -> str | None:
+    """``unsupported_reason`` for one call: q [T, Hq, D] and a split cache ``[(L,) N, B,
+    Hkv, D]`` (bytes for ``kv_format``, converted to q's dtype); shared memory is not
+    checked in interpret mode (no device)."""
+    compute = q.dtype if kv_format is not None else k_cache.dtype
+    return unsupported_reason(
+        head_dim=q.shape[-1], block_size=k_cache.shape[-3],
+        kv_itemsize=None if interpret else jnp.dtype(k_cache.dtype).itemsize,
+        compute_itemsize=jnp.dtype(compute).itemsize, group=q.shape[1] // k_cache.shape[-2])
