@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
-import json
 import time
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
-import anyio
 from fastapi import FastAPI
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxpage.engine.async_llm_engine import AsyncLLMEngine
 from jaxpage.lora_request import LoRARequest
-from jaxpage.server.errors import APIError, error_body, error_response, install_error_handlers
+from jaxpage.server.errors import APIError, error_response, install_error_handlers
+from jaxpage.server.event_stream import event_stream, sse
 from jaxpage.server.kv_routes import add_kv_routes
 from jaxpage.server.lora_routes import ServedAdapters, add_lora_routes
 from jaxpage.server.metrics import ServerMetrics
@@ -36,72 +35,6 @@ from jaxpage.server.structured import (structured_outputs_of, template_message, 
 from jaxpage.server.tool_parsers import StreamingToolCalls, get_parser
 
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
-
-
-class EventStreamResponse(StreamingResponse):
-    """Server-sent events that stop as soon as the client disconnects.
-
-    Starlette only notices a disconnect on its next send under ASGI 2.4; this response
-    always listens for ``http.disconnect`` and cancels the stream then, so the engine
-    requests are aborted at once even between events: by the stream's ``finally`` when
-    the cancel lands inside the generator, else (cancelled mid-send, or before the
-    generator started) by ``on_close``, which runs however the response ends.
-    """
-
-    def __init__(self, content, on_close=None) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
-        # Runs however the response ends, even when the client left before the stream's
-        # generator started (its ``finally`` would then never run).
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            async with anyio.create_task_group() as group:
-                async def stream() -> None:
-                    try:
-                        await self.stream_response(send)
-                    except OSError:
-                        pass  # the client went away mid-send
-                    group.cancel_scope.cancel()
-
-                group.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                group.cancel_scope.cancel()
-        finally:
-            if self.on_close is not None:
-                self.on_close()
-
-
-def _sse(payload: Any) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def _event_stream(job: GenerationJob, chunks: AsyncIterator[str]) -> EventStreamResponse:
-    """The streaming response of ``job``: the events of ``chunks``, then ``data: [DONE]``.
-
-    The tail both routes share: an ``APIError`` or ``ValueError`` raised while streaming
-    becomes one error event (the 200 status line has gone out already, so it cannot be a
-    4xx any more) followed by ``[DONE]``; any other exception ends the response. The
-    idempotent ``job.close()`` runs in the generator's ``finally`` when the stream runs
-    out, fails or is cancelled inside it, and again from the response's ``on_close``
-    however the response ended (which covers a client that left mid-send or before the
-    generator started).
-    """
-    async def events() -> AsyncIterator[str]:
-        try:
-            async for chunk in chunks:
-                yield chunk
-        except APIError as error:
-            yield _sse(error_body(error.status, error.message, error.param))
-        except ValueError as error:
-            yield _sse(error_body(400, str(error)))
-        finally:
-            job.close()
-        # Not in the ``finally``: a closed or cancelled generator must not yield again.
-        yield "data: [DONE]\n\n"
-
-    return EventStreamResponse(events(), on_close=job.close)
 
 
 def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
@@ -267,16 +200,16 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
                 lp = logprobs_of(choice, delta.token_ids, delta.logprobs or [],
                                  offsets[choice.index])
                 offsets[choice.index] += len(delta.text)
-                yield _sse({"id": rid, "object": "text_completion", "created": now,
+                yield sse({"id": rid, "object": "text_completion", "created": now,
                             "model": name, "choices": [{
                                 "index": choice.index, "text": delta.text, "logprobs": lp,
                                 "finish_reason": choice.finish_reason if finished else None,
                                 "stop_reason": choice.stop_reason if finished else None}]})
             if include_usage:
-                yield _sse({"id": rid, "object": "text_completion", "created": now,
+                yield sse({"id": rid, "object": "text_completion", "created": now,
                             "model": name, "choices": [], "usage": job.usage()})
 
-        return _event_stream(job, chunks())
+        return event_stream(job, chunks())
 
     # -- chat completions --------------------------------------------------------------
 
@@ -356,7 +289,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def chunk(choices: list[dict], **extra) -> str:
-            return _sse({"id": rid, "object": "chat.completion.chunk", "created": now,
+            return sse({"id": rid, "object": "chat.completion.chunk", "created": now,
                          "model": name, "choices": choices, **extra})
 
         async def chunks() -> AsyncIterator[str]:
@@ -395,7 +328,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str,
             if include_usage:
                 yield chunk([], usage=job.usage())
 
-        return _event_stream(job, chunks())
+        return event_stream(job, chunks())
 
     # Outermost (added last): counts responses of the key check and of every route.
     app.add_middleware(CountResponsesMiddleware, counter=metrics.http_requests,

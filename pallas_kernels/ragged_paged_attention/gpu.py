@@ -40,8 +40,8 @@ import pallas_kernels.ragged_paged_attention.half_products as in_halves
 from pallas_kernels.kv_quant import decode, decode_in_integers
 from pallas_kernels.kv_token_scale import token_scale_values_computed
 from pallas_kernels._backend import has_fp8_units
-from pallas_kernels.ragged_paged_attention.gpu_config import (  # noqa: F401 (re-exported)
-    GpuKernelConfig, call_unsupported_reason, config_for, unsupported_reason)
+from pallas_kernels.ragged_paged_attention.gpu_config import (
+    GpuKernelConfig, call_unsupported_reason, config_for)
 from pallas_kernels.precision import dot_precision
 
 MIN_DOT = 16  # Triton's tensor-core dot wants every dimension >= 16

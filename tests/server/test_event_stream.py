@@ -1,4 +1,4 @@
-"""The streaming tail shared by completions and chat (``_event_stream``), without a server:
+"""The streaming tail shared by completions and chat (``event_stream``), without a server:
 ``[DONE]`` after the chunks, an error event for an error raised mid-stream, and the job
 closed however the stream ends."""
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from jaxpage.server.api_server import _event_stream
+from jaxpage.server.event_stream import event_stream
 from jaxpage.server.errors import APIError
 
 
@@ -27,7 +27,7 @@ def stream_of(job: FakeJob, error: BaseException | None = None):
         yield "data: 2\n\n"
         if error is not None:
             raise error
-    return _event_stream(job, chunks())
+    return event_stream(job, chunks())
 
 
 async def drain(response) -> list[str]:
