@@ -8,6 +8,7 @@ reads such a file, and keyword arguments override it.
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,13 @@ from typing import Any
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SUPPORTED_ATTENTION_BACKENDS = ("auto", "reference", "cpu", "gpu", "tpu")
 SUPPORTED_LOAD_FORMATS = ("auto", "safetensors", "gguf")
+
+
+def cache_dir() -> str:
+    """jaxpage's cache directory: ``$JAXPAGE_CACHE_DIR``, default ``~/.cache/jaxpage``
+    (converted weights, tokenizers, compiled programs, C++ kernels live under it)."""
+    return os.environ.get("JAXPAGE_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "jaxpage")
 
 
 def _require(condition: bool, message: str) -> None:

@@ -16,17 +16,13 @@ import hashlib
 import os
 from typing import TYPE_CHECKING
 
+from jaxpage.config import cache_dir
+
 if TYPE_CHECKING:
     from gguf import GGUFReader
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def cache_dir() -> str:
-    root = os.environ.get("JAXPAGE_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "jaxpage")
-    return root
 
 
 def _gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:

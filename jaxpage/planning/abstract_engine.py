@@ -58,7 +58,7 @@ def open_checkpoint(model: str | None, weight_cache: bool = True) -> Any:
     start or an earlier plan wrote, not parsed again: seconds for a real model)."""
     import os
 
-    from jaxpage.engine.tokenizer import cache_dir
+    from jaxpage.config import cache_dir
     from jaxpage.models.loader import default_model_path
     from jaxpage.models.weight_sources import open_source
 
