@@ -29,7 +29,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("planning", ("jaxpage.planning",)),
     ("engine", ("jaxpage.engine",)),
     ("server", ("jaxpage.server",)),
-    ("cli", ("jaxpage.cli",)),
+    ("cli", ("jaxpage.cli", "jaxpage.cli_flags")),
     ("api", ("jaxpage",)),  # the package's lazy facade (``jaxpage/__init__.py``) only
 ]
 NO_JAX_FLOORS = ("config", "core")  # the host-side scheduler never needs JAX
