@@ -60,6 +60,11 @@ constexpr int kLogPolyTerms = 8;
 constexpr float kLogPoly[kLogPolyTerms] = {
     -0.0810227021574974f, 0.1271267831325531f, -0.12972144782543182f, 0.14202114939689636f,
     -0.166422501206398f, 0.20001471042633057f, -0.2500029504299164f, 0.333333283662796f};
+// The mantissa is folded into [sqrt(1/2), sqrt(2)); ln 2 is added back in two parts (a
+// short high part, exact times any exponent, and the rest).
+constexpr float kSqrt2 = 1.41421356f;
+constexpr float kLn2High = 0.693359375f;
+constexpr float kLn2Low = -2.12194440e-4f;
 
 inline float LogPositive(float x) {
   int32_t bits;
@@ -68,7 +73,7 @@ inline float LogPositive(float x) {
   int32_t mbits = (bits & 0x7FFFFF) | (127 << 23);
   float m;
   std::memcpy(&m, &mbits, sizeof m);
-  const bool big = m > 1.41421356f;
+  const bool big = m > kSqrt2;
   m = big ? m * 0.5f : m;
   e += big ? 1 : 0;
   const float f = m - 1.0f;
@@ -76,7 +81,7 @@ inline float LogPositive(float x) {
   for (int i = 1; i < kLogPolyTerms; ++i) p = p * f + kLogPoly[i];
   const float ef = static_cast<float>(e);
   const float r = f * f * f * p - 0.5f * f * f + f;
-  return (r + ef * -2.12194440e-4f) + ef * 0.693359375f;  // ln 2 split in two parts
+  return (r + ef * kLn2Low) + ef * kLn2High;
 }
 
 // The row's draw key: reference.py's gumbel_noise key for (seed, index).
@@ -110,7 +115,7 @@ inline __m512 LogPositive16(__m512 x) {
                                _mm512_set1_epi32(127));
   __m512 m = _mm512_castsi512_ps(_mm512_or_si512(
       _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFF)), _mm512_set1_epi32(127 << 23)));
-  const __mmask16 big = _mm512_cmp_ps_mask(m, _mm512_set1_ps(1.41421356f), _CMP_GT_OQ);
+  const __mmask16 big = _mm512_cmp_ps_mask(m, _mm512_set1_ps(kSqrt2), _CMP_GT_OQ);
   m = _mm512_mask_mul_ps(m, big, m, _mm512_set1_ps(0.5f));
   e = _mm512_mask_add_epi32(e, big, e, _mm512_set1_epi32(1));
   const __m512 f = _mm512_sub_ps(m, _mm512_set1_ps(1.0f));
@@ -120,8 +125,8 @@ inline __m512 LogPositive16(__m512 x) {
   __m512 r = _mm512_mul_ps(_mm512_mul_ps(f2, f), p);
   r = _mm512_add_ps(_mm512_fnmadd_ps(_mm512_set1_ps(0.5f), f2, r), f);
   const __m512 ef = _mm512_cvtepi32_ps(e);
-  return _mm512_fmadd_ps(ef, _mm512_set1_ps(0.693359375f),
-                         _mm512_fmadd_ps(ef, _mm512_set1_ps(-2.12194440e-4f), r));
+  return _mm512_fmadd_ps(ef, _mm512_set1_ps(kLn2High),
+                         _mm512_fmadd_ps(ef, _mm512_set1_ps(kLn2Low), r));
 }
 
 inline __m512i Mix32x16(__m512i x) {
@@ -165,7 +170,7 @@ inline __m256 LogPositive8(__m256 x) {
                                _mm256_set1_epi32(127));
   __m256 m = _mm256_castsi256_ps(_mm256_or_si256(
       _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFF)), _mm256_set1_epi32(127 << 23)));
-  const __m256 big = _mm256_cmp_ps(m, _mm256_set1_ps(1.41421356f), _CMP_GT_OQ);
+  const __m256 big = _mm256_cmp_ps(m, _mm256_set1_ps(kSqrt2), _CMP_GT_OQ);
   m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), big);
   e = _mm256_sub_epi32(e, _mm256_castps_si256(big));  // all-ones lanes: e + 1
   const __m256 f = _mm256_sub_ps(m, _mm256_set1_ps(1.0f));
@@ -175,8 +180,8 @@ inline __m256 LogPositive8(__m256 x) {
   __m256 r = _mm256_mul_ps(_mm256_mul_ps(f2, f), p);
   r = _mm256_add_ps(_mm256_fnmadd_ps(_mm256_set1_ps(0.5f), f2, r), f);
   const __m256 ef = _mm256_cvtepi32_ps(e);
-  return _mm256_fmadd_ps(ef, _mm256_set1_ps(0.693359375f),
-                         _mm256_fmadd_ps(ef, _mm256_set1_ps(-2.12194440e-4f), r));
+  return _mm256_fmadd_ps(ef, _mm256_set1_ps(kLn2High),
+                         _mm256_fmadd_ps(ef, _mm256_set1_ps(kLn2Low), r));
 }
 
 inline __m256i Mix32x8(__m256i x) {
