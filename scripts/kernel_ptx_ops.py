@@ -20,6 +20,8 @@ import collections
 import glob
 import os
 import re
+import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -40,15 +42,20 @@ def parse_knobs(text: str) -> dict:
     return knobs
 
 
-def kernel_ops(kv_format: str | None, knobs: dict, dump_dir: str) -> collections.Counter:
-    """Compile once with XLA dumping to ``dump_dir`` (set before JAX starts) and count the
-    attention kernel's PTX instructions (predicated ones included)."""
+# An H100 SM's limits (CUDA occupancy calculator, compute capability 9.0).
+SMS, SM_REGISTERS, REGISTER_UNIT, SM_SHARED, BLOCK_RESERVED_SHARED = 132, 65536, 256, 233472, 1024
+SM_THREADS, SM_BLOCKS = 2048, 32
+
+
+def compile_and_dump(kv_format: str | None, knobs: dict, dump_dir: str) -> list[str]:
+    """Compile the kernel's call once for an H100 with XLA dumping to ``dump_dir`` (set
+    before JAX starts); returns the files that compile wrote."""
     import jax.numpy as jnp
 
     from jaxpage.parallel.targets import compile_on_device, target_devices
     from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 
-    before = set(glob.glob(f"{dump_dir}/**/*.ptx", recursive=True))
+    before = set(glob.glob(f"{dump_dir}/**/*", recursive=True))
     seqs, hq, hkv, head_dim, block, blocks, per_seq = 64, 32, 8, 128, 16, 8192, 128
     cache = ((blocks, block, hkv, head_dim), jnp.uint8 if kv_format else jnp.bfloat16)
     specs = [((seqs, hq, head_dim), jnp.bfloat16), cache, cache, ((seqs,), jnp.int32),
@@ -56,18 +63,92 @@ def kernel_ops(kv_format: str | None, knobs: dict, dump_dir: str) -> collections
     compile_on_device(target_devices("h100")[0], ragged_paged_attention_gpu, *specs,
                       static_kwargs=dict(sm_scale=head_dim ** -0.5, kv_format=kv_format,
                                          **knobs))
+    return sorted(set(glob.glob(f"{dump_dir}/**/*", recursive=True)) - before)
+
+
+def kernel_ptx(files: list[str]) -> str:
+    """The attention kernel's PTX (XLA's dump holds one kernel a file)."""
+    for path in files:
+        if path.endswith(".ptx"):
+            text = open(path).read()
+            if re.search(r"\.entry\s+\w*ragged_paged_attention", text):
+                return text
+    raise SystemExit("no PTX of the attention kernel in the dump (XLA_FLAGS set too late?)")
+
+
+def kernel_ops(ptx: str) -> collections.Counter:
+    """Static counts of the kernel's PTX instructions (predicated ones included)."""
+    body = ptx[re.search(r"\.entry\s+\w*ragged_paged_attention", ptx).start():]
     counts = collections.Counter()
-    for path in set(glob.glob(f"{dump_dir}/**/*.ptx", recursive=True)) - before:
-        text = open(path).read()
-        entry = re.search(r"\.entry\s+\w*ragged_paged_attention\w*", text)
-        if entry is None:
-            continue
-        body = text[entry.start():]   # one kernel a file (XLA's dump); inline asm braces
-        for op in re.findall(r"^\s*(?:@!?%\w+\s+)?([a-z][\w.]*)", body, re.M):
-            counts[op] += 1
-    if not counts:
-        raise SystemExit("no PTX of the attention kernel in the dump (XLA_FLAGS set too late?)")
+    # Triton's inline asm puts several statements on one line: count each statement.
+    for statement in re.split(r"[;\n]", body):
+        match = re.match(r"\s*(?:@!?%\w+\s+)?([a-z][\w.]*)", statement)
+        if match:
+            counts[match.group(1)] += 1
     return counts
+
+
+def launches(files: list[str]) -> list[dict]:
+    """Every kernel the compiled call launches, from XLA's thunk sequence: name, grid,
+    threads a block and dynamic shared memory."""
+    rows = []
+    for path in files:
+        if path.endswith("thunk_sequence_after_thunk_passes.txt"):
+            for name, grid, threads, shared in re.findall(
+                    r"kCustomKernel.*?\]\s+(\S+) grid: \[([\d, ]+)\] threads: \[([\d, ]+)\]"
+                    r"\s+shared_memory: (\d+) bytes", open(path).read()):
+                rows.append(dict(name=name, grid=[int(g) for g in grid.split(",")],
+                                 threads=[int(t) for t in threads.split(",")],
+                                 shared=int(shared)))
+    return rows
+
+
+def ptxas_registers(ptx: str) -> tuple[int, int] | None:
+    """(registers a thread, spill bytes stored) from ``ptxas -v`` for sm_90a, or None where
+    no ptxas is installed (it ships with the CUDA toolkit)."""
+    ptxas = shutil.which("ptxas") or next(iter(glob.glob("/usr/local/cuda*/bin/ptxas")), None)
+    if ptxas is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(f"{tmp}/k.ptx", "w") as f:
+            f.write(ptx)
+        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
+                             capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", out).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", out).group(1))
+    return registers, spills
+
+
+def occupancy(threads: int, shared: int, registers: int | None) -> int:
+    """Blocks of the kernel one H100 SM holds at once (registers, shared memory, threads)."""
+    limits = [SM_BLOCKS, SM_THREADS // threads,
+              SM_SHARED // (shared + BLOCK_RESERVED_SHARED)]
+    if registers is not None:
+        warp_registers = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
+        limits.append(SM_REGISTERS // (warp_registers * (threads // 32)))
+    return min(limits)
+
+
+def resources(files: list[str], ptx: str) -> dict:
+    """What bounds the kernel's occupancy, as rows of the printed table."""
+    calls = launches(files)
+    kernel = next(c for c in calls if c["name"].startswith("ragged_paged_attention"))
+    regs = ptxas_registers(ptx)
+    threads = kernel["threads"][0] * kernel["threads"][1] * kernel["threads"][2]
+    programs = kernel["grid"][0] * kernel["grid"][1] * kernel["grid"][2]
+    per_sm = occupancy(threads, kernel["shared"], regs[0] if regs else None)
+    waves = -(-programs // (SMS * per_sm))
+    return {
+        "kernel": kernel["name"],
+        "grid (programs)": f"{kernel['grid']} ({programs})",
+        "shared memory a block (B)": kernel["shared"],
+        "registers a thread (ptxas)": regs[0] if regs else "no ptxas",
+        "spill stores (B)": regs[1] if regs else "no ptxas",
+        "blocks an SM holds": per_sm,
+        "waves over 132 SMs (last one's fill)":
+            f"{waves} ({programs / (SMS * per_sm) - waves + 1:.0%})",
+        "kernels the call launches": len(calls),
+    }
 
 
 def main() -> int:
@@ -89,7 +170,12 @@ def main() -> int:
     kv_format = None if args.kv_format == "bfloat16" else args.kv_format
     base = parse_knobs(args.base)
     variant = {**base, **parse_knobs(args.variant)}
-    counts = [kernel_ops(kv_format, base, dump_dir), kernel_ops(kv_format, variant, dump_dir)]
+    counts, shapes = [], []
+    for knobs in (base, variant):
+        files = compile_and_dump(kv_format, knobs, dump_dir)
+        ptx = kernel_ptx(files)
+        counts.append(kernel_ops(ptx))
+        shapes.append(resources(files, ptx))
     prefixes = tuple(p for p in args.ops.split(",") if p)
     ops = sorted({op for c in counts for op in c if not prefixes or op.startswith(prefixes)},
                  key=lambda op: -max(c[op] for c in counts))
@@ -99,6 +185,11 @@ def main() -> int:
     print("|---|---|---|")
     for op in ops:
         print(f"| `{op}` | {counts[0][op]} | {counts[1][op]} |")
+    print()
+    print(f"| H100 resources | {args.base} | + {args.variant} |")
+    print("|---|---|---|")
+    for row in shapes[0]:
+        print(f"| {row} | {shapes[0][row]} | {shapes[1][row]} |")
     return 0
 
 

@@ -178,23 +178,34 @@ def causal_flops(seqs: int, new: int, cached: int) -> float:
 # -- candidates -----------------------------------------------------------------------------
 
 # (block_kv, num_stages, heads_fastest, prefetch), most telling first: a deadline may cut
-# the list. Byte caches read through shared memory one byte at a time when pipelined
-# (Triton's cp.async path, seen in the PTX); one stage with the next block prefetched into
-# registers converts them on the way in.
-DECODE_TILINGS = [(64, 2, False, False), (64, 1, False, True), (128, 1, False, True),
-                  (64, 1, False, False), (128, 3, False, False), (64, 4, False, False),
-                  (128, 2, False, False), (64, 2, True, False), (128, 1, False, False),
-                  (256, 1, False, True), (64, 3, False, False), (128, 3, True, False)]
+# the list (a one-minute budget searches 3-4 of them a format). The order is the H200's
+# (2026-11-27, run 2): one stage won for every format (bf16 at 64 KV tokens a step, the
+# byte formats at 128); pipelined stages and the register prefetch were slower, so they
+# come last. Byte caches read through shared memory one byte at a time when pipelined
+# (Triton's cp.async path, seen in the PTX). 256 tokens with the prefetch is left out: it
+# spills (10-30 KB of spill stores a thread by ``ptxas -v``, ``kernel_ptx_ops.py``; 4.9 ms
+# on the H200 against 0.14-0.2).
+DECODE_TILINGS = [(128, 1, False, False), (64, 1, False, False), (256, 1, False, False),
+                  (128, 1, True, False), (64, 2, False, False), (128, 2, False, False),
+                  (64, 1, False, True), (128, 1, False, True), (64, 3, False, False),
+                  (128, 3, False, False), (64, 4, False, False), (64, 2, True, False)]
 
 
-def decode_candidates(quick: bool, kv_format: str) -> list[GpuKernelConfig]:
+def decode_candidates(quick: bool, kv_format: str,
+                      incumbent: GpuKernelConfig | None = None) -> list[GpuKernelConfig]:
+    """The tilings to search, ``incumbent`` (the committed table's entry) first, so a
+    search cut short by its deadline still times what the kernel runs today."""
     # e4m3 searched with its products in float16 (one conversion fewer per element:
     # ``half_products.py``); ``variants`` times the best of them without
     base = DEFAULTS["decode"].replace(half_products=kv_format in in_halves.FORMATS or None)
     if quick:
         return [base, base.replace(block_kv=128, num_stages=1, prefetch=True)]
-    return [dataclasses.replace(base, block_kv=kv, num_stages=st, heads_fastest=hf, prefetch=pf)
-            for kv, st, hf, pf in DECODE_TILINGS]
+    head = [incumbent] if incumbent else []
+    if incumbent and base.half_products and not incumbent.half_products:
+        head.append(incumbent.replace(half_products=True))   # the knob's own experiment
+    return head + [dataclasses.replace(base, block_kv=kv, num_stages=st, heads_fastest=hf,
+                                       prefetch=pf)
+                   for kv, st, hf, pf in DECODE_TILINGS]
 
 
 def refine_candidates(best: GpuKernelConfig) -> list[GpuKernelConfig]:
@@ -203,14 +214,25 @@ def refine_candidates(best: GpuKernelConfig) -> list[GpuKernelConfig]:
         dataclasses.replace(best, heads_fastest=not best.heads_fastest)]
 
 
-def variants(best: GpuKernelConfig, kv_format: str | None = None) -> list[GpuKernelConfig]:
+# Programs the wave variant asks for: at 64 x 2,048 (512 sequence x KV-head pairs) 3 KV
+# splits, 1,536 programs, 3.9 waves of 3 blocks an SM on 132 SMs (the byte formats' tuned
+# tiling holds 3: ``kernel_ptx_ops.py``), where 1,024 are 2.6 waves with the last 59% full.
+WAVE_TARGET = 1536
+
+
+def variants(best: GpuKernelConfig, kv_format: str | None = None, *,
+             decode: bool = False) -> list[GpuKernelConfig | None]:
     """The chosen tiling with q / output tiled by XLA, and with every block masked: what
     reading in place and the unmasked loop each buy, measured side by side; for e4m3 also
-    with the products in the other 16-bit type (float16 / bfloat16)."""
+    with the products in the other 16-bit type (float16 / bfloat16), and for decode with
+    ``WAVE_TARGET`` programs. A column that does not apply is None."""
     out = [dataclasses.replace(best, direct_io=False),
            dataclasses.replace(best, mask_split=False)]
-    if kv_format in in_halves.FORMATS:
-        out.append(dataclasses.replace(best, half_products=not best.half_products))
+    if decode:
+        out.append(dataclasses.replace(best, half_products=not best.half_products)
+                   if kv_format in in_halves.FORMATS else None)
+        out.append(dataclasses.replace(best, target_programs=WAVE_TARGET)
+                   if best.target_programs != WAVE_TARGET else None)
     return out
 
 
@@ -397,7 +419,8 @@ def tune_decode(args, ceilings, shapes, kv_format, deadline) -> dict:
     kv_itemsize = batches[0]["k"].dtype.itemsize
     candidates = ([table_config(decode=True, kv_itemsize=kv_itemsize, kv_format=kv_format)]
                   if args.no_search
-                  else decode_candidates(args.quick, kv_format))
+                  else decode_candidates(args.quick, kv_format, table_config(
+                      decode=True, kv_itemsize=kv_itemsize, kv_format=kv_format)))
     for config in effective(candidates, decode=True, kv_itemsize=kv_itemsize):
         if searched and time.perf_counter() > deadline:
             break
@@ -413,9 +436,9 @@ def tune_decode(args, ceilings, shapes, kv_format, deadline) -> dict:
             searched.append(try_config(batches[0], config, wants[0], args, moved[0]))
     ok = sorted((r for r in searched if usable(r)), key=lambda r: r["ms"])
     finalists = [GpuKernelConfig(**r["config"]) for r in ok[:args.top]]
-    for extra in [DEFAULTS["decode"]] + (variants(finalists[0], kv_format) if finalists
-                                         else []):
-        if extra not in finalists:
+    for extra in [DEFAULTS["decode"]] + (variants(finalists[0], kv_format, decode=True)
+                                         if finalists else []):
+        if extra is not None and extra not in finalists:
             finalists.append(extra)
     per_shape = []
     for (bs, ctx), b, want, nbytes in zip(shapes, batches, wants, moved):
@@ -471,12 +494,13 @@ def _key(config) -> str:
     return json.dumps(config if isinstance(config, dict) else config.to_json(), sort_keys=True)
 
 
-def _variant_rows(result, rows, columns: int = 2):
-    """Rows of the best searched tiling's variants (q / output tiled by XLA, all masked,
-    e4m3 products in the other 16-bit type), ``columns`` of them ({} where none ran)."""
+def _variant_rows(result, rows, *, decode: bool = False):
+    """Rows of the best searched tiling's variants (q / output tiled by XLA, all masked;
+    for decode also e4m3 products in the other 16-bit type and ``WAVE_TARGET`` programs),
+    {} where none ran."""
     best = GpuKernelConfig(**result["best"])
-    found = [rows.get(_key(v), {}) for v in variants(best, result.get("kv_format"))]
-    return (found + [{}] * columns)[:columns]
+    return [rows.get(_key(v), {}) if v is not None else {}
+            for v in variants(best, result.get("kv_format"), decode=decode)]
 
 
 def decode_table(result, ceilings) -> list[str]:
@@ -493,7 +517,7 @@ def decode_table(result, ceilings) -> list[str]:
         untuned = rows.get(_key(DEFAULTS["decode"]), {})
         shipped = s["shipped"]
         cells = [result["kv_format"], f"{s['batch']} x {s['context']}", rate(tuned),
-                 rate(untuned), *(rate(r) for r in _variant_rows(result, rows, 3)),
+                 rate(untuned), *(rate(r) for r in _variant_rows(result, rows, decode=True)),
                  rate(shipped) if shipped.get("gb_s") else str(shipped.get("error", "-"))[:40],
                  f"{tuned['gb_s'] / shipped['gb_s']:.2f}x" if "gb_s" in tuned
                  and shipped.get("gb_s") else "-",
@@ -504,9 +528,10 @@ def decode_table(result, ceilings) -> list[str]:
 
 
 DECODE_HEADER = ("| KV | batch x context | tuned GB/s (of copy) | untuned | q / out tiled by XLA "
-                 "| every block masked | e4m3 products in the other 16-bit type | JAX shipped "
+                 "| every block masked | e4m3 products in the other 16-bit type "
+                 f"| {WAVE_TARGET:,} programs | JAX shipped "
                  "| tuned / shipped | error (rel. to max) | ms around the kernel |"
-                 "\n|---|---|---|---|---|---|---|---|---|---|---|")
+                 "\n|---|---|---|---|---|---|---|---|---|---|---|---|")
 PREFILL_HEADER = ("| prefill (bf16) | tuned TFLOP/s | untuned | q / out tiled by XLA | every "
                   "block masked | of measured matmul | of datasheet | ms around the kernel |"
                   "\n|---|---|---|---|---|---|---|---|")

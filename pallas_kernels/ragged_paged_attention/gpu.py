@@ -212,7 +212,9 @@ def choose_blocks(*, num_tokens: int, max_num_seqs: int, group: int, block_size:
     if num_kv_splits is None:
         target = target_programs or default.target_programs
         num_tiles = tiling.num_tiles_for(num_tokens, max_num_seqs, block_q)
-        num_kv_splits = tiling.next_pow2(pl.cdiv(target, num_tiles * num_kv_heads))
+        # any count, not only powers of two: programs = target rounded up to whole
+        # (tile, head) pairs, so a target sized to the SMs' slots fills its waves
+        num_kv_splits = pl.cdiv(target, num_tiles * num_kv_heads)
     num_kv_splits = max(1, min(num_kv_splits, kv_blocks))
     return block_q, group_padded, pages_per_block, num_kv_splits
 

@@ -62,6 +62,11 @@ def test_gpu_tiling_for_llama3_8b_decode():
     *_, splits = gpu.choose_blocks(num_tokens=4, max_num_seqs=4, group=4, block_size=16,
                                    max_blocks_per_seq=128, num_kv_heads=8)
     assert splits == 32
+    # Splits need not be a power of two: 48 sequences x 8 KV heads are 384 programs, and
+    # 3 splits (1,152 programs) are the fewest that reach the 1,024 targeted.
+    *_, splits = gpu.choose_blocks(num_tokens=48, max_num_seqs=48, group=4, block_size=16,
+                                   max_blocks_per_seq=128, num_kv_heads=8)
+    assert splits == 3
     # Prefill-shaped batches: bigger query tiles, no split.
     block_q, group_padded, _, splits = gpu.choose_blocks(
         num_tokens=2048, max_num_seqs=8, group=3, block_size=16, max_blocks_per_seq=128,
