@@ -42,7 +42,7 @@ from jaxpage.parallel.sharding_rules import TP, replicated_arch
 from jaxpage.runtime import block_ops
 from jaxpage.runtime.decode_loop import make_decode_loop
 from jaxpage.runtime.kv_cache import bytes_per_block, cache_shapes
-from jaxpage.runtime.model_runner import PENALTY_FILL_WIDTH
+from jaxpage.runtime.penalty_filler import PENALTY_FILL_WIDTH
 from jaxpage.runtime.step import make_penalty_fill, make_step
 from pallas_kernels import kv_layout, kv_token_scale
 from pallas_kernels._backend import branches_wait_for_device

@@ -23,18 +23,14 @@ from jaxpage.runtime.kv_cache import allocate_kv_cache
 from jaxpage.core.sched.step_result import StepResult
 from jaxpage.runtime.pending_calls import PendingMultiStep, PendingStep
 from jaxpage.core.batch.penalty_slots import PenaltyFill
-from jaxpage.runtime.step import make_forward_logits, make_penalty_fill
+from jaxpage.runtime.penalty_filler import PenaltyFiller
+from jaxpage.runtime.step import make_forward_logits
 from jaxpage.runtime.step_inputs import StepInputs
 from jaxpage.runtime.step_programs import StepPrograms
 from pallas_kernels import kv_layout, kv_token_scale
 from pallas_kernels.dense_matmul import resolve_backend as resolve_dense_backend
 from pallas_kernels.quantized_matmul import resolve_backend as resolve_quantized_backend
 from pallas_kernels.sampling import resolve_backend as resolve_sampling_backend
-
-# Tokens per call of the penalty-fill program (one compiled shape; long rows take several).
-PENALTY_FILL_WIDTH = 512
-PENALTY_FILL_KEY = ProgramKey("penalty_fill", (PENALTY_FILL_WIDTH,))
-
 
 class ModelRunner:
     """Executes BatchMetadata on the device. ``num_blocks`` includes the null block.
@@ -87,9 +83,6 @@ class ModelRunner:
         # The step, verify and decode functions, one per sampling-feature choice
         self.programs = StepPrograms(graphdef, block_size, caches_jit,
                                      self.placement_platform())
-        self._fill_penalties = make_penalty_fill(jit=functools.partial(
-            self.placement.jit, carry_sharding=self.placement.replicated
-            if self.placement.mesh is not None else None))
         self._forward_logits = make_forward_logits(graphdef, jit=self.placement.jit)
         # The carry of a multi-step call that continues nothing: one row per possible sequence.
         self._no_carry = (jax.numpy.zeros(max_num_seqs, jax.numpy.int32),
@@ -125,6 +118,9 @@ class ModelRunner:
         # Copies and swaps of whole blocks, through the executable cache
         self.block_mover = block_ops.BlockMover(self.host_pool, self.executables,
                                                 num_blocks=num_blocks)
+        self.penalty_filler = PenaltyFiller(self.executables, functools.partial(
+            self.placement.jit, carry_sharding=self.placement.replicated
+            if self.placement.mesh is not None else None))
 
     @property
     def mask_words(self) -> int:
@@ -167,26 +163,11 @@ class ModelRunner:
 
     def fill_penalty_rows(self, fills: list[PenaltyFill]) -> None:
         """Write rows of the penalty table (queued before the step that reads them)."""
-        width = PENALTY_FILL_WIDTH
-        for fill in fills:
-            for start in range(0, max(len(fill.token_ids), 1), width):
-                ids = np.full(width, -1, np.int32)
-                values = np.zeros(width, np.int32)
-                chunk = fill.token_ids[start:start + width]
-                ids[:len(chunk)] = chunk
-                values[:len(chunk)] = fill.values[start:start + width]
-                self._run_penalty_fill(fill.slot, ids, values, start == 0)
-
-    def _run_penalty_fill(self, slot: int, ids: np.ndarray, values: np.ndarray,
-                          reset: bool) -> None:
-        args = ((), self.penalty_table, np.int32(slot), ids, values, np.bool_(reset))
-        program = self.executables.get(PENALTY_FILL_KEY, self._fill_penalties, args)
-        self.penalty_table, = program(*args)
+        self.penalty_table = self.penalty_filler.fill(self.penalty_table, fills)
 
     def compile_penalty_fill(self) -> int:
         """Compile the penalty-fill program (it writes nothing: every token id is padding)."""
-        self._run_penalty_fill(0, np.full(PENALTY_FILL_WIDTH, -1, np.int32),
-                               np.zeros(PENALTY_FILL_WIDTH, np.int32), False)
+        self.penalty_table = self.penalty_filler.compile(self.penalty_table)
         return 1
 
     def compile_block_ops(self, sizes: list[int] | None = None) -> int:
@@ -431,10 +412,7 @@ class ModelRunner:
         if key.kind == "move_blocks":
             return self.block_mover.spec(self._fixed_args()[1][0], key.bucket[0])
         if key.kind == "penalty_fill":
-            width = key.bucket[0]
-            args = ((), self._fixed_args()[1][1], np.int32(0), np.full(width, -1, np.int32),
-                    np.zeros(width, np.int32), np.bool_(False))
-            return key, self._fill_penalties, args
+            return self.penalty_filler.spec(key, self._fixed_args()[1][1])
         raise ValueError(f"unknown program kind {key.kind!r}")
 
     def execute_multi_step(self, batch: BatchMetadata, num_steps: int) -> np.ndarray:

@@ -28,7 +28,7 @@ from typing import Any
 
 from jaxpage.core.batch.program_set import MODEL_KINDS, ProgramKey, ProgramSet, program_set
 from jaxpage.runtime import background_compile
-from jaxpage.runtime.model_runner import PENALTY_FILL_WIDTH
+from jaxpage.runtime.penalty_filler import PENALTY_FILL_WIDTH
 from jaxpage.runtime.program_fallback import ProgramFallback
 
 logger = logging.getLogger("jaxpage")
