@@ -9,7 +9,6 @@ turns moved sequences into ``RequestOutput``s. Nothing here waits on the device.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import logging
@@ -34,7 +33,7 @@ from jaxpage.engine.features import kv_handoff
 from jaxpage.engine.input_processor import InputProcessor, PromptInput
 from jaxpage.engine.startup.kv_calibration import calibrate_kv_scales
 from jaxpage.engine.startup.generation_config import generation_defaults
-from jaxpage.engine.startup.kv_sizing import choose_num_kv_blocks
+from jaxpage.engine.startup.kv_sizing import choose_num_kv_blocks, droppable_window
 from jaxpage.engine.features.logprobs import LogprobsRecorder
 from jaxpage.engine.features.lora_manager import LoRAAdapters
 from jaxpage.engine.output_processor import OutputProcessor
@@ -42,6 +41,7 @@ from jaxpage.engine.features.prompt_logits import prompt_logits
 from jaxpage.engine.request_groups import RequestGroups
 from jaxpage.engine.features.structured_outputs import CompiledGrammar, GrammarCompiler
 from jaxpage.engine.tokenizer import cache_dir, load_tokenizer
+from jaxpage.engine.startup.xla_cache import jax_backend, use_xla_cache
 from jaxpage.engine.startup.warmup import (compile_core_programs, compile_ready_programs,
                                     resolve_warmup)
 from jaxpage.models.quantize import stored_bytes
@@ -58,26 +58,6 @@ from pallas_kernels import kv_layout, kv_token_scale
 from pallas_kernels.ragged_paged_attention import resolve_backend as resolve_attention_backend
 
 logger = logging.getLogger("jaxpage")
-
-
-def jax_backend() -> str:
-    import jax
-
-    return jax.default_backend()
-
-
-def _use_xla_cache(directory: str) -> None:
-    """On an accelerator, turn on JAX's persistent compilation cache in ``directory`` unless
-    one is set already (``JAX_COMPILATION_CACHE_DIR``): what the executable cache does not
-    hold (a mesh's programs, a draft model's) then loads at the next start instead of
-    compiling. On the CPU the executable cache alone is used: an executable XLA:CPU's
-    cache handed back cannot be saved by it (``runtime.executable_cache``)."""
-    import jax
-
-    if jax_backend() == "cpu" or jax.config.jax_compilation_cache_dir:
-        return
-    jax.config.update("jax_compilation_cache_dir", directory)
-    logger.info("JAX compilation cache: %s", directory)
 
 
 def _in_background(fn: Any, *args: Any) -> Future:
@@ -163,9 +143,9 @@ class LLMEngine(LoRAAdapters, kv_handoff.KVHandoff):
         self.block_pool = BlockPool(num_kv_blocks + 1, enable_caching=cc.enable_prefix_caching)
         self.kv_cache_manager = KVCacheManager(
             self.block_pool, block_size, num_host_blocks=num_host_blocks,
-            sliding_window=_droppable_window(self.arch, None if draft is None else draft.arch))
+            sliding_window=droppable_window(self.arch, None if draft is None else draft.arch))
         if mc.compilation_cache:
-            _use_xla_cache(os.path.join(cache_dir(), "xla"))
+            use_xla_cache(os.path.join(cache_dir(), "xla"))
         self.runner = ModelRunner(loaded, num_blocks=num_kv_blocks + 1, block_size=block_size,
                                   max_num_seqs=config.scheduler.max_num_seqs,
                                   executable_dir=(os.path.join(cache_dir(), "executables")
@@ -416,11 +396,3 @@ class LLMEngine(LoRAAdapters, kv_handoff.KVHandoff):
                 **self.scheduler.stats(), "kv_usage": 1.0 - free / self.num_kv_blocks,
                 **self.kv_transfer_stats()}
 
-
-def _droppable_window(arch, draft_arch=None) -> int | None:
-    """The window behind which a sequence's KV blocks are given back: set when every
-    layer of the model (and of a draft model sharing its block tables) slides."""
-    archs = [arch] + ([draft_arch] if draft_arch is not None else [])
-    if not all(a.all_layers_local for a in archs):
-        return None
-    return max(a.sliding_window for a in archs)

@@ -9,6 +9,7 @@
 * else (the CPU): ``kv_cache_memory`` bytes.
 
 Never more blocks than ``max_num_seqs`` sequences of ``max_model_len`` tokens can use.
+``droppable_window``: how far back a sequence keeps its blocks when every layer slides.
 """
 
 from __future__ import annotations
@@ -80,3 +81,12 @@ def _profile(config: EngineConfig, loaded: Any, max_model_len: int, dtype: Any,
         bytes_per_block(loaded.arch, block_size, dtype, num_shards, layout,
                         _token_scales(loaded, layout)) + extra_bytes_per_block,
         max_useful)
+
+
+def droppable_window(arch, draft_arch=None) -> int | None:
+    """The window behind which a sequence's KV blocks are given back: set when every
+    layer of the model (and of a draft model sharing its block tables) slides."""
+    archs = [arch] + ([draft_arch] if draft_arch is not None else [])
+    if not all(a.all_layers_local for a in archs):
+        return None
+    return max(a.sliding_window for a in archs)
