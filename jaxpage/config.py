@@ -13,6 +13,9 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxpage.checks import require
+from jaxpage.speculative_config import SpeculativeConfig
+
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SUPPORTED_ATTENTION_BACKENDS = ("auto", "reference", "cpu", "gpu", "tpu")
 SUPPORTED_LOAD_FORMATS = ("auto", "safetensors", "gguf")
@@ -23,11 +26,6 @@ def cache_dir() -> str:
     (converted weights, tokenizers, compiled programs, C++ kernels live under it)."""
     return os.environ.get("JAXPAGE_CACHE_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "jaxpage")
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
 
 
 # jaxpage's own modes, then the pre-quantized checkpoint methods (checked against the
@@ -87,57 +85,57 @@ class ModelConfig:
     max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.enable_lora, bool),
-                 f"enable_lora={self.enable_lora!r} must be a bool")
+        require(isinstance(self.enable_lora, bool),
+                f"enable_lora={self.enable_lora!r} must be a bool")
         for name in ("max_loras", "max_lora_rank"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-                     f"{name}={value!r} must be an integer >= 1")
-        _require(self.max_cpu_loras is None
-                 or (isinstance(self.max_cpu_loras, int) and not isinstance(self.max_cpu_loras, bool)
-                     and self.max_cpu_loras >= self.max_loras),
-                 f"max_cpu_loras={self.max_cpu_loras!r} must be None or an integer >= "
-                 f"max_loras={self.max_loras}")
-        _require(self.quantization in SUPPORTED_QUANTIZATION,
-                 f"quantization={self.quantization!r} is not supported; choose one of "
-                 f"{SUPPORTED_QUANTIZATION}")
-        _require(self.quantization_group_size is None
-                 or (isinstance(self.quantization_group_size, int)
-                     and not isinstance(self.quantization_group_size, bool)
-                     and (self.quantization_group_size == 0
-                          or self.quantization_group_size >= 2)),
-                 f"quantization_group_size={self.quantization_group_size!r} must be None (the "
-                 "mode's default), 0 (one scale per output channel) or an integer >= 2")
-        _require(self.hf_overrides is None or (isinstance(self.hf_overrides, dict)
-                                               and all(isinstance(k, str)
-                                                       for k in self.hf_overrides)),
-                 f"hf_overrides={self.hf_overrides!r} must be None or a dict with string keys")
-        _require(self.dtype in SUPPORTED_DTYPES,
-                 f"dtype={self.dtype!r} is not supported; choose one of {SUPPORTED_DTYPES}")
-        _require(self.load_format in SUPPORTED_LOAD_FORMATS,
-                 f"load_format={self.load_format!r} is not supported; choose one of "
-                 f"{SUPPORTED_LOAD_FORMATS}")
+            require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                    f"{name}={value!r} must be an integer >= 1")
+        require(self.max_cpu_loras is None
+                or (isinstance(self.max_cpu_loras, int) and not isinstance(self.max_cpu_loras, bool)
+                    and self.max_cpu_loras >= self.max_loras),
+                f"max_cpu_loras={self.max_cpu_loras!r} must be None or an integer >= "
+                f"max_loras={self.max_loras}")
+        require(self.quantization in SUPPORTED_QUANTIZATION,
+                f"quantization={self.quantization!r} is not supported; choose one of "
+                f"{SUPPORTED_QUANTIZATION}")
+        require(self.quantization_group_size is None
+                or (isinstance(self.quantization_group_size, int)
+                    and not isinstance(self.quantization_group_size, bool)
+                    and (self.quantization_group_size == 0
+                         or self.quantization_group_size >= 2)),
+                f"quantization_group_size={self.quantization_group_size!r} must be None (the "
+                "mode's default), 0 (one scale per output channel) or an integer >= 2")
+        require(self.hf_overrides is None or (isinstance(self.hf_overrides, dict)
+                                              and all(isinstance(k, str)
+                                                      for k in self.hf_overrides)),
+                f"hf_overrides={self.hf_overrides!r} must be None or a dict with string keys")
+        require(self.dtype in SUPPORTED_DTYPES,
+                f"dtype={self.dtype!r} is not supported; choose one of {SUPPORTED_DTYPES}")
+        require(self.load_format in SUPPORTED_LOAD_FORMATS,
+                f"load_format={self.load_format!r} is not supported; choose one of "
+                f"{SUPPORTED_LOAD_FORMATS}")
         for name in ("revision", "download_dir"):
             value = getattr(self, name)
-            _require(value is None or (isinstance(value, str) and value),
-                     f"{name}={value!r} must be None or a non-empty string")
-        _require(isinstance(self.generation_config, str) and self.generation_config,
-                 f"generation_config={self.generation_config!r} must be 'auto', 'vllm' or a "
-                 f"directory")
-        _require(self.max_model_len is None
-                 or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
-                 f"max_model_len={self.max_model_len!r} must be None or an integer >= 2")
-        _require(isinstance(self.seed, int), f"seed={self.seed!r} must be an integer")
-        _require(self.warmup is None or isinstance(self.warmup, bool)
-                 or self.warmup in ("ready", "core"),
-                 f"warmup={self.warmup!r} must be None (auto), True, False, 'ready' or 'core'")
-        _require(isinstance(self.compilation_cache, bool),
-                 f"compilation_cache={self.compilation_cache!r} must be a bool")
-        _require(isinstance(self.weight_cache, bool),
-                 f"weight_cache={self.weight_cache!r} must be a bool")
-        _require(self.attention_backend in SUPPORTED_ATTENTION_BACKENDS,
-                 f"attention_backend={self.attention_backend!r} is not one of "
-                 f"{SUPPORTED_ATTENTION_BACKENDS}")
+            require(value is None or (isinstance(value, str) and value),
+                    f"{name}={value!r} must be None or a non-empty string")
+        require(isinstance(self.generation_config, str) and self.generation_config,
+                f"generation_config={self.generation_config!r} must be 'auto', 'vllm' or a "
+                f"directory")
+        require(self.max_model_len is None
+                or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
+                f"max_model_len={self.max_model_len!r} must be None or an integer >= 2")
+        require(isinstance(self.seed, int), f"seed={self.seed!r} must be an integer")
+        require(self.warmup is None or isinstance(self.warmup, bool)
+                or self.warmup in ("ready", "core"),
+                f"warmup={self.warmup!r} must be None (auto), True, False, 'ready' or 'core'")
+        require(isinstance(self.compilation_cache, bool),
+                f"compilation_cache={self.compilation_cache!r} must be a bool")
+        require(isinstance(self.weight_cache, bool),
+                f"weight_cache={self.weight_cache!r} must be a bool")
+        require(self.attention_backend in SUPPORTED_ATTENTION_BACKENDS,
+                f"attention_backend={self.attention_backend!r} is not one of "
+                f"{SUPPORTED_ATTENTION_BACKENDS}")
 
 
 @dataclass(frozen=True)
@@ -166,29 +164,29 @@ class CacheConfig:
         return {"auto": None, "fp8": "fp8_e4m3"}.get(self.kv_cache_dtype, self.kv_cache_dtype)
 
     def __post_init__(self) -> None:
-        _require(self.kv_cache_dtype in SUPPORTED_KV_CACHE_DTYPES,
-                 f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose one of "
-                 f"{SUPPORTED_KV_CACHE_DTYPES}")
-        _require(isinstance(self.block_size, int) and self.block_size >= 1
-                 and self.block_size & (self.block_size - 1) == 0,
-                 f"block_size={self.block_size!r} must be a positive power of two")
-        _require(self.num_kv_blocks is None
-                 or (isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 1),
-                 f"num_kv_blocks={self.num_kv_blocks!r} must be None or an integer >= 1")
-        _require(isinstance(self.kv_cache_memory, int) and self.kv_cache_memory > 0,
-                 f"kv_cache_memory={self.kv_cache_memory!r} must be a positive number of bytes")
-        _require(isinstance(self.memory_utilization, (int, float))
-                 and 0 < self.memory_utilization <= 1,
-                 f"memory_utilization={self.memory_utilization!r} must be in (0, 1]")
-        _require(isinstance(self.enable_prefix_caching, bool),
-                 f"enable_prefix_caching={self.enable_prefix_caching!r} must be a bool")
-        _require(isinstance(self.swap_space, (int, float)) and self.swap_space >= 0,
-                 f"swap_space={self.swap_space!r} must be a number of GiB >= 0")
-        _require(self.kv_role in (None, "prefill", "decode"),
-                 f"kv_role={self.kv_role!r} must be None, 'prefill' or 'decode'")
-        _require(isinstance(self.kv_transfer_timeout, (int, float)) and self.kv_transfer_timeout > 0,
-                 f"kv_transfer_timeout={self.kv_transfer_timeout!r} must be a positive number "
-                 "of seconds")
+        require(self.kv_cache_dtype in SUPPORTED_KV_CACHE_DTYPES,
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose one of "
+                f"{SUPPORTED_KV_CACHE_DTYPES}")
+        require(isinstance(self.block_size, int) and self.block_size >= 1
+                and self.block_size & (self.block_size - 1) == 0,
+                f"block_size={self.block_size!r} must be a positive power of two")
+        require(self.num_kv_blocks is None
+                or (isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 1),
+                f"num_kv_blocks={self.num_kv_blocks!r} must be None or an integer >= 1")
+        require(isinstance(self.kv_cache_memory, int) and self.kv_cache_memory > 0,
+                f"kv_cache_memory={self.kv_cache_memory!r} must be a positive number of bytes")
+        require(isinstance(self.memory_utilization, (int, float))
+                and 0 < self.memory_utilization <= 1,
+                f"memory_utilization={self.memory_utilization!r} must be in (0, 1]")
+        require(isinstance(self.enable_prefix_caching, bool),
+                f"enable_prefix_caching={self.enable_prefix_caching!r} must be a bool")
+        require(isinstance(self.swap_space, (int, float)) and self.swap_space >= 0,
+                f"swap_space={self.swap_space!r} must be a number of GiB >= 0")
+        require(self.kv_role in (None, "prefill", "decode"),
+                f"kv_role={self.kv_role!r} must be None, 'prefill' or 'decode'")
+        require(isinstance(self.kv_transfer_timeout, (int, float)) and self.kv_transfer_timeout > 0,
+                f"kv_transfer_timeout={self.kv_transfer_timeout!r} must be a positive number "
+                "of seconds")
 
 
 @dataclass(frozen=True)
@@ -227,114 +225,48 @@ class SchedulerConfig:
         return SpeculativeConfig.from_dict(self.speculative_config)
 
     def __post_init__(self) -> None:
-        _require(self.speculative_config is None or isinstance(self.speculative_config, dict),
-                 f"speculative_config={self.speculative_config!r} must be None or a dict "
-                 "such as {'method': 'ngram', 'num_speculative_tokens': 4}")
+        require(self.speculative_config is None or isinstance(self.speculative_config, dict),
+                f"speculative_config={self.speculative_config!r} must be None or a dict "
+                "such as {'method': 'ngram', 'num_speculative_tokens': 4}")
         self.speculative  # noqa: B018 (checks the dict: a ValueError names what is wrong)
-        _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
-                 f"max_num_seqs={self.max_num_seqs!r} must be an integer >= 1")
-        _require(isinstance(self.max_num_batched_tokens, int)
-                 and self.max_num_batched_tokens >= 1,
-                 f"max_num_batched_tokens={self.max_num_batched_tokens!r} must be an integer >= 1")
-        _require(self.max_num_batched_tokens >= self.max_num_seqs,
-                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
-                 f"max_num_seqs={self.max_num_seqs} (every running sequence needs a token slot)")
-        _require(self.scheduling_policy in ("fcfs", "priority"),
-                 f"scheduling_policy={self.scheduling_policy!r} must be 'fcfs' or 'priority'")
-        _require(isinstance(self.priority_aging_steps, int) and self.priority_aging_steps >= 1,
-                 f"priority_aging_steps={self.priority_aging_steps!r} must be an integer >= 1")
-        _require(self.preemption_mode in ("recompute", "swap", "auto"),
-                 f"preemption_mode={self.preemption_mode!r} must be 'recompute', 'swap' or 'auto'")
-        _require(isinstance(self.num_scheduler_steps, int) and self.num_scheduler_steps >= 1,
-                 f"num_scheduler_steps={self.num_scheduler_steps!r} must be an integer >= 1")
-        _require(isinstance(self.async_scheduling, bool),
-                 f"async_scheduling={self.async_scheduling!r} must be a bool")
-        _require(isinstance(self.cpu_compute_niceness, int)
-                 and not isinstance(self.cpu_compute_niceness, bool)
-                 and 0 <= self.cpu_compute_niceness <= 19,
-                 f"cpu_compute_niceness={self.cpu_compute_niceness!r} must be an integer "
-                 "in 0..19 (0 leaves XLA's CPU threads alone)")
-        _require(self.compile_ahead is None or isinstance(self.compile_ahead, bool),
-                 f"compile_ahead={self.compile_ahead!r} must be None (auto), True or False")
-        _require(self.max_waiting_requests is None
-                 or (isinstance(self.max_waiting_requests, int)
-                     and not isinstance(self.max_waiting_requests, bool)
-                     and self.max_waiting_requests >= 1),
-                 f"max_waiting_requests={self.max_waiting_requests!r} must be None or an "
-                 "integer >= 1")
-        _require(isinstance(self.bucket_growth, int) and not isinstance(self.bucket_growth, bool)
-                 and self.bucket_growth >= 2,
-                 f"bucket_growth={self.bucket_growth!r} must be an integer >= 2")
-        _require(isinstance(self.long_prefill_token_threshold, int)
-                 and self.long_prefill_token_threshold >= 0,
-                 f"long_prefill_token_threshold={self.long_prefill_token_threshold!r} must be "
-                 "an integer >= 0 (0 disables it)")
-
-
-SPECULATIVE_METHODS = ("ngram", "draft_model")
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative decoding, under vLLM's ``speculative_config`` names.
-
-    ``method="ngram"``: prompt lookup (``jaxpage.core.sched.ngram_proposer``): the tokens that
-    followed the first earlier occurrence of the sequence's longest recurring suffix of
-    ``prompt_lookup_min``..``prompt_lookup_max`` tokens. Up to ``num_speculative_tokens``
-    proposals per sequence are verified by the target model in one step. A step with more
-    than ``disable_by_batch_size`` running sequences does not speculate (its verification
-    would cost more than the steps it saves: see docs/speculative_decoding.md).
-
-    ``method="draft_model"``: ``model`` (a path or preset the loader reads, sharing the
-    target's vocabulary) proposes ``num_speculative_tokens`` tokens greedily on the device,
-    from its own paged KV cache addressed by the target's block tables
-    (``jaxpage.runtime.draft_model``). The prompt-lookup bounds do not apply to it.
-    """
-
-    method: str = "ngram"
-    num_speculative_tokens: int = 4
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 5
-    disable_by_batch_size: int = 4
-    model: str | None = None  # the draft model (method "draft_model" only)
-
-    @classmethod
-    def from_dict(cls, options: dict) -> "SpeculativeConfig":
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(options) - set(names))
-        _require(not unknown, f"unknown speculative_config key(s) {unknown}; accepted: {names}")
-        options = dict(options)
-        # vLLM: one of the lookup bounds alone sets both.
-        if "prompt_lookup_max" in options and "prompt_lookup_min" not in options:
-            options["prompt_lookup_min"] = min(cls.prompt_lookup_min, options["prompt_lookup_max"]) \
-                if isinstance(options["prompt_lookup_max"], int) else options["prompt_lookup_max"]
-        if "prompt_lookup_min" in options and "prompt_lookup_max" not in options:
-            options["prompt_lookup_max"] = max(cls.prompt_lookup_max, options["prompt_lookup_min"]) \
-                if isinstance(options["prompt_lookup_min"], int) else options["prompt_lookup_min"]
-        return cls(**options)
-
-    def __post_init__(self) -> None:
-        _require(self.method in SPECULATIVE_METHODS,
-                 f"speculative_config method={self.method!r} is not supported; choose one of "
-                 f"{SPECULATIVE_METHODS}")
-        if self.method == "draft_model":
-            _require(isinstance(self.model, str) and self.model != "",
-                     f"speculative_config method='draft_model' needs 'model' (a checkpoint "
-                     f"path or preset), got model={self.model!r}")
-        else:
-            _require(self.model is None, f"speculative_config model={self.model!r} is only "
-                     "for method='draft_model'")
-        for name, low in (("num_speculative_tokens", 1), ("prompt_lookup_min", 1),
-                          ("prompt_lookup_max", 1), ("disable_by_batch_size", 1)):
-            value = getattr(self, name)
-            _require(isinstance(value, int) and not isinstance(value, bool) and value >= low,
-                     f"speculative_config {name}={value!r} must be an integer >= {low}")
-        _require(self.num_speculative_tokens <= 16,
-                 f"speculative_config num_speculative_tokens={self.num_speculative_tokens} "
-                 "must be <= 16")
-        _require(self.prompt_lookup_min <= self.prompt_lookup_max,
-                 f"speculative_config prompt_lookup_min={self.prompt_lookup_min} must be <= "
-                 f"prompt_lookup_max={self.prompt_lookup_max}")
+        require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
+                f"max_num_seqs={self.max_num_seqs!r} must be an integer >= 1")
+        require(isinstance(self.max_num_batched_tokens, int)
+                and self.max_num_batched_tokens >= 1,
+                f"max_num_batched_tokens={self.max_num_batched_tokens!r} must be an integer >= 1")
+        require(self.max_num_batched_tokens >= self.max_num_seqs,
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                f"max_num_seqs={self.max_num_seqs} (every running sequence needs a token slot)")
+        require(self.scheduling_policy in ("fcfs", "priority"),
+                f"scheduling_policy={self.scheduling_policy!r} must be 'fcfs' or 'priority'")
+        require(isinstance(self.priority_aging_steps, int) and self.priority_aging_steps >= 1,
+                f"priority_aging_steps={self.priority_aging_steps!r} must be an integer >= 1")
+        require(self.preemption_mode in ("recompute", "swap", "auto"),
+                f"preemption_mode={self.preemption_mode!r} must be 'recompute', 'swap' or 'auto'")
+        require(isinstance(self.num_scheduler_steps, int) and self.num_scheduler_steps >= 1,
+                f"num_scheduler_steps={self.num_scheduler_steps!r} must be an integer >= 1")
+        require(isinstance(self.async_scheduling, bool),
+                f"async_scheduling={self.async_scheduling!r} must be a bool")
+        require(isinstance(self.cpu_compute_niceness, int)
+                and not isinstance(self.cpu_compute_niceness, bool)
+                and 0 <= self.cpu_compute_niceness <= 19,
+                f"cpu_compute_niceness={self.cpu_compute_niceness!r} must be an integer "
+                "in 0..19 (0 leaves XLA's CPU threads alone)")
+        require(self.compile_ahead is None or isinstance(self.compile_ahead, bool),
+                f"compile_ahead={self.compile_ahead!r} must be None (auto), True or False")
+        require(self.max_waiting_requests is None
+                or (isinstance(self.max_waiting_requests, int)
+                    and not isinstance(self.max_waiting_requests, bool)
+                    and self.max_waiting_requests >= 1),
+                f"max_waiting_requests={self.max_waiting_requests!r} must be None or an "
+                "integer >= 1")
+        require(isinstance(self.bucket_growth, int) and not isinstance(self.bucket_growth, bool)
+                and self.bucket_growth >= 2,
+                f"bucket_growth={self.bucket_growth!r} must be an integer >= 2")
+        require(isinstance(self.long_prefill_token_threshold, int)
+                and self.long_prefill_token_threshold >= 0,
+                f"long_prefill_token_threshold={self.long_prefill_token_threshold!r} must be "
+                "an integer >= 0 (0 disables it)")
 
 
 @dataclass(frozen=True)
@@ -356,21 +288,21 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size", "num_processes"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-                     f"{name}={value!r} must be an integer >= 1")
-        _require(isinstance(self.process_id, int) and 0 <= self.process_id < self.num_processes,
-                 f"process_id={self.process_id!r} must be an integer in [0, num_processes="
-                 f"{self.num_processes})")
-        _require(self.coordinator_address is None
-                 or (isinstance(self.coordinator_address, str)
-                     and self.coordinator_address.rpartition(":")[2].isdigit()),
-                 f"coordinator_address={self.coordinator_address!r} must be 'host:port'")
-        _require(self.num_processes == 1 or self.coordinator_address is not None,
-                 f"num_processes={self.num_processes} needs a coordinator_address ('host:port' "
-                 "of process 0)")
-        _require(self.num_processes == 1 or self.data_parallel_size == 1,
-                 f"data_parallel_size={self.data_parallel_size} with num_processes="
-                 f"{self.num_processes} is not supported: use tensor parallelism across processes")
+            require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                    f"{name}={value!r} must be an integer >= 1")
+        require(isinstance(self.process_id, int) and 0 <= self.process_id < self.num_processes,
+                f"process_id={self.process_id!r} must be an integer in [0, num_processes="
+                f"{self.num_processes})")
+        require(self.coordinator_address is None
+                or (isinstance(self.coordinator_address, str)
+                    and self.coordinator_address.rpartition(":")[2].isdigit()),
+                f"coordinator_address={self.coordinator_address!r} must be 'host:port'")
+        require(self.num_processes == 1 or self.coordinator_address is not None,
+                f"num_processes={self.num_processes} needs a coordinator_address ('host:port' "
+                "of process 0)")
+        require(self.num_processes == 1 or self.data_parallel_size == 1,
+                f"data_parallel_size={self.data_parallel_size} with num_processes="
+                f"{self.num_processes} is not supported: use tensor parallelism across processes")
 
 
 SECTIONS = ("model", "cache", "scheduler", "parallel")

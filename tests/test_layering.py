@@ -20,8 +20,9 @@ PACKAGES = ("jaxpage", "pallas_kernels")
 # Lowest first. A module belongs to the floor of its longest matching prefix.
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("kernels", ("pallas_kernels",)),
-    ("config", ("jaxpage.config", "jaxpage.arch_config", "jaxpage.sampling_params",
-                "jaxpage.beam_search", "jaxpage.outputs", "jaxpage.lora_request")),
+    ("config", ("jaxpage.config", "jaxpage.checks", "jaxpage.speculative_config",
+                "jaxpage.arch_config", "jaxpage.sampling_params", "jaxpage.beam_search",
+                "jaxpage.outputs", "jaxpage.lora_request")),
     ("core", ("jaxpage.core",)),
     ("parallel", ("jaxpage.parallel",)),
     ("models", ("jaxpage.models",)),

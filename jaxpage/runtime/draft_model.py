@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpage.config import SpeculativeConfig
+from jaxpage.speculative_config import SpeculativeConfig
 from jaxpage.core.batch.bucket_ladder import BucketLadder
 from jaxpage.core.kv.kv_cache_manager import KVCacheManager
 from jaxpage.core.request import Request

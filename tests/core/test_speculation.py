@@ -12,7 +12,7 @@ from hypothesis.stateful import rule
 from jaxpage.core.kv.prefix_hash import extend_block_hashes
 from jaxpage.core.request import RequestStatus
 from jaxpage.core.sched.speculation import NgramProposer, SpecDecodeStats
-from jaxpage.config import SpeculativeConfig
+from jaxpage.speculative_config import SpeculativeConfig
 from jaxpage.core.sched.step_result import StepResult
 from tests.core.helpers import make_request, make_scheduler, verify
 from tests.core.test_block_manager_properties import BlockManagerMachine

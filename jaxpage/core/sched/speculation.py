@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from jaxpage.config import SpeculativeConfig
+from jaxpage.speculative_config import SpeculativeConfig
 from jaxpage.core.sched.ngram_proposer import propose_ngram
 from jaxpage.core.request import Request
 from jaxpage.core.sched.schedule_output import ScheduledRequest, SchedulerOutput
