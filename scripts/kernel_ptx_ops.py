@@ -10,7 +10,15 @@ body, which its loop dominates; ``--ops`` picks the rows). Counts are not timing
 show what a change does to the code (conversions, shared-memory traffic, barriers), and a
 lent GPU says what that is worth (``scripts/tune_gpu_attention.py``).
 
+Below the counts, what bounds the kernel's occupancy on an H100: its grid and shared
+memory (XLA's thunk sequence), registers and spill bytes (``ptxas -v``, where the CUDA
+toolkit's ``ptxas`` is installed), the blocks an SM holds and the waves the grid takes.
+``--prefill`` compiles a prefill-shaped call (4 sequences x 2,048 new tokens) instead.
+
     python scripts/kernel_ptx_ops.py --kv-format fp8_e4m3 --variant half_products=true
+    python scripts/kernel_ptx_ops.py --kv-format int8 --variant target_programs=1536
+    python scripts/kernel_ptx_ops.py --prefill --kv-format bfloat16 \
+        --base block_kv=64,num_warps=4,num_stages=2 --variant block_q=32,num_warps=8
 """
 
 from __future__ import annotations
@@ -47,18 +55,21 @@ SMS, SM_REGISTERS, REGISTER_UNIT, SM_SHARED, BLOCK_RESERVED_SHARED = 132, 65536,
 SM_THREADS, SM_BLOCKS = 2048, 32
 
 
-def compile_and_dump(kv_format: str | None, knobs: dict, dump_dir: str) -> list[str]:
+def compile_and_dump(kv_format: str | None, knobs: dict, dump_dir: str, *, seqs: int = 64,
+                     tokens: int = 64) -> list[str]:
     """Compile the kernel's call once for an H100 with XLA dumping to ``dump_dir`` (set
-    before JAX starts); returns the files that compile wrote."""
+    before JAX starts): ``seqs`` sequences of 2,048 tokens' pages, ``tokens`` new tokens
+    among them (``seqs`` for decode, more for a prefill-shaped call); returns the files
+    that compile wrote."""
     import jax.numpy as jnp
 
     from jaxpage.parallel.targets import compile_on_device, target_devices
     from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 
     before = set(glob.glob(f"{dump_dir}/**/*", recursive=True))
-    seqs, hq, hkv, head_dim, block, blocks, per_seq = 64, 32, 8, 128, 16, 8192, 128
+    hq, hkv, head_dim, block, blocks, per_seq = 32, 8, 128, 16, 8192, 128
     cache = ((blocks, block, hkv, head_dim), jnp.uint8 if kv_format else jnp.bfloat16)
-    specs = [((seqs, hq, head_dim), jnp.bfloat16), cache, cache, ((seqs,), jnp.int32),
+    specs = [((tokens, hq, head_dim), jnp.bfloat16), cache, cache, ((seqs,), jnp.int32),
              ((seqs, per_seq), jnp.int32), ((seqs + 1,), jnp.int32), ((1,), jnp.int32)]
     compile_on_device(target_devices("h100")[0], ragged_paged_attention_gpu, *specs,
                       static_kwargs=dict(sm_scale=head_dim ** -0.5, kv_format=kv_format,
@@ -159,6 +170,9 @@ def main() -> int:
                         help="knobs of the first compile")
     parser.add_argument("--variant", default="half_products=true",
                         help="knobs changed for the second compile")
+    parser.add_argument("--prefill", action="store_true",
+                        help="a prefill-shaped call (4 sequences x 2,048 new tokens) "
+                             "instead of decode (64 x 1)")
     parser.add_argument("--ops", default=",".join(DEFAULT_OPS),
                         help="instruction prefixes to print (all: empty)")
     args = parser.parse_args()
@@ -172,14 +186,16 @@ def main() -> int:
     variant = {**base, **parse_knobs(args.variant)}
     counts, shapes = [], []
     for knobs in (base, variant):
-        files = compile_and_dump(kv_format, knobs, dump_dir)
+        files = compile_and_dump(kv_format, knobs, dump_dir, seqs=4 if args.prefill else 64,
+                                 tokens=8192 if args.prefill else 64)
         ptx = kernel_ptx(files)
         counts.append(kernel_ops(ptx))
         shapes.append(resources(files, ptx))
     prefixes = tuple(p for p in args.ops.split(",") if p)
     ops = sorted({op for c in counts for op in c if not prefixes or op.startswith(prefixes)},
                  key=lambda op: -max(c[op] for c in counts))
-    print(f"H100 PTX of ragged_paged_attention_gpu, {args.kv_format}, 64 x 1 decode tokens, "
+    shape = "4 x 2,048 prefill" if args.prefill else "64 x 1 decode"
+    print(f"H100 PTX of ragged_paged_attention_gpu, {args.kv_format}, {shape} tokens, "
           f"Llama-3-8B heads (static counts)")
     print(f"| instruction | {args.base} | + {args.variant} |")
     print("|---|---|---|")
