@@ -168,3 +168,22 @@ def write_slot(current: dict, new: dict, slot: jax.Array, *, rank: int) -> dict:
         else:
             out[key] = jax.lax.dynamic_update_slice(array, part, (start, 0))
     return out
+
+
+def write_adapter(params: dict, slot: int, weights: LoRAWeights | None, *,
+                  lora_shape: tuple[int, int] | None, saved_arch: ArchConfig,
+                  run_arch: ArchConfig) -> None:
+    """Write ``weights`` (None: zeros) into LoRA slot ``slot`` (1..max_loras) of a model's
+    plain-dict ``params``, in place of the slot's arrays (arrays already handed to a call
+    are not changed). ``lora_shape``: the model's (max_loras, max_lora_rank), None when it
+    has no slots; ``saved_arch``: the architecture as the adapter was trained (the
+    checkpoint's KV heads), ``run_arch`` as it runs (KV heads repeated under tensor
+    parallelism)."""
+    if lora_shape is None:
+        raise ValueError("this model has no LoRA slots (enable_lora=False)")
+    max_loras, rank = lora_shape
+    if not 1 <= slot <= max_loras:
+        raise ValueError(f"LoRA slot {slot} is outside 1..{max_loras}")
+    arrays = slot_arrays(weights, saved_arch, run_arch, rank)
+    set_lora_params(params, write_slot(lora_params(params), arrays, np.int32(slot - 1),
+                                       rank=rank))

@@ -17,6 +17,7 @@ maps over the tuple and never looks inside a block.
 
 from __future__ import annotations
 
+import time
 from functools import partial
 from typing import Callable
 
@@ -150,6 +151,18 @@ class HostKVPool:
 def _chunks(pairs: list[tuple[int, int]], size: int):
     for start in range(0, len(pairs), size):
         yield pairs[start:start + size]
+
+
+def measure_host_bandwidth(num_bytes: int = 32 * 2**20) -> float:
+    """Bytes/s of a copy from the default device to the host (best of three): what a
+    swap-out costs a block, for the preemption cost model."""
+    data = jnp.ones(num_bytes // 4, jnp.float32).block_until_ready()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        np.array(jax.device_get(data), copy=True)  # on the CPU device_get may alias
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best
 
 
 class BlockMover:

@@ -37,6 +37,10 @@ import jax
 
 from jaxpage.core.batch.program_set import ProgramKey
 from jaxpage.runtime import background_compile
+from pallas_kernels.dense_matmul import resolve_backend as dense_backend
+from pallas_kernels.quantized_matmul import activation_quant
+from pallas_kernels.quantized_matmul import resolve_backend as quantized_backend
+from pallas_kernels.sampling import resolve_backend as sampling_backend
 
 logger = logging.getLogger("jaxpage")
 
@@ -95,6 +99,17 @@ def fingerprint(*fixed_args: Any, extra: str = "") -> str:
              *(f"{name}={os.environ.get(name, '')}" for name in COMPILER_FLAG_VARIABLES),
              *(_avals(arg) for arg in fixed_args), extra]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def kernel_backends(dtype: Any, *, quantized: bool) -> str:
+    """The kernel backends the programs call, as part of their fingerprint. Resolving the
+    C++ CPU kernels builds and registers them (before any saved program that calls them
+    is loaded); whether they could be is part of what the programs depend on."""
+    kernels = f"sampling={sampling_backend()}|dense_matmul={dense_backend('auto', dtype)}"
+    if quantized:
+        kernels += f"|quantized_matmul={quantized_backend('auto', dtype)}"
+        kernels += f"|w8a8={activation_quant.native_codes()}"
+    return kernels
 
 
 class ExecutableCache:

@@ -4,7 +4,6 @@ the device."""
 from __future__ import annotations
 
 import functools
-import time
 from typing import Callable
 
 import jax
@@ -15,10 +14,12 @@ from jaxpage.runtime import block_ops
 from jaxpage.core.batch.batch_metadata import BatchMetadata
 from jaxpage.core.batch.program_set import MODEL_KINDS, ProgramKey
 from jaxpage.runtime.program_fallback import ProgramFallback
+from jaxpage.models import lora
 from jaxpage.models.loader import LoadedModel
+from jaxpage.models.registry import resolve_architecture
 from jaxpage.parallel.placement import Placement
-from jaxpage.runtime.executable_cache import ExecutableCache, JitPrograms, fingerprint
-from pallas_kernels.quantized_matmul import activation_quant
+from jaxpage.runtime.executable_cache import (ExecutableCache, JitPrograms, fingerprint,
+                                              kernel_backends)
 from jaxpage.runtime.kv_cache import allocate_kv_cache
 from jaxpage.core.sched.step_result import StepResult
 from jaxpage.runtime.pending_calls import PendingMultiStep, PendingStep
@@ -28,9 +29,6 @@ from jaxpage.runtime.step import make_forward_logits
 from jaxpage.runtime.step_inputs import StepInputs
 from jaxpage.runtime.step_programs import StepPrograms
 from pallas_kernels import kv_layout, kv_token_scale
-from pallas_kernels.dense_matmul import resolve_backend as resolve_dense_backend
-from pallas_kernels.quantized_matmul import resolve_backend as resolve_quantized_backend
-from pallas_kernels.sampling import resolve_backend as resolve_sampling_backend
 
 class ModelRunner:
     """Executes BatchMetadata on the device. ``num_blocks`` includes the null block.
@@ -103,14 +101,7 @@ class ModelRunner:
         if self.placement.mesh is not None:  # sharded programs: plain jit dispatch
             self.executables = JitPrograms()
         else:
-            # Resolving the C++ CPU kernels builds and registers them (before any saved
-            # program that calls them is loaded); whether they could be is part of what the
-            # programs depend on.
-            kernels = (f"sampling={resolve_sampling_backend()}|dense_matmul="
-                       f"{resolve_dense_backend('auto', self.dtype)}")
-            if self.quant_plan:
-                kernels += f"|quantized_matmul={resolve_quantized_backend('auto', self.dtype)}"
-                kernels += f"|w8a8={activation_quant.native_codes()}"
+            kernels = kernel_backends(self.dtype, quantized=bool(self.quant_plan))
             self.executables = ExecutableCache(executable_dir, fingerprint(
                 self.params, self.kv_cache, self.penalty_table, self._no_carry,
                 extra=f"{graphdef}|{self.arch}|block_size={block_size}|{kernels}"),
@@ -147,19 +138,9 @@ class ModelRunner:
     def write_lora_slot(self, slot: int, weights: "LoRAWeights | None") -> None:
         """Write an adapter (None: zeros) into LoRA slot ``slot`` (1..max_loras). Calls
         already dispatched keep the weights they were given."""
-        from jaxpage.models import lora
-        from jaxpage.models.registry import resolve_architecture
-
-        if self.lora_shape is None:
-            raise ValueError("this model has no LoRA slots (enable_lora=False)")
-        max_loras, rank = self.lora_shape
-        if not 1 <= slot <= max_loras:
-            raise ValueError(f"LoRA slot {slot} is outside 1..{max_loras}")
-        saved_arch = resolve_architecture(self.hf_config)[1]  # K/V heads as the adapter has them
-        arrays = lora.slot_arrays(weights, saved_arch, self.run_arch, rank)
-        current = lora.lora_params(self.params)
-        lora.set_lora_params(self.params, lora.write_slot(current, arrays, np.int32(slot - 1),
-                                                          rank=rank))
+        lora.write_adapter(self.params, slot, weights, lora_shape=self.lora_shape,
+                           saved_arch=resolve_architecture(self.hf_config)[1],
+                           run_arch=self.run_arch)
 
     def fill_penalty_rows(self, fills: list[PenaltyFill]) -> None:
         """Write rows of the penalty table (queued before the step that reads them)."""
@@ -176,15 +157,9 @@ class ModelRunner:
         self.kv_cache, count = self.block_mover.compile_all(self.kv_cache, sizes)
         return count
 
-    def measure_host_bandwidth(self, num_bytes: int = 32 * 2**20) -> float:
-        """Bytes/s of a device-to-host copy (best of three), for the preemption cost model."""
-        data = jax.numpy.ones(num_bytes // 4, jax.numpy.float32).block_until_ready()
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            np.array(jax.device_get(data), copy=True)  # on the CPU device_get may alias
-            best = min(best, time.perf_counter() - start)
-        return num_bytes / best
+    def measure_host_bandwidth(self) -> float:
+        """Bytes/s of a device-to-host copy, for the preemption cost model."""
+        return block_ops.measure_host_bandwidth()
 
     def use_draft_rows(self, rows: int) -> None:
         """Verify steps take ``rows`` draft distributions (a draft model's ``propose``
