@@ -41,6 +41,11 @@ Schemes (``SCHEME:FORMAT``, FORMAT ``int8`` or ``fp8`` = e4m3):
   would have to add ``q . RoPE_p(mean)`` per key position); ``precentered`` the values'
   mean too. Both print the means' share of the energy per layer first.
 
+A ``+q8`` suffix (``token_log16:int8+q8``) also rounds each query row (token and head,
+rotated as the keys are) to int8 codes with its own scale (largest |value| / 127): what a
+kernel multiplying int8 queries by the int8 keys (integer tensor cores, no conversion of
+the keys) would compute.
+
     python scripts/bench_kv_scale_schemes.py [--schemes static:int8,token:int8,token:fp8]
 
 Patches ``DecoderLayer.qkv`` of this process's model code: a measurement, not a mode.
@@ -72,7 +77,7 @@ from pallas_kernels.kv_quant import rotation  # noqa: E402
 LIMITS = {"int8": 127.0, "fp8": 448.0}
 HEADROOM = 1.25
 _state: dict = {"scheme": None, "format": "int8", "layer": 0, "positions": None,
-                "scales": {}, "capture": False}
+                "scales": {}, "capture": False, "q8": False}
 _amax: dict = {}   # (key or value, layer, "all" | "rest") -> [Hkv, D] largest |rotated value|
 _lo: dict = {}     # (key or value, layer) -> [Hkv, D] smallest / largest rotated value,
 _hi: dict = {}     # their sum and count (the centred schemes)
@@ -260,6 +265,15 @@ def _record(k, v, positions, layer: int) -> None:
                 _amax[key] = np.maximum(_amax.get(key, 0.0), x[rows].max(0))
 
 
+def _int8_rows(q):
+    """q [T, Hq, D] rotated, each row rounded to int8 codes of its own scale, and back."""
+    r = jnp.asarray(rotation(q.shape[-1]))
+    qr = jnp.einsum("thd,de->the", q.astype(jnp.float32), r, precision="highest")
+    s = _token_scale(qr, LIMITS["int8"])
+    return jnp.einsum("the,de->thd", _round(qr / s, "int8") * s, r,
+                      precision="highest").astype(q.dtype)
+
+
 def _patch() -> None:
     qkv, call = llama.DecoderLayer.qkv, llama.CausalLM.__call__
 
@@ -283,6 +297,8 @@ def _patch() -> None:
             return q, k, v
         if _state["scheme"] is None:   # float32's reference
             return q, k, v
+        if _state["q8"]:
+            q = _int8_rows(q)
         return q, quantized(k, layer, 0), quantized(v, layer, 1)
 
     def patched_call(self, input_ids, positions, kv_cache, batch):
@@ -332,11 +348,16 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for spec in args.schemes.split(","):
         _state["scheme"], _, _state["format"] = spec.partition(":")
+        _state["format"], plus, extra = _state["format"].partition("+")
+        if plus and extra != "q8":
+            raise SystemExit(f"{spec!r}: the only suffix is '+q8'")
+        _state["q8"] = extra == "q8"
         if _state["format"] not in LIMITS:
             raise SystemExit(f"{spec!r}: the format must be one of {tuple(LIMITS)}")
         start = time.perf_counter()
         row = quality.evaluate(None, windows, reference, engine)
-        print(f"| {_state['scheme']} | {_state['format']} | {row['top1_agree']:.2%} | "
+        print(f"| {_state['scheme']} | {_state['format']}{' + int8 queries' * _state['q8']} "
+              f"| {row['top1_agree']:.2%} | "
               f"{row['kl']:.5f} | {row['perplexity']:.3f} |  ({time.perf_counter() - start:.0f} s)",
               flush=True)
 
