@@ -218,6 +218,28 @@ def test_e4m3_pages_multiplied_in_float16_compile_for_an_h100():
         assert "_f16" in compiled.as_text(), kind   # the float16 kernel, by its name
 
 
+def test_int8_queries_times_int8_key_codes_compile_for_an_h100():
+    """int8 query codes times int8 key codes on integer tensor cores (``int8_queries``),
+    a decode batch at Llama-3-8B's heads with token scales: the Triton kernel compiles
+    (its PTX: ``mma...s32.s8.s8.s32`` for the scores, ``scripts/kernel_ptx_ops.py``)."""
+    device = target_devices("h100")[0]
+    hq, hkv, head_dim, options = FAMILIES["llama3_8b"]
+    num_tokens, num_seqs = BATCHES["decode"]
+    specs = _attention_specs(num_tokens, num_seqs, hq, hkv, head_dim, 16, jnp.uint8, False)
+    specs[0] = ((num_tokens, hq, head_dim), jnp.bfloat16)
+    num_blocks = specs[1][0][0]
+    codes = ((num_blocks, 16, hkv), jnp.uint8)
+
+    def attend(q, k, v, *rest_and_codes):
+        *rest, k_codes, v_codes = rest_and_codes
+        return ragged_paged_attention_gpu(q, k, v, *rest, sm_scale=head_dim ** -0.5,
+                                          kv_format="int8", int8_queries=True,
+                                          token_scales=(k_codes, v_codes), **options)
+
+    compiled = compile_on_device(device, attend, *specs, codes, codes)
+    assert "_q8" in compiled.as_text()   # the int8-query kernel, by its name
+
+
 @pytest.mark.parametrize("target", ["v5e:1x1", "h100"])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_matmul_compiles_for_target(target, bits):
