@@ -418,10 +418,9 @@ def tune_decode(args, ceilings, shapes, kv_format, deadline) -> dict:
     moved = [decode_bytes(b) for b in batches]
     searched = []
     kv_itemsize = batches[0]["k"].dtype.itemsize
-    candidates = ([table_config(decode=True, kv_itemsize=kv_itemsize, kv_format=kv_format)]
-                  if args.no_search
-                  else decode_candidates(args.quick, kv_format, table_config(
-                      decode=True, kv_itemsize=kv_itemsize, kv_format=kv_format)))
+    incumbent = table_config(decode=True, kv_itemsize=kv_itemsize, kv_format=kv_format)
+    candidates = ([incumbent] if args.no_search
+                  else decode_candidates(args.quick, kv_format, incumbent))
     for config in effective(candidates, decode=True, kv_itemsize=kv_itemsize):
         if searched and time.perf_counter() > deadline:
             break

@@ -135,14 +135,11 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] e
             # int8 queries multiply the key bytes as the int8 codes they are: no conversion
             k = (lax.bitcast_convert_type(k, jnp.int8) if int8_queries
                  else convert(k, kv_format, values_dtype))
-        if int8_queries:  # integer tensor cores: exact int32 sums of code products
-            s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.int32).astype(jnp.float32)
-        else:
-            s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                precision=dot_precision(q.dtype),
-                                preferred_element_type=jnp.float32)
-        s = s * score_scale                                                   # [R, K]
+        # int8 queries: integer tensor cores, exact int32 sums of code products
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                            precision=None if int8_queries else dot_precision(q.dtype),
+                            preferred_element_type=jnp.int32 if int8_queries else jnp.float32)
+        s = s.astype(jnp.float32) * score_scale                               # [R, K]
         if token_scales:  # each key's own scale multiplies its scores (kv_token_scale)
             k_mul, v_mul = (token_scale_values_computed(codes) for codes in block[2:])  # [K]
             s = s * k_mul[None, :]
