@@ -300,7 +300,7 @@ def around_kernel_ms(b, config: GpuKernelConfig, args) -> float:
     def around(q, kv_lens, cu, num_seqs, acc, m, l):
         tiles = tiling.build_tile_table(cu, kv_lens, num_seqs, num_tokens=num_tokens,
                                         block_q=bq, num_tiles=num_tiles)
-        out = tiling.combine_splits(acc, m, l) if splits > 1 else acc[0]
+        out = tiling.combine_splits(acc, m, l, log2=True) if splits > 1 else acc[0]
         if config.direct_io:
             valid = jnp.arange(num_tokens) < cu[num_seqs[0]]
             out = out.reshape(num_tokens, num_q_heads, head_dim)

@@ -10,7 +10,8 @@ pages in front of it.
 
 Decode-heavy batches have few tiles, too few to fill the chip; the KV range of each tile
 is then split ``num_kv_splits`` ways (flash decoding). Every split writes its unnormalized
-partial sum with its row max and row sum, and ``combine_splits`` merges them in XLA.
+partial sum with its row max (in base-2 units: the kernel's softmax is exp2 of scores
+scaled by log2(e)) and row sum, and ``combine_splits`` merges them in XLA.
 
 Layout: the public cache layout ``[num_blocks, block_size, num_kv_heads, head_dim]`` is
 read as is: a BlockSpec selects the kv head, and a page of one head is ``block_size``
@@ -45,6 +46,19 @@ from pallas_kernels.ragged_paged_attention.gpu_config import (
 from pallas_kernels.precision import dot_precision
 
 MIN_DOT = 16  # Triton's tensor-core dot wants every dimension >= 16
+LOG2E = 1.4426950408889634  # log2(e): e^x = 2^(x log2(e))
+
+
+def _exp2(x: jax.Array, fast: bool) -> jax.Array:
+    """2^x of float32 x. ``fast``: one ``ex2.approx.ftz`` instruction each (inline PTX;
+    results below 2^-126 flush to zero, which a softmax's probabilities may); else
+    ``jnp.exp2``, which the Triton lowering makes libdevice's exp2f (subnormal handling
+    around its ex2: two more multiplies and a select) and interpret mode runs exactly."""
+    if not fast:
+        return jnp.exp2(x)
+    return plgpu.elementwise_inline_asm(
+        "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
 
 
 def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] each
@@ -60,7 +74,8 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] e
             rows: int, q_heads: int, group: int, group_padded: int, pages_per_block: int,
             num_splits: int, heads_fastest: bool, direct: bool, mask_split: bool,
             prefetch: bool, kv_format: str | None = None, fp8_in_integers: bool = False,
-            token_scales: bool = False, halves: bool = False, int8_queries: bool = False):
+            token_scales: bool = False, halves: bool = False, int8_queries: bool = False,
+            fast_exp2: bool = False):
     code_refs, (o_ref, *lm_refs) = (refs[:2], refs[2:]) if token_scales else ((), refs)
     tile, split = pl.program_id(1 if heads_fastest else 0), pl.program_id(2)
     kv_head = pl.program_id(0 if heads_fastest else 1)
@@ -99,17 +114,22 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] e
         out_at = (flat[:, None], cols)
     else:
         q = q_ref[...]
-    score_scale = sm_scale
+    # Scores are kept in base-2 units (log2(e) folded into their scale) so that the
+    # softmax's exponentials are exp2: one ex2.approx each, where exp lowers to libdevice's
+    # expf (range reduction around its ex2: ~10 instructions a score, more than a tile's
+    # other softmax work together). A soft cap needs natural units: its tanh comes first.
+    to_base2 = LOG2E if soft_cap is None else 1.0
+    score_scale = sm_scale * to_base2
     if halves:  # e4m3 pages multiplied in float16 (``half_products``)
         q, row_scale = in_halves.queries_in_halves(q)                  # [R, D], [R]
-        score_scale = (sm_scale * row_scale)[:, None]
+        score_scale = (sm_scale * to_base2 * row_scale)[:, None]
     values_dtype = q.dtype   # what byte values become for the products with probabilities
     if int8_queries:  # each row as int8 codes of its own scale, times the int8 key codes
         q32 = q.astype(jnp.float32)
         q_step = jnp.maximum(jnp.max(jnp.abs(q32), axis=1), 1e-30) * (1.0 / 127.0)  # [R]
         # to the nearest code, ties up (Triton's lowering has no round-to-even)
         q = jnp.clip(jnp.floor(q32 / q_step[:, None] + 0.5), -127.0, 127.0).astype(jnp.int8)
-        score_scale = (sm_scale * q_step)[:, None]
+        score_scale = (sm_scale * to_base2 * q_step)[:, None]
     num_pages = k_ref.shape[0]
 
     def load_block(j):  # [K, D] K and V of KV block j (as stored), then [K] scale codes
@@ -144,7 +164,7 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] e
             k_mul, v_mul = (token_scale_values_computed(codes) for codes in block[2:])  # [K]
             s = s * k_mul[None, :]
         if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
+            s = (soft_cap * LOG2E) * jnp.tanh(s / soft_cap)
         if masked:
             col = j * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)   # [K]
             mask = ((col[None, :] <= row_pos[:, None]) & (col[None, :] < kv_len)
@@ -153,8 +173,8 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] e
                 mask &= col[None, :] > row_pos[:, None] - sliding_window
             s = jnp.where(mask, s, tiling.MASK_VALUE)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        alpha = jnp.exp(m_prev - m_next)
-        p = jnp.exp(s - m_next[:, None])
+        alpha = _exp2(m_prev - m_next, fast_exp2)
+        p = _exp2(s - m_next[:, None], fast_exp2)
         if masked:
             p = jnp.where(mask, p, 0.0)
             v = jnp.where((col < kv_len)[:, None], v, jnp.zeros_like(v))  # junk past the end
@@ -374,7 +394,7 @@ def ragged_paged_attention_gpu(
         direct=direct, mask_split=config.mask_split, prefetch=config.prefetch,
         kv_format=kv_format, token_scales=bool(codes),
         # an A100's Triton has no FP8 conversion (a fatal compiler error): bytes to floats
-        halves=halves, int8_queries=int8_queries,
+        halves=halves, int8_queries=int8_queries, fast_exp2=not interpret,
         fp8_in_integers=kv_format == "fp8_e4m3" and (
             not interpret and not has_fp8_units() if fp8_in_integers is None
             else fp8_in_integers))
@@ -397,7 +417,7 @@ def ragged_paged_attention_gpu(
               f"{'_q8' if int8_queries else ''}"),
     )(tiles.seq, tiles.pos0, tiles.count, tiles.kv_len, tiles.start, tables, q_in, k_cache,
       v_cache, *codes)
-    out = result if splits == 1 else tiling.combine_splits(*result)
+    out = result if splits == 1 else tiling.combine_splits(*result, log2=True)
     if direct:
         out = out[:num_tokens * num_q_heads]
     else:

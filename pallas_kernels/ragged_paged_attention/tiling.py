@@ -131,14 +131,17 @@ def untile_outputs(out: jax.Array, tiles: TileTable, *, num_q_heads: int, block_
     return jnp.where(tiles.token_valid[:, None, None], y, 0).astype(dtype)
 
 
-def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
+def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, *,
+                   log2: bool = False) -> jax.Array:
     """Merge flash-decoding partials over axis 0.
 
     acc: f32 [splits, ..., D] unnormalized sums; m, l: f32 [splits, ...] row max and row sum.
-    Rows that saw no key anywhere (l == 0) come back as zeros.
+    ``log2``: the row maxima are in base-2 units (each split's sums are relative to
+    ``2^m``, not ``e^m``). Rows that saw no key anywhere (l == 0) come back as zeros.
     """
     m_all = jnp.max(m, axis=0)
-    weight = jnp.exp(m - m_all[None])                                        # [splits, ...]
+    exp = jnp.exp2 if log2 else jnp.exp
+    weight = exp(m - m_all[None])                                            # [splits, ...]
     l_all = jnp.sum(weight * l, axis=0)
     out = jnp.sum(weight[..., None] * acc, axis=0)
     return out / jnp.where(l_all > 0, l_all, 1.0)[..., None]

@@ -55,3 +55,32 @@ def test_blocks_an_h100_sm_holds():
     assert kernel_ptx_ops.occupancy(128, 135168, 32) == 1
     # without ptxas only shared memory and threads bound it
     assert kernel_ptx_ops.occupancy(128, 0, None) == 16
+
+
+def test_the_softmax_exponentials_are_one_ex2_each_in_an_h100_compile():
+    """The kernel's softmax is exp2 of base-2 scores through one ``ex2.approx.ftz`` each:
+    no libdevice expf (its range reduction rounds down with ``fma.rm.f32`` and saturates
+    with ``cvt.sat.f32.f32``, ~10 instructions a score where the scores' other softmax
+    work is ~6). A prefill-shaped call compiled for an H100 (XLA's dump needs its flags
+    before JAX starts: a process of its own)."""
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(kernel_ptx_ops.__file__), "kernel_ptx_ops.py")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
+    run = subprocess.run(
+        [sys.executable, script, "--prefill", "--kv-format", "bfloat16",
+         "--base", "block_kv=64,num_warps=4,num_stages=2", "--variant", "mask_split=false",
+         "--ops", "ex2,fma.rm,cvt.sat,wgmma.mma_async"],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = {line.split("|")[1].strip(" `"): line.split("|")[2:4]
+            for line in run.stdout.splitlines() if line.startswith("| `")}
+    assert "ex2.approx.ftz.f32" in rows, run.stdout
+    assert not any(op.startswith(("fma.rm", "cvt.sat")) for op in rows), rows
+    # one loop body (every block masked): an exponential per score of the 64 x 64 tile
+    # over 128 threads, and the rescale factors of the two rows a thread's MMA fragment holds
+    masked_only = int(rows["ex2.approx.ftz.f32"][1])
+    assert masked_only == 64 * 64 // 128 + 2, rows
+    assert any(op.startswith("wgmma.mma_async") for op in rows), rows   # Hopper's MMA
