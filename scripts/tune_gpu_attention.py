@@ -195,8 +195,9 @@ def decode_candidates(quick: bool, kv_format: str,
                       incumbent: GpuKernelConfig | None = None) -> list[GpuKernelConfig]:
     """The tilings to search, ``incumbent`` (the committed table's entry) first, so a
     search cut short by its deadline still times what the kernel runs today."""
-    # e4m3 searched with its products in float16 (one conversion fewer per element:
-    # ``half_products.py``); ``variants`` times the best of them without
+    # byte formats searched with their products in float16 (fewer instructions per page
+    # element, and for int8 161 -> 128 registers: ``half_products.py``); ``variants``
+    # times the best of them without
     base = DEFAULTS["decode"].replace(half_products=kv_format in in_halves.FORMATS or None)
     if quick:
         return [base, base.replace(block_kv=128, num_stages=1, prefetch=True)]
@@ -223,7 +224,7 @@ WAVE_TARGET = 1536
 def variants(best: GpuKernelConfig, kv_format: str | None = None, *,
              decode: bool = False) -> list[GpuKernelConfig | None]:
     """The chosen tiling with q / output tiled by XLA, and with every block masked: what
-    reading in place and the unmasked loop each buy, measured side by side; for e4m3 also
+    reading in place and the unmasked loop each buy, measured side by side; for byte caches also
     with the products in the other 16-bit type (float16 / bfloat16), and for decode with
     ``WAVE_TARGET`` programs. A column that does not apply is None."""
     out = [dataclasses.replace(best, direct_io=False),
@@ -500,7 +501,7 @@ def _key(config) -> str:
 
 def _variant_rows(result, rows, *, decode: bool = False):
     """Rows of the best searched tiling's variants (q / output tiled by XLA, all masked;
-    for decode also e4m3 products in the other 16-bit type and ``WAVE_TARGET`` programs),
+    for decode also byte pages' products in the other 16-bit type and ``WAVE_TARGET`` programs),
     {} where none ran."""
     best = GpuKernelConfig(**result["best"])
     return [rows.get(_key(v), {}) if v is not None else {}
@@ -533,7 +534,7 @@ def decode_table(result, ceilings) -> list[str]:
 
 
 DECODE_HEADER = ("| KV | batch x context | tuned GB/s (of copy) | untuned | q / out tiled by XLA "
-                 "| every block masked | e4m3 products in the other 16-bit type "
+                 "| every block masked | byte pages' products in the other 16-bit type "
                  f"| {WAVE_TARGET:,} programs | int8 queries x int8 keys (rounds q) "
                  "| JAX shipped | tuned / shipped | error (rel. to max) | ms around the kernel |"
                  "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -75,7 +75,7 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] e
             num_splits: int, heads_fastest: bool, direct: bool, mask_split: bool,
             prefetch: bool, kv_format: str | None = None, fp8_in_integers: bool = False,
             token_scales: bool = False, halves: bool = False, int8_queries: bool = False,
-            fast_exp2: bool = False):
+            inline_ptx: bool = False):
     code_refs, (o_ref, *lm_refs) = (refs[:2], refs[2:]) if token_scales else ((), refs)
     tile, split = pl.program_id(1 if heads_fastest else 0), pl.program_id(2)
     kv_head = pl.program_id(0 if heads_fastest else 1)
@@ -120,10 +120,11 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] e
     # other softmax work together). A soft cap needs natural units: its tanh comes first.
     to_base2 = LOG2E if soft_cap is None else 1.0
     score_scale = sm_scale * to_base2
-    if halves:  # e4m3 pages multiplied in float16 (``half_products``)
+    if halves and not int8_queries:  # byte pages multiplied in float16 (``half_products``)
         q, row_scale = in_halves.queries_in_halves(q)                  # [R, D], [R]
         score_scale = (sm_scale * to_base2 * row_scale)[:, None]
-    values_dtype = q.dtype   # what byte values become for the products with probabilities
+    # what byte values become for the products with probabilities
+    values_dtype = jnp.float16 if halves else q.dtype
     if int8_queries:  # each row as int8 codes of its own scale, times the int8 key codes
         q32 = q.astype(jnp.float32)
         q_step = jnp.maximum(jnp.max(jnp.abs(q32), axis=1), 1e-30) * (1.0 / 127.0)  # [R]
@@ -150,11 +151,16 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] e
             block = load_block(j)
         k, v = block[:2]
         if kv_format is not None:  # byte pages (kv_quant): their values, in q's dtype
-            convert = decode_in_integers if fp8_in_integers else decode
-            v = convert(v, kv_format, values_dtype)
+            if halves:  # float16, converted by inline PTX where that is cheaper
+                convert = functools.partial(in_halves.bytes_in_halves, inline_ptx=inline_ptx,
+                                            fp8_in_integers=fp8_in_integers)
+            else:
+                convert = functools.partial(
+                    decode_in_integers if fp8_in_integers else decode, dtype=values_dtype)
+            v = convert(v, kv_format)
             # int8 queries multiply the key bytes as the int8 codes they are: no conversion
             k = (lax.bitcast_convert_type(k, jnp.int8) if int8_queries
-                 else convert(k, kv_format, values_dtype))
+                 else convert(k, kv_format))
         # int8 queries: integer tensor cores, exact int32 sums of code products
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                             precision=None if int8_queries else dot_precision(q.dtype),
@@ -173,16 +179,17 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] e
                 mask &= col[None, :] > row_pos[:, None] - sliding_window
             s = jnp.where(mask, s, tiling.MASK_VALUE)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        alpha = _exp2(m_prev - m_next, fast_exp2)
-        p = _exp2(s - m_next[:, None], fast_exp2)
+        alpha = _exp2(m_prev - m_next, inline_ptx)
+        # float16 products: probabilities (and so the row sums) 2^PROBABILITY_EXPONENT times
+        # their value, the scale taken in the exponent (acc / l divides it out)
+        p_max = m_next - in_halves.PROBABILITY_EXPONENT if halves else m_next
+        p = _exp2(s - p_max[:, None], inline_ptx)
         if masked:
             p = jnp.where(mask, p, 0.0)
             v = jnp.where((col < kv_len)[:, None], v, jnp.zeros_like(v))  # junk past the end
         l_next = alpha * l_prev + jnp.sum(p, axis=1)
         if token_scales:  # and each value's scale its probabilities, after the row sum
             p = p * v_mul[None, :]
-        if halves:  # float16's range: the probabilities times PROBABILITY_SCALE
-            p = p * in_halves.PROBABILITY_SCALE
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                              precision=dot_precision(v.dtype),
                              preferred_element_type=jnp.float32)     # [R, D]
@@ -202,8 +209,6 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] e
     else:
         whole_hi = my_lo
     m, l, acc = lax.fori_loop(whole_hi, my_hi, functools.partial(body, masked=True), carry)[:3]
-    if halves:
-        acc = acc * (1.0 / in_halves.PROBABILITY_SCALE)
 
     if num_splits == 1:
         out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
@@ -285,8 +290,10 @@ def ragged_paged_attention_gpu(
     Tiling knobs left None come from ``gpu_config.config_for``. ``fp8_in_integers``: build
     e4m3 values from the bytes' fields (``kv_quant.decode_in_integers``); None: where the
     GPU has no FP8 conversion (compute capability < 8.9; never in interpret mode).
-    ``half_products``: e4m3 pages become float16 and are multiplied in float16
-    (``half_products.py``; 16-bit queries only), a tuning knob like the others.
+    ``half_products``: byte pages become float16 and are multiplied in float16
+    (``half_products.py``: int8 and e5m2 through inline PTX, 1.25 and 0.5 instructions an
+    element; 16-bit queries only), a tuning knob like the others. With ``int8_queries``
+    it applies to the values only.
     ``int8_queries`` (int8 caches only; not a tuning knob, as it changes the results
     beyond rounding): each query row is rounded to int8 codes of its own scale (its
     largest |value| / 127) and multiplied by the key codes on integer tensor cores, with
@@ -324,9 +331,8 @@ def ragged_paged_attention_gpu(
     tiles = tiling.build_tile_table(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens,
                                     block_q=block_q, num_tiles=num_tiles)
     direct = config.direct_io
-    # e4m3 pages multiplied in float16 (``half_products``): 16-bit queries only (float32
-    # ones keep float32's products); int8 and e5m2 keep bfloat16, which Triton converts
-    # them to with integer operations (to float16 with conversion instructions)
+    # byte pages multiplied in float16 (``half_products``): 16-bit queries only (float32
+    # ones keep float32's products); int8 and e5m2 converted by inline PTX (on the device)
     halves = (config.half_products and kv_format in in_halves.FORMATS
               and jnp.dtype(q.dtype).itemsize == 2)
     q = q.astype(compute_dtype)
@@ -394,7 +400,7 @@ def ragged_paged_attention_gpu(
         direct=direct, mask_split=config.mask_split, prefetch=config.prefetch,
         kv_format=kv_format, token_scales=bool(codes),
         # an A100's Triton has no FP8 conversion (a fatal compiler error): bytes to floats
-        halves=halves, int8_queries=int8_queries, fast_exp2=not interpret,
+        halves=halves, int8_queries=int8_queries, inline_ptx=not interpret,
         fp8_in_integers=kv_format == "fp8_e4m3" and (
             not interpret and not has_fp8_units() if fp8_in_integers is None
             else fp8_in_integers))

@@ -63,7 +63,7 @@ class GpuKernelConfig:
     mask_split: bool = True      # KV blocks every row sees whole run a loop without the mask
     prefetch: bool = False       # each loop step loads the next block's pages into registers
                                  # (with num_stages 1: byte caches then skip shared memory)
-    half_products: bool = False  # e4m3 pages become float16, not bfloat16, and are multiplied
+    half_products: bool = False  # byte pages become float16, not bfloat16, and are multiplied
                                  # in float16 (16-bit queries; ``half_products.py``)
 
     def replace(self, **changes) -> "GpuKernelConfig":

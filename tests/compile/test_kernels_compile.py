@@ -204,17 +204,26 @@ def test_token_scaled_int8_kernel_compiles_for_gpu(target, family, block_size):
         assert "__gpu$xla.gpu.triton" in compiled.as_text(), kind
 
 
-def test_e4m3_pages_multiplied_in_float16_compile_for_an_h100():
-    """e4m3 pages converted to float16 and multiplied in float16 (``half_products``), decode
-    and prefill batches at Llama-3-8B's heads: the Triton kernel compiles with it."""
-    device = target_devices("h100")[0]
+@pytest.mark.parametrize("target,kv_format", [("h100", "fp8_e4m3"), ("h100", "int8"),
+                                              ("h100", "fp8_e5m2"), ("a100", "int8")])
+def test_byte_pages_multiplied_in_float16_compile(target, kv_format):
+    """Byte pages converted to float16 and multiplied in float16 (``half_products``; int8
+    and e5m2 through inline PTX, int8 with its token scales as the engine stores it),
+    decode and prefill batches at Llama-3-8B's heads: the Triton kernel compiles."""
+    device = target_devices(target)[0]
     hq, hkv, head_dim, options = FAMILIES["llama3_8b"]
     for kind, (num_tokens, num_seqs) in BATCHES.items():
         specs = _attention_specs(num_tokens, num_seqs, hq, hkv, head_dim, 16, jnp.uint8,
                                  False)
         specs[0] = ((num_tokens, hq, head_dim), jnp.bfloat16)
-        compiled = compile_on_device(device, ragged_paged_attention_gpu, *specs, static_kwargs=dict(
-            sm_scale=head_dim ** -0.5, kv_format="fp8_e4m3", half_products=True, **options))
+        codes = [((specs[1][0][0], 16, hkv), jnp.uint8)] * 2 if kv_format == "int8" else []
+
+        def attend(*args):
+            return ragged_paged_attention_gpu(
+                *args[:7], token_scales=tuple(args[7:]) or None, sm_scale=head_dim ** -0.5,
+                kv_format=kv_format, half_products=True, **options)
+
+        compiled = compile_on_device(device, attend, *specs, *codes)
         assert "_f16" in compiled.as_text(), kind   # the float16 kernel, by its name
 
 
@@ -238,6 +247,14 @@ def test_int8_queries_times_int8_key_codes_compile_for_an_h100():
 
     compiled = compile_on_device(device, attend, *specs, codes, codes)
     assert "_q8" in compiled.as_text()   # the int8-query kernel, by its name
+    # with float16 values (``half_products`` applies to the values only there)
+    def attend_in_halves(*args):
+        return ragged_paged_attention_gpu(*args[:7], sm_scale=head_dim ** -0.5,
+                                          kv_format="int8", int8_queries=True,
+                                          half_products=True, token_scales=args[7:], **options)
+
+    compiled = compile_on_device(device, attend_in_halves, *specs, codes, codes)
+    assert "_q8" in compiled.as_text() and "_f16" in compiled.as_text()
 
 
 @pytest.mark.parametrize("target", ["v5e:1x1", "h100"])

@@ -1,9 +1,10 @@
-"""e4m3 pages multiplied in float16 by the GPU kernel (``half_products``), interpret mode.
+"""Byte pages multiplied in float16 by the GPU kernel (``half_products``), interpret mode.
 
-The path exists for speed on GPUs (one conversion instruction fewer per element); what
-is checked here is that it changes nothing a user could see: the same attention as the
-bfloat16 path to within bfloat16's rounding, queries beyond float16's range included, and
-the tuning table's per-format entries that switch it on.
+The path exists for speed on GPUs (fewer instructions per page element); what is checked
+here is that it changes nothing a user could see: the same attention as the bfloat16 path
+to within bfloat16's rounding for every byte format, queries beyond float16's range
+included, the inline PTX conversions (int8, e5m2) stepped through for every byte, and the
+tuning table's per-format entries that switch it on.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 from pallas_kernels.kv_quant import decode
 from pallas_kernels.ragged_paged_attention import gpu_config, ragged_paged_attention
 from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
+from pallas_kernels.ragged_paged_attention import half_products
 from pallas_kernels.ragged_paged_attention.half_products import queries_in_halves
 from tests.kernels.mode import INTERPRET, require_backend
 from tests.kernels.test_kv_quant import LENS, _byte_case
@@ -45,13 +47,13 @@ def test_queries_are_brought_into_float16_range_by_exact_powers_of_two():
     assert (up[~small] > 1).all()
 
 
-@pytest.mark.parametrize("lens", LENS[1:])
-def test_e4m3_pages_in_float16_give_the_bfloat16_paths_attention(lens):
-    """bfloat16 queries over e4m3 pages: the float16 products are as close to float32's
+@pytest.mark.parametrize("kv_format,lens", [("fp8_e4m3", LENS[1]), ("fp8_e4m3", LENS[2]),
+                                            ("int8", LENS[2]), ("fp8_e5m2", LENS[1])])
+def test_byte_pages_in_float16_give_the_bfloat16_paths_attention(kv_format, lens):
+    """bfloat16 queries over byte pages: the float16 products are as close to float32's
     attention (over the same bfloat16 queries) as the bfloat16 products, and queries
     far beyond float16's 65,504 come out finite and right."""
     require_backend("gpu")
-    kv_format = "fp8_e4m3"
     case, q, k_bytes, v_bytes, rest = _byte_case(kv_format, lens, 2)
     n = case.num_real_tokens
     for q_scale in (1.0, 3e5):   # 3e5: the rows must be scaled into float16's range
@@ -71,11 +73,11 @@ def test_e4m3_pages_in_float16_give_the_bfloat16_paths_attention(lens):
         assert errors[True] <= 1.25 * errors[False] + 1e-4, errors
 
 
-def test_int8_e5m2_and_float32_queries_keep_their_products():
-    """int8 and e5m2 pages stay in bfloat16 (Triton converts them there without conversion
-    instructions) and float32 queries in float32: the knob changes none of their results."""
+def test_float32_queries_keep_their_products():
+    """float32 queries keep float32's products over every byte format: the knob changes
+    none of their results."""
     require_backend("gpu")
-    for kv_format, dtype in (("int8", jnp.bfloat16), ("fp8_e5m2", jnp.bfloat16),
+    for kv_format, dtype in (("int8", jnp.float32), ("fp8_e5m2", jnp.float32),
                              ("fp8_e4m3", jnp.float32)):
         case, q, k_bytes, v_bytes, rest = _byte_case(kv_format, LENS[2], 3)
         q = q.astype(dtype)
@@ -112,3 +114,66 @@ def test_tuning_entries_can_name_their_byte_format(tmp_path, monkeypatch):
             gpu_config.config_for(kv_format="int8", **kw)
     finally:
         gpu_config._table.cache_clear()
+
+
+def _run_ptx(asm: str, source: int) -> tuple[int, int]:
+    """Steps through one of ``half_products``' inline PTX blocks (its ``xor.b32``,
+    ``prmt.b32``, ``mov.b32`` and ``sub.f16x2``, as the PTX ISA defines them) for the
+    32-bit input ``$2``; returns the outputs ``$0``, ``$1``."""
+    regs = {"$2": source}
+
+    def value(operand: str) -> int:
+        return regs[operand] if operand in regs else int(operand, 0)
+
+    for statement in asm.strip("{} \n").split(";"):
+        words = statement.replace(",", " ").split()
+        if not words or words[0].startswith(".reg"):
+            continue
+        op, dest, *args = words
+        a, b = ([value(x) for x in args[:2]] + [0])[:2]
+        if op == "xor.b32":
+            result = a ^ b
+        elif op == "mov.b32":
+            result = a
+        elif op == "prmt.b32":   # byte i of the result: byte (selector nibble i) of {b, a}
+            pool = (a | (b << 32)).to_bytes(8, "little")
+            selector = value(args[2])
+            result = int.from_bytes(bytes(pool[(selector >> 4 * i) & 7] for i in range(4)),
+                                    "little")
+        elif op == "sub.f16x2":  # two float16 lanes, rounded to nearest
+            lanes = [np.array([x & 0xFFFF, x >> 16], np.uint16).view(np.float16)
+                     for x in (a, b)]
+            diff = (lanes[0].astype(np.float32) - lanes[1].astype(np.float32))
+            halves = diff.astype(np.float16).view(np.uint16)
+            result = int(halves[0]) | (int(halves[1]) << 16)
+        else:
+            raise AssertionError(f"not stepped through: {op}")
+        regs[dest] = result & 0xFFFFFFFF
+    return regs["$0"], regs["$1"]
+
+
+@pytest.mark.parametrize("kv_format", ["int8", "fp8_e5m2"])
+def test_inline_ptx_conversions_give_every_bytes_float16_value(kv_format):
+    """The int8 and e5m2 PTX, stepped through for all 256 bytes in each of the four places
+    of an instance's register: the float16 of each byte's value, in element order
+    (elements 0, 1 in the first output's low and high halves, 2, 3 in the second's)."""
+    byte = np.arange(256, dtype=np.uint8)
+    want = np.asarray(decode(jnp.asarray(byte), kv_format, jnp.float32))
+    asm = half_products._ASM[kv_format]
+    for place in range(4):
+        for b in range(256):
+            others = [(b * 37 + 11 * i) % 256 for i in range(4)]
+            others[place] = b
+            out0, out1 = _run_ptx(asm, int.from_bytes(bytes(others), "little"))
+            got = np.array([out0 & 0xFFFF, out0 >> 16, out1 & 0xFFFF, out1 >> 16],
+                           np.uint16).view(np.float16).astype(np.float32)
+            np.testing.assert_array_equal(got, want[others], err_msg=f"byte {b}, place {place}")
+
+
+@pytest.mark.parametrize("kv_format", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_bytes_in_halves_without_ptx_is_the_plain_conversion(kv_format):
+    byte = jnp.arange(256, dtype=jnp.uint8).reshape(16, 16)
+    got = half_products.bytes_in_halves(byte, kv_format, inline_ptx=False)
+    assert got.dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(decode(byte, kv_format, jnp.float32)))

@@ -44,8 +44,9 @@ def test_token_scaled_pages_give_the_attention_of_the_rounded_queries():
     assert gap > 1e-4, gap   # the queries were rounded: not the float32 attention
 
 
-@pytest.mark.parametrize("split", [None, 3], ids=["one_split", "three_splits"])
-def test_plain_int8_pages_with_bfloat16_queries(split):
+@pytest.mark.parametrize("split,halves", [(None, False), (3, False), (3, True)],
+                         ids=["one_split", "three_splits", "three_splits_float16_values"])
+def test_plain_int8_pages_with_bfloat16_queries(split, halves):
     require_backend("gpu")
     case, q, k_bytes, v_bytes, rest = _byte_case("int8", LENS[1], 4)
     n = case.num_real_tokens
@@ -55,8 +56,10 @@ def test_plain_int8_pages_with_bfloat16_queries(split):
         sm_scale=0.125, backend="reference"))[:n]
     got = np.asarray(ragged_paged_attention_gpu(
         qb, k_bytes, v_bytes, *rest, sm_scale=0.125, interpret=INTERPRET, kv_format="int8",
-        int8_queries=True, num_kv_splits=split, block_kv=4), np.float32)[:n]
-    # exact scores; the probabilities and the output are rounded to bfloat16 (2^-8)
+        int8_queries=True, num_kv_splits=split, block_kv=4, half_products=halves),
+        np.float32)[:n]
+    # exact scores; the probabilities (float16 or bfloat16) and the output are rounded to
+    # bfloat16 (2^-8)
     assert np.abs(got - want).max() <= 8e-3 * np.abs(want).max()
 
 
