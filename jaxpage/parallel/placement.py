@@ -131,7 +131,8 @@ class Placement:
         return jax.tree.map(lambda x: x.addressable_data(0), value)
 
     def jit(self, fn: Callable, *, donate_argnums: tuple[int, ...] = (),
-            carry_sharding: Any = None) -> Callable:
+            carry_sharding: Any = None,
+            compiler_options: dict[str, Any] | None = None) -> Callable:
         """``jax.jit`` for ``fn(state, kv_cache, *inputs) -> (kv_cache, *outputs)``.
 
         On a mesh the KV cache keeps its KV-head sharding through the program (so the
@@ -139,9 +140,10 @@ class Placement:
         on the host are placed replicated first, and outputs are read back locally
         (``global_input`` / ``local_output``). ``carry_sharding``: the sharding (pytree
         prefix) of the second argument when it is not just the KV cache.
+        ``compiler_options``: XLA options for this program (``jax.jit``'s).
         """
         if self.mesh is None:
-            return jax.jit(fn, donate_argnums=donate_argnums)
+            return jax.jit(fn, donate_argnums=donate_argnums, compiler_options=compiler_options)
         replicated = self.replicated
         kv_sharding = self.kv_sharding if carry_sharding is None else carry_sharding
 
@@ -151,7 +153,8 @@ class Placement:
             return (jax.lax.with_sharding_constraint(kv_cache, kv_sharding),
                     *jax.lax.with_sharding_constraint(tuple(outputs), replicated))
 
-        jitted = jax.jit(constrained, donate_argnums=donate_argnums)
+        jitted = jax.jit(constrained, donate_argnums=donate_argnums,
+                         compiler_options=compiler_options)
 
         def run(state, kv_cache, *inputs):
             kv_cache, *outputs = jitted(state, kv_cache, *self.global_input(inputs))

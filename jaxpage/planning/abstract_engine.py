@@ -40,6 +40,7 @@ from jaxpage.models.lora import attach_lora
 from jaxpage.parallel.placement import Placement
 from jaxpage.parallel.sharding_rules import TP, replicated_arch
 from jaxpage.runtime import block_ops
+from jaxpage.runtime.compiler_options import decode_jit
 from jaxpage.runtime.decode_loop import make_decode_loop
 from jaxpage.runtime.kv_cache import bytes_per_block, cache_shapes
 from jaxpage.runtime.penalty_filler import PENALTY_FILL_WIDTH
@@ -264,7 +265,7 @@ class AbstractEngine:
     def decode_program(self, shape, num_blocks: int | None = None,
                        device_decided: bool = False) -> Program:
         run = make_decode_loop(self.graphdef, self.num_steps, self.block_size,
-                               jit=self._jit_with_caches,
+                               jit=decode_jit(self._jit_with_caches, self.platform),
                                features=self._features(device_decided),
                                fixed_length=branches_wait_for_device(self.platform))
         rows = self.max_num_seqs

@@ -18,6 +18,7 @@ from typing import Any, Callable
 from jaxpage.core.batch.batch_metadata import BatchMetadata
 from jaxpage.core.batch.program_set import ProgramKey
 from jaxpage.core.batch.step_features import StepFeatures, features_of
+from jaxpage.runtime.compiler_options import decode_jit
 from jaxpage.runtime.decode_loop import make_decode_loop
 from jaxpage.runtime.step import make_step
 from pallas_kernels._backend import branches_wait_for_device
@@ -38,6 +39,7 @@ class StepPrograms:
         self.steps: dict[tuple[bool, StepFeatures | None], Any] = {}
         self.decode_loops: dict[tuple[int, StepFeatures | None, bool], Any] = {}
         self._graphdef, self._block_size, self._jit = graphdef, block_size, jit
+        self._decode_jit = decode_jit(jit, platform)   # XLA options of decode programs
 
     def features(self, batch: BatchMetadata) -> StepFeatures | None:
         """The features of the program that runs ``batch`` (None: the program that decides
@@ -68,7 +70,7 @@ class StepPrograms:
             loop = self.decode_loops.get(loop_key)
             if loop is None:
                 loop = self.decode_loops[loop_key] = make_decode_loop(
-                    self._graphdef, key.steps, self._block_size, jit=self._jit,
+                    self._graphdef, key.steps, self._block_size, jit=self._decode_jit,
                     features=key.features, fixed_length=key.fixed_length)
             return loop
         step_key = (key.kind == "verify", key.features)
