@@ -24,7 +24,9 @@
 #                     kernels per token, device-busy fraction and launch gaps;
 #   batch1_flags      issue [18]: batch-1 decode alone (bench_step_phases.py, 1 request under
 #                     a 64-sequence engine) once per XLA_FLAGS variant, default, command
-#                     buffers (CUDA graphs) off, and on for loops and conditionals too
+#                     buffers (CUDA graphs) off, and on for loops and conditionals too,
+#                     and mlp_unmerged (the decode programs' gate and up as two GEMMs,
+#                     XLA's default; runtime/compiler_options.py)
 #                     (BATCH1_VARIANTS: names of the variants below): whether batch 1's
 #                     1.35x of the weights floor is launch costs that graphs remove;
 #                     one json per variant (not in the default steps);
@@ -122,14 +124,16 @@ run_step step_phases "$PYTHON" scripts/bench_step_phases.py --model preset:llama
 export FLAGS_default=""
 export FLAGS_no_graphs="--xla_gpu_enable_command_buffer="
 export FLAGS_graphs_all="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1"
+# variants that set an environment variable instead (ENV_<variant>, "NAME=value")
+export FLAGS_mlp_unmerged="" ENV_mlp_unmerged="JAXPAGE_GPU_DECODE_DOT_MERGER_MB=32"
 export BATCH1_DIR="$dir"
 run_step batch1_flags bash -c '
     status=0
     for variant in ${BATCH1_VARIANTS:-default no_graphs graphs_all}; do
-        name="FLAGS_$variant"
+        name="FLAGS_$variant" env_name="ENV_$variant"
         flags="${XLA_FLAGS:+$XLA_FLAGS }${!name}"
-        echo "== $variant: XLA_FLAGS=$flags"
-        XLA_FLAGS="$flags" "$0" scripts/bench_step_phases.py --model preset:llama3-8b \
+        echo "== $variant: XLA_FLAGS=$flags ${!env_name}"
+        env ${!env_name} XLA_FLAGS="$flags" "$0" scripts/bench_step_phases.py --model preset:llama3-8b \
             --dtype bfloat16 --num-requests 1 --max-num-seqs 64 --input-len 1024 \
             --output-len 2 --top-p 0 --batch1-output 128 \
             --json "$BATCH1_DIR/batch1_$variant.json" || status=1
@@ -140,7 +144,8 @@ run_step batch1_flags bash -c '
 workers=$("$PYTHON" -c 'import xdist' 2>/dev/null && echo "-n ${KERNEL_TEST_WORKERS:-8}")
 run_step kernel_tests env JAXPAGE_KERNELS_ON_DEVICE=1 XLA_PYTHON_CLIENT_PREALLOCATE=false \
     "$PYTHON" -m pytest -q -x -p no:cacheprovider $workers \
-    tests/kernels/test_attention_kernels.py tests/kernels/test_kv_quant.py -k "gpu or tuning"
+    tests/kernels/test_attention_kernels.py tests/kernels/test_kv_quant.py \
+    tests/kernels/test_half_products.py -k "gpu or tuning or halves or float16"
 
 # Issue [16]: an 8B model ready within a minute cold, 10 s warm (the second start loads);
 # then the same 64 x (1,024 + 128) run started cold (ready set, the rest compiled in the

@@ -18,11 +18,15 @@ merged dot whose weights cuBLAS takes would first be copied into one array every
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable
 
 # Large enough for any dense model's projections (Llama-3-70B's gate, 8192 x 28672 in
 # bfloat16, is 448 MB).
 DECODE_DOT_MERGER_MB = 4096
+# Overrides it (an integer of MB; 32, XLA's default, turns the merge of the MLP's GEMMs
+# off): for measuring the merge on a GPU. Part of the executable cache's fingerprint.
+ENV_DECODE_DOT_MERGER = "JAXPAGE_GPU_DECODE_DOT_MERGER_MB"
 
 
 def decode_compiler_options(platform: str) -> dict[str, int] | None:
@@ -30,7 +34,14 @@ def decode_compiler_options(platform: str) -> dict[str, int] | None:
     ("cpu", "gpu", "tpu"): None (XLA's defaults) except on GPUs."""
     if platform != "gpu":
         return None
-    return {"xla_gpu_dot_merger_threshold_mb": DECODE_DOT_MERGER_MB}
+    text = os.environ.get(ENV_DECODE_DOT_MERGER, "").strip()
+    try:
+        megabytes = int(text) if text else DECODE_DOT_MERGER_MB
+    except ValueError:
+        megabytes = -1
+    if megabytes < 0:
+        raise ValueError(f"{ENV_DECODE_DOT_MERGER}={text!r} must be a whole number of MB")
+    return {"xla_gpu_dot_merger_threshold_mb": megabytes}
 
 
 def decode_jit(jit: Callable, platform: str) -> Callable:

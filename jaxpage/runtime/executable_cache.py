@@ -37,9 +37,11 @@ import jax
 
 from jaxpage.core.batch.program_set import ProgramKey
 from jaxpage.runtime import background_compile
+from jaxpage.runtime.compiler_options import ENV_DECODE_DOT_MERGER
 from pallas_kernels.dense_matmul import resolve_backend as dense_backend
 from pallas_kernels.quantized_matmul import activation_quant
 from pallas_kernels.quantized_matmul import resolve_backend as quantized_backend
+from pallas_kernels.ragged_paged_attention.gpu_config import ENV_TUNING
 from pallas_kernels.sampling import resolve_backend as sampling_backend
 
 logger = logging.getLogger("jaxpage")
@@ -67,12 +69,12 @@ jax.monitoring.register_event_listener(_count_cache_hits)
 
 def _source_digest() -> str:
     """Hash of every Python and C++ source and header file of the packages the programs are
-    built from."""
+    built from, and of their JSON files (the GPU kernel's tuning table)."""
     digest = hashlib.sha256()
     root = Path(__file__).resolve().parents[2]
     for package in _PACKAGES:
         for path in sorted([*(root / package).rglob("*.py"), *(root / package).rglob("*.cc"),
-                            *(root / package).rglob("*.h")]):
+                            *(root / package).rglob("*.h"), *(root / package).rglob("*.json")]):
             digest.update(str(path.relative_to(root)).encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()
@@ -84,7 +86,20 @@ def _avals(tree: Any) -> str:
     return f"{treedef}|{shapes}"
 
 
-COMPILER_FLAG_VARIABLES = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
+COMPILER_FLAG_VARIABLES = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", ENV_DECODE_DOT_MERGER)
+
+
+def _tuning_digest() -> str:
+    """What the GPU attention kernel's tilings are read from besides the committed table
+    (which ``_source_digest`` covers): the file ``JAXPAGE_GPU_ATTENTION_TUNING`` names, by
+    its contents (a program built under one tuning run is not another's)."""
+    path = os.environ.get(ENV_TUNING)
+    if not path:
+        return ""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError as error:
+        return f"unreadable {path}: {error}"
 
 
 def fingerprint(*fixed_args: Any, extra: str = "") -> str:
@@ -97,6 +112,7 @@ def fingerprint(*fixed_args: Any, extra: str = "") -> str:
              # flags change the code XLA emits (an executable built under other flags
              # would be loaded as if it were this one: a tuning run compared nothing)
              *(f"{name}={os.environ.get(name, '')}" for name in COMPILER_FLAG_VARIABLES),
+             _tuning_digest(),
              *(_avals(arg) for arg in fixed_args), extra]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 

@@ -7,16 +7,25 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from jaxpage.config import EngineConfig
 from jaxpage.parallel.targets import target_devices
 from jaxpage.planning.abstract_engine import AbstractEngine
-from jaxpage.runtime.compiler_options import decode_compiler_options
+from jaxpage.runtime.compiler_options import ENV_DECODE_DOT_MERGER, decode_compiler_options
 
 
-def test_only_gpu_decode_programs_get_options():
+def test_only_gpu_decode_programs_get_options(monkeypatch):
+    monkeypatch.delenv(ENV_DECODE_DOT_MERGER, raising=False)
     assert decode_compiler_options("cpu") is None and decode_compiler_options("tpu") is None
     options = decode_compiler_options("gpu")
     assert options["xla_gpu_dot_merger_threshold_mb"] * 2**20 > 8192 * 28672 * 2  # 70B's gate
+    monkeypatch.setenv(ENV_DECODE_DOT_MERGER, "32")     # XLA's default: the merge off
+    assert decode_compiler_options("gpu") == {"xla_gpu_dot_merger_threshold_mb": 32}
+    for bad in ("lots", "-1", "1.5"):
+        monkeypatch.setenv(ENV_DECODE_DOT_MERGER, bad)
+        with pytest.raises(ValueError, match=f"{ENV_DECODE_DOT_MERGER}='{re.escape(bad)}'"):
+            decode_compiler_options("gpu")
 
 
 def _gemm_widths(hlo: str) -> list[int]:
@@ -24,13 +33,14 @@ def _gemm_widths(hlo: str) -> list[int]:
     return [int(w) for w in re.findall(r"%gemm_fusion[\w.]* = \S*?\[(?:\d+,)*(\d+)\]", hlo)]
 
 
-def test_an_h100_decode_program_runs_gate_and_up_as_one_gemm():
+def test_an_h100_decode_program_runs_gate_and_up_as_one_gemm(monkeypatch):
     """One layer of Llama-3-8B (gate and up 4,096 x 14,336: 117 MB each in bfloat16)
     compiled for an H100: the decode loop has a GEMM 28,672 wide (gate and up) and none
     14,336 wide; the single step of the same bucket keeps two (XLA's default)."""
     config = EngineConfig.from_kwargs(model="preset:llama3-8b",
                                       hf_overrides={"num_hidden_layers": 1}, max_num_seqs=16,
                                       max_model_len=256, num_scheduler_steps=2)
+    monkeypatch.delenv(ENV_DECODE_DOT_MERGER, raising=False)
     engine = AbstractEngine(config, target_devices("h100"), num_kv_blocks=64)
     shape = engine.builder.decode_shapes()[0]
     decode = _gemm_widths(engine.compile(engine.decode_program(shape)).as_text())

@@ -156,7 +156,8 @@ def test_compile_ahead_builds_the_drain_programs_and_changes_no_token(tiny_check
     assert got == want
 
 
-@pytest.mark.parametrize("variable", ["XLA_FLAGS", "LIBTPU_INIT_ARGS"])
+@pytest.mark.parametrize("variable", ["XLA_FLAGS", "LIBTPU_INIT_ARGS",
+                                      "JAXPAGE_GPU_DECODE_DOT_MERGER_MB"])
 def test_programs_built_under_other_compiler_flags_are_not_loaded(monkeypatch, variable):
     """The compiler's flags change the code it emits: executables saved under other flags
     live in another directory (a run comparing flags once loaded the first run's)."""
@@ -173,3 +174,22 @@ def test_programs_built_under_other_compiler_flags_are_not_loaded(monkeypatch, v
     assert flagged != plain
     monkeypatch.setenv(variable, "--xla_gpu_graph_min_graph_size=1")
     assert fingerprint(params) not in (plain, flagged)
+
+
+def test_programs_built_under_another_attention_tuning_are_not_loaded(monkeypatch, tmp_path):
+    """The GPU kernel's tilings change the programs: the file
+    ``JAXPAGE_GPU_ATTENTION_TUNING`` names is part of the fingerprint by its contents."""
+    import jax.numpy as jnp
+
+    from jaxpage.runtime.executable_cache import fingerprint
+
+    params = {"w": jnp.zeros((4, 4), jnp.float32)}
+    monkeypatch.delenv("JAXPAGE_GPU_ATTENTION_TUNING", raising=False)
+    plain = fingerprint(params)
+    table = tmp_path / "tuning.json"
+    table.write_text('{"entries": []}')
+    monkeypatch.setenv("JAXPAGE_GPU_ATTENTION_TUNING", str(table))
+    tuned = fingerprint(params)
+    assert tuned != plain and fingerprint(params) == tuned
+    table.write_text('{"entries": [{"phase": "decode", "config": {"block_kv": 128}}]}')
+    assert fingerprint(params) not in (plain, tuned)
