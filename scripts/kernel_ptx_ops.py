@@ -12,7 +12,9 @@ lent GPU says what that is worth (``scripts/tune_gpu_attention.py``).
 
 Below the counts, what bounds the kernel's occupancy on an H100: its grid and shared
 memory (XLA's thunk sequence), registers and spill bytes (``ptxas -v``, where the CUDA
-toolkit's ``ptxas`` is installed), the blocks an SM holds and the waves the grid takes.
+toolkit's ``ptxas`` is installed), the blocks an SM holds and the waves the grid takes;
+then, where ``cuobjdump`` is installed too (the toolkit, or ``pip install
+nvidia-cuda-cuobjdump``), the SASS opcode counts: what the GPU runs, after ptxas' fusions.
 ``--prefill`` compiles a prefill-shaped call (4 sequences x 2,048 new tokens) instead.
 
     python scripts/kernel_ptx_ops.py --kv-format fp8_e4m3 --variant half_products=true
@@ -114,10 +116,52 @@ def launches(files: list[str]) -> list[dict]:
     return rows
 
 
+def cuda_tool(name: str) -> str | None:
+    """A CUDA toolkit program (``ptxas``, ``cuobjdump``): on the PATH, in
+    ``/usr/local/cuda*/bin``, or from NVIDIA's pip wheels (``nvidia-cuda-cuobjdump``
+    installs ``site-packages/nvidia/cu13/bin/cuobjdump``); None where there is none."""
+    found = shutil.which(name) or next(iter(glob.glob(f"/usr/local/cuda*/bin/{name}")), None)
+    if found:
+        return found
+    for path in sys.path:
+        for candidate in glob.glob(os.path.join(path, "nvidia", "*", "bin", name)):
+            if os.access(candidate, os.X_OK):
+                return candidate
+    return None
+
+
+def sass_ops(ptx: str) -> collections.Counter | None:
+    """Static counts of the kernel's SASS opcodes for sm_90a (``ptxas``, then
+    ``cuobjdump -sass``), modifiers dropped (``FFMA``, ``MUFU``, ``HGMMA``); None without
+    both tools. What the GPU runs: ptxas fuses, splits and drops PTX instructions (it never
+    fuses a ``mul.rn`` and an ``add.rn`` into an FFMA, for one)."""
+    ptxas, cuobjdump = cuda_tool("ptxas"), cuda_tool("cuobjdump")
+    if ptxas is None or cuobjdump is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(f"{tmp}/k.ptx", "w") as f:
+            f.write(ptx)
+        subprocess.run([ptxas, "-arch=sm_90a", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
+                       capture_output=True, check=True)
+        sass = subprocess.run([cuobjdump, "-sass", f"{tmp}/k.cubin"], capture_output=True,
+                              text=True, check=True).stdout
+    return sass_counts(sass)
+
+
+def sass_counts(sass: str) -> collections.Counter:
+    """``cuobjdump -sass`` text -> opcode counts (predicated instructions included)."""
+    counts = collections.Counter()
+    for line in sass.splitlines():  # "/*0a10*/  @!P0 FFMA R1, R2, R3, R4 ;"
+        match = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if match:
+            counts[match.group(1)] += 1
+    return counts
+
+
 def ptxas_registers(ptx: str) -> tuple[int, int] | None:
     """(registers a thread, spill bytes stored) from ``ptxas -v`` for sm_90a, or None where
     no ptxas is installed (it ships with the CUDA toolkit)."""
-    ptxas = shutil.which("ptxas") or next(iter(glob.glob("/usr/local/cuda*/bin/ptxas")), None)
+    ptxas = cuda_tool("ptxas")
     if ptxas is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
@@ -175,6 +219,9 @@ def main() -> int:
                              "instead of decode (64 x 1)")
     parser.add_argument("--ops", default=",".join(DEFAULT_OPS),
                         help="instruction prefixes to print (all: empty)")
+    parser.add_argument("--sass-rows", type=int, default=24,
+                        help="SASS opcodes to print, most frequent first (where ptxas and "
+                             "cuobjdump are installed)")
     args = parser.parse_args()
     dump_dir = tempfile.mkdtemp(prefix="ptx-")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump_dir}")
@@ -184,13 +231,14 @@ def main() -> int:
     kv_format = None if args.kv_format == "bfloat16" else args.kv_format
     base = parse_knobs(args.base)
     variant = {**base, **parse_knobs(args.variant)}
-    counts, shapes = [], []
+    counts, shapes, sass = [], [], []
     for knobs in (base, variant):
         files = compile_and_dump(kv_format, knobs, dump_dir, seqs=4 if args.prefill else 64,
                                  tokens=8192 if args.prefill else 64)
         ptx = kernel_ptx(files)
         counts.append(kernel_ops(ptx))
         shapes.append(resources(files, ptx))
+        sass.append(sass_ops(ptx))
     prefixes = tuple(p for p in args.ops.split(",") if p)
     ops = sorted({op for c in counts for op in c if not prefixes or op.startswith(prefixes)},
                  key=lambda op: -max(c[op] for c in counts))
@@ -206,6 +254,14 @@ def main() -> int:
     print("|---|---|---|")
     for row in shapes[0]:
         print(f"| {row} | {shapes[0][row]} | {shapes[1][row]} |")
+    if sass[0] is not None:
+        print()
+        print(f"| SASS (sm_90a), {sum(sass[0].values())} / {sum(sass[1].values())} "
+              f"instructions | {args.base} | + {args.variant} |")
+        print("|---|---|---|")
+        for op in sorted(set(sass[0]) | set(sass[1]),
+                         key=lambda op: -max(sass[0][op], sass[1][op]))[:args.sass_rows]:
+            print(f"| `{op}` | {sass[0][op]} | {sass[1][op]} |")
     return 0
 
 

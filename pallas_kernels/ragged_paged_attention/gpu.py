@@ -61,6 +61,20 @@ def _exp2(x: jax.Array, fast: bool) -> jax.Array:
         result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
 
 
+def _scaled_exp2(s: jax.Array, scale, offset: jax.Array, fast: bool) -> jax.Array:
+    """2^(s * scale - offset) of float32 s [R, K] (``scale`` a float or [R, 1], ``offset``
+    [R, 1]). ``fast``: one ``fma.rn`` and one ``ex2.approx.ftz`` an element (inline PTX:
+    Triton writes a multiply and a subtraction with explicit rounding, ``mul.rn`` and
+    ``sub.rn``, which ptxas never fuses into an FFMA); else ``jnp``."""
+    if not fast:
+        return jnp.exp2(s * scale - offset)
+    scale = jnp.broadcast_to(jnp.asarray(scale, jnp.float32), s.shape)
+    return plgpu.elementwise_inline_asm(
+        "{ .reg .f32 t; fma.rn.f32 t, $1, $2, $3; ex2.approx.ftz.f32 $0, t; }",
+        args=[s, scale, jnp.broadcast_to(-offset, s.shape)], constraints="=f,f,f,f",
+        pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(s.shape, jnp.float32)])[0]
+
+
 def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] each
             block_tables_ref,                          # int32 [S, M_pad]
             q_ref,                                     # [R, D] one tile, one kv head; direct:
@@ -165,12 +179,16 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] e
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                             precision=None if int8_queries else dot_precision(q.dtype),
                             preferred_element_type=jnp.int32 if int8_queries else jnp.float32)
-        s = s.astype(jnp.float32) * score_scale                               # [R, K]
+        # [R, K] scores before their scale: it is applied after the row max (it is positive),
+        # so that each exponent's argument is one fused multiply-add
+        s = s.astype(jnp.float32)
         if token_scales:  # each key's own scale multiplies its scores (kv_token_scale)
             k_mul, v_mul = (token_scale_values_computed(codes) for codes in block[2:])  # [K]
             s = s * k_mul[None, :]
-        if soft_cap is not None:
-            s = (soft_cap * LOG2E) * jnp.tanh(s / soft_cap)
+        scale = score_scale
+        if soft_cap is not None:  # in natural units first, then base 2
+            s = (soft_cap * LOG2E) * jnp.tanh(s * (score_scale / soft_cap))
+            scale = 1.0
         if masked:
             col = j * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)   # [K]
             mask = ((col[None, :] <= row_pos[:, None]) & (col[None, :] < kv_len)
@@ -178,12 +196,13 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] e
             if sliding_window is not None:
                 mask &= col[None, :] > row_pos[:, None] - sliding_window
             s = jnp.where(mask, s, tiling.MASK_VALUE)
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        max_scale = scale if isinstance(scale, float) else scale[:, 0]           # [R] or ()
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1) * max_scale)
         alpha = _exp2(m_prev - m_next, inline_ptx)
         # float16 products: probabilities (and so the row sums) 2^PROBABILITY_EXPONENT times
         # their value, the scale taken in the exponent (acc / l divides it out)
         p_max = m_next - in_halves.PROBABILITY_EXPONENT if halves else m_next
-        p = _exp2(s - p_max[:, None], inline_ptx)
+        p = _scaled_exp2(s, scale, p_max[:, None], inline_ptx)
         if masked:
             p = jnp.where(mask, p, 0.0)
             v = jnp.where((col < kv_len)[:, None], v, jnp.zeros_like(v))  # junk past the end

@@ -36,6 +36,22 @@ def test_every_statement_of_a_line_is_counted():
     assert ops["ret"] == 1 and not any(op.startswith("$") for op in ops)
 
 
+SASS = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                        /* 0x00000a00ff017b82 */
+        /*3920*/                   FFMA R96, R96, 0.12751743197441101074, R141.reuse ;   /* 0x3e */
+        /*39c0*/                   MUFU.EX2 R104, R112 ;                         /* 0x0000 */
+        /*3a00*/               @!P2 FMUL R3, R3, 0.25 ;                          /* 0x0000 */
+        /*2900*/                   HGMMA.64x64x16.F32.BF16 R88, R132, gdesc[UR48], RZ, !UPT ;
+        /*3b00*/              @UP0 UIADD3 UR4, UR4, 0x1, URZ ;                   /* 0x0000 */
+                                                                                 /* 0x000fc8 */
+"""
+
+
+def test_sass_opcodes_are_counted_without_their_modifiers():
+    ops = kernel_ptx_ops.sass_counts(SASS)
+    assert ops == {"LDC": 1, "FFMA": 1, "MUFU": 1, "FMUL": 1, "HGMMA": 1, "UIADD3": 1}
+
+
 def test_launches_are_read_from_the_thunk_sequence(tmp_path):
     path = tmp_path / "module_0001.jit_f.thunk_sequence_after_thunk_passes.txt"
     path.write_text(THUNKS)
