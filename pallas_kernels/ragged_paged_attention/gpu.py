@@ -128,10 +128,11 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] e
         out_at = (flat[:, None], cols)
     else:
         q = q_ref[...]
-    # Scores are kept in base-2 units (log2(e) folded into their scale) so that the
-    # softmax's exponentials are exp2: one ex2.approx each, where exp lowers to libdevice's
-    # expf (range reduction around its ex2: ~10 instructions a score, more than a tile's
-    # other softmax work together). A soft cap needs natural units: its tanh comes first.
+    # The scores' scale includes log2(e) (base-2 units: the row maxima and the split
+    # merge's too) so that the softmax's exponentials are exp2: one ex2.approx each, where
+    # exp lowers to libdevice's expf (range reduction around its ex2: ~10 instructions a
+    # score, more than a tile's other softmax work together). A soft cap needs natural
+    # units: its tanh comes first.
     to_base2 = LOG2E if soft_cap is None else 1.0
     score_scale = sm_scale * to_base2
     if halves and not int8_queries:  # byte pages multiplied in float16 (``half_products``)
