@@ -62,6 +62,17 @@ def has_fp8_units(device: Any = None) -> bool:
     return bool(_FP8_GPUS.search(str(getattr(device, "device_kind", ""))))
 
 
+def runs_ptx(device: Any = None) -> bool:
+    """Whether ``device`` (default: ``current_device()``) is a GPU that Triton compiles PTX
+    for (NVIDIA's): the GPU kernels' inline PTX then applies. A ROCm client (whose
+    ``platform_version`` names it) is not; deviceless CUDA targets are."""
+    device = current_device() if device is None else device
+    if platform_backend(device.platform) != "gpu" or device.platform == "rocm":
+        return False
+    version = str(getattr(getattr(device, "client", None), "platform_version", ""))
+    return "rocm" not in version.lower()
+
+
 def platform_backend(platform: str | None = None) -> str:
     """The kernel backend that ``"auto"`` picks on ``platform`` (default: ``current_platform()``)."""
     return _PLATFORM_BACKEND.get(platform or current_platform(), "reference")

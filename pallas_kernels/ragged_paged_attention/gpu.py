@@ -40,7 +40,7 @@ import pallas_kernels.ragged_paged_attention.tiling as tiling
 import pallas_kernels.ragged_paged_attention.half_products as in_halves
 from pallas_kernels.kv_quant import decode, decode_in_integers
 from pallas_kernels.kv_token_scale import token_scale_values_computed
-from pallas_kernels._backend import has_fp8_units
+from pallas_kernels._backend import has_fp8_units, runs_ptx
 from pallas_kernels.ragged_paged_attention.gpu_config import (
     GpuKernelConfig, call_unsupported_reason, config_for)
 from pallas_kernels.precision import dot_precision
@@ -420,7 +420,8 @@ def ragged_paged_attention_gpu(
         direct=direct, mask_split=config.mask_split, prefetch=config.prefetch,
         kv_format=kv_format, token_scales=bool(codes),
         # an A100's Triton has no FP8 conversion (a fatal compiler error): bytes to floats
-        halves=halves, int8_queries=int8_queries, inline_ptx=not interpret,
+        halves=halves, int8_queries=int8_queries,
+        inline_ptx=not interpret and runs_ptx(),   # NVIDIA's GPUs (never ROCm's)
         fp8_in_integers=kv_format == "fp8_e4m3" and (
             not interpret and not has_fp8_units() if fp8_in_integers is None
             else fp8_in_integers))

@@ -36,6 +36,23 @@ def test_auto_picks_the_platform_kernel_and_the_reference_on_cpu():
     assert _backend.resolve("auto", platform="gpu", auto="reference") == "reference"
 
 
+def test_inline_ptx_only_for_nvidia_gpus():
+    """The GPU kernels' inline PTX is for NVIDIA's GPUs: a ROCm client (by its platform
+    version) and other platforms get the plain conversions."""
+    from types import SimpleNamespace
+
+    def device(platform, version):
+        return SimpleNamespace(platform=platform,
+                               client=SimpleNamespace(platform_version=version))
+
+    assert _backend.runs_ptx(device("gpu", "PJRT C API\nNVIDIA H100 80GB HBM3"))
+    assert _backend.runs_ptx(device("gpu", "cuda 12080"))
+    assert not _backend.runs_ptx(device("gpu", "rocm 60342134"))
+    assert not _backend.runs_ptx(device("rocm", ""))
+    assert not _backend.runs_ptx(device("cpu", "cpu"))
+    assert not _backend.runs_ptx(device("tpu", "TFRT TPU v5 lite"))
+
+
 def test_compiled_kernel_on_the_wrong_platform_raises_and_interpret_runs_it():
     case = make_case(np.random.default_rng(0), [2], [5])
     args = case.args(poisoned=False)
