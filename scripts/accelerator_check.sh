@@ -27,7 +27,7 @@
 #                     buffers (CUDA graphs) off, and on for loops and conditionals too,
 #                     and mlp_unmerged (the decode programs' gate and up as two GEMMs,
 #                     XLA's default; runtime/compiler_options.py)
-#                     (BATCH1_VARIANTS: names of the variants below): whether batch 1's
+#                     (BATCH1_VARIANTS: names of the variants below, default all four): whether batch 1's
 #                     1.35x of the weights floor is launch costs that graphs remove;
 #                     one json per variant (not in the default steps);
 #   startup           issue [16]: LLM("preset:llama3-8b", dtype="bfloat16") to its first token,
@@ -129,7 +129,7 @@ export FLAGS_mlp_unmerged="" ENV_mlp_unmerged="JAXPAGE_GPU_DECODE_DOT_MERGER_MB=
 export BATCH1_DIR="$dir"
 run_step batch1_flags bash -c '
     status=0
-    for variant in ${BATCH1_VARIANTS:-default no_graphs graphs_all}; do
+    for variant in ${BATCH1_VARIANTS:-default no_graphs graphs_all mlp_unmerged}; do
         name="FLAGS_$variant" env_name="ENV_$variant"
         flags="${XLA_FLAGS:+$XLA_FLAGS }${!name}"
         echo "== $variant: XLA_FLAGS=$flags ${!env_name}"
@@ -145,7 +145,8 @@ workers=$("$PYTHON" -c 'import xdist' 2>/dev/null && echo "-n ${KERNEL_TEST_WORK
 run_step kernel_tests env JAXPAGE_KERNELS_ON_DEVICE=1 XLA_PYTHON_CLIENT_PREALLOCATE=false \
     "$PYTHON" -m pytest -q -x -p no:cacheprovider $workers \
     tests/kernels/test_attention_kernels.py tests/kernels/test_kv_quant.py \
-    tests/kernels/test_half_products.py -k "gpu or tuning or halves or float16"
+    tests/kernels/test_half_products.py tests/kernels/test_int8_queries.py \
+    -k "gpu or tuning or halves or float16 or queries"
 
 # Issue [16]: an 8B model ready within a minute cold, 10 s warm (the second start loads);
 # then the same 64 x (1,024 + 128) run started cold (ready set, the rest compiled in the

@@ -141,10 +141,13 @@ def sass_ops(ptx: str) -> collections.Counter | None:
     with tempfile.TemporaryDirectory() as tmp:
         with open(f"{tmp}/k.ptx", "w") as f:
             f.write(ptx)
-        subprocess.run([ptxas, "-arch=sm_90a", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
-                       capture_output=True, check=True)
-        sass = subprocess.run([cuobjdump, "-sass", f"{tmp}/k.cubin"], capture_output=True,
-                              text=True, check=True).stdout
+        try:
+            subprocess.run([ptxas, "-arch=sm_90a", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
+                           capture_output=True, check=True)
+            sass = subprocess.run([cuobjdump, "-sass", f"{tmp}/k.cubin"],
+                                  capture_output=True, text=True, check=True).stdout
+        except subprocess.CalledProcessError:  # e.g. a ptxas older than Triton's PTX
+            return None
     return sass_counts(sass)
 
 
@@ -160,15 +163,19 @@ def sass_counts(sass: str) -> collections.Counter:
 
 def ptxas_registers(ptx: str) -> tuple[int, int] | None:
     """(registers a thread, spill bytes stored) from ``ptxas -v`` for sm_90a, or None where
-    no ptxas is installed (it ships with the CUDA toolkit)."""
+    no ptxas is installed (it ships with the CUDA toolkit) or it cannot read the PTX."""
     ptxas = cuda_tool("ptxas")
     if ptxas is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         with open(f"{tmp}/k.ptx", "w") as f:
             f.write(ptx)
-        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
-                             capture_output=True, text=True, check=True).stderr
+        try:
+            out = subprocess.run([ptxas, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o",
+                                  f"{tmp}/k.cubin"], capture_output=True, text=True,
+                                 check=True).stderr
+        except subprocess.CalledProcessError:  # e.g. a ptxas older than Triton's PTX
+            return None
     registers = int(re.search(r"Used (\d+) registers", out).group(1))
     spills = int(re.search(r"(\d+) bytes spill stores", out).group(1))
     return registers, spills

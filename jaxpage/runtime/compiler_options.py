@@ -12,7 +12,11 @@ one kernel over both weights costs one launch and one tail less.
 
 Prefill and mixed programs keep XLA's default: their GEMMs are compute-bound, and a
 merged dot whose weights cuBLAS takes would first be copied into one array every step
-(XLA fuses the concatenation into its own Triton GEMMs only).
+(XLA fuses the concatenation into its own Triton GEMMs only). A decode step's merged GEMM
+is a Triton GEMM in the deviceless compile (which does not autotune); on a device the
+autotuner could still choose cuBLAS and that copy. Compiled, not timed: the batch-1
+variant ``mlp_unmerged`` of ``scripts/accelerator_check.sh`` (this option off) measures it
+against the default on the next lent GPU.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def _exp2(x: jax.Array, fast: bool) -> jax.Array:
     if not fast:
         return jnp.exp2(x)
     return plgpu.elementwise_inline_asm(
-        "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=r,r", pack=1,
+        "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
 
 
@@ -165,7 +165,8 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] e
             m_prev, l_prev, acc_prev = carry
             block = load_block(j)
         k, v = block[:2]
-        if kv_format is not None:  # byte pages (kv_quant): their values, in q's dtype
+        if kv_format is not None:  # byte pages (kv_quant): their values, in q's 16-bit
+            # dtype, or float16 with half products (whatever q is then)
             if halves:  # float16, converted by inline PTX where that is cheaper
                 convert = functools.partial(in_halves.bytes_in_halves, inline_ptx=inline_ptx,
                                             fp8_in_integers=fp8_in_integers)

@@ -14,7 +14,8 @@ than bfloat16's kernel). Per element, to bfloat16, Triton spends:
   so the top bit is split off and taken away apart);
 * e5m2: its conversion to float16 is the byte moved into float16's upper byte.
 
-Multiplied in float16 instead (queries, pages and probabilities), each page element
+Multiplied in float16 instead (queries, pages and probabilities; with ``int8_queries``
+the values and probabilities only), each page element
 costs (H100 PTX of the Llama-3-8B decode tile, ``scripts/kernel_ptx_ops.py``):
 
 * e4m3: Triton's hardware conversion alone (the second conversion is gone);

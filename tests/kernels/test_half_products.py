@@ -171,7 +171,9 @@ def test_inline_ptx_conversions_give_every_bytes_float16_value(kv_format):
 
 
 @pytest.mark.parametrize("kv_format", ["int8", "fp8_e4m3", "fp8_e5m2"])
-def test_bytes_in_halves_without_ptx_is_the_plain_conversion(kv_format):
+def test_bytes_in_halves_without_ptx_gives_every_bytes_exact_value(kv_format):
+    """The jnp path (interpret mode, and the device's e4m3): float16 holds every byte's
+    value of each format exactly."""
     byte = jnp.arange(256, dtype=jnp.uint8).reshape(16, 16)
     got = half_products.bytes_in_halves(byte, kv_format, inline_ptx=False)
     assert got.dtype == jnp.float16

@@ -22,9 +22,9 @@ def test_the_tuner_runs_every_part_in_interpret_mode(tmp_path, capsys):
     assert "decode bfloat16: chosen" in printed and "decode int8: chosen" in printed
     assert "prefill: chosen" in printed
     result = json.loads(out.read_text())
-    for part in result["decode"]:   # every searched configuration matched the reference
-        assert part["searched"] and all(r.get("rel_err", 0) < 2e-2 for r in part["searched"]
-                                         if "ms" in r), part["searched"]
+    for part in result["decode"]:   # every searched configuration ran and matched the reference
+        timed = [r for r in part["searched"] if "ms" in r]
+        assert timed and all(r["rel_err"] < 2e-2 for r in timed), part["searched"]
     entries = json.loads(table.read_text())["entries"]
     assert {(e["phase"], e["kv_bytes"], e.get("kv_format")) for e in entries} == {
         ("decode", 2, None), ("prefill", 2, None), ("decode", 1, None), ("decode", 1, "int8")}
