@@ -57,7 +57,7 @@ from pallas_kernels.ragged_paged_attention import gpu, ragged_paged_attention  #
 from pallas_kernels.ragged_paged_attention import half_products as in_halves  # noqa: E402
 from pallas_kernels.ragged_paged_attention import tiling  # noqa: E402
 from pallas_kernels.ragged_paged_attention.gpu_config import (  # noqa: E402
-    DEFAULTS, ENV_TUNING, GpuKernelConfig, config_for)
+    DEFAULTS, ENV_TUNING, GpuKernelConfig, choose_blocks, config_for)
 
 HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
 DATASHEET_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
@@ -286,7 +286,7 @@ def around_kernel_ms(b, config: GpuKernelConfig, args) -> float:
     num_tokens, num_q_heads, head_dim = q.shape
     seqs, max_blocks = b["tables"].shape
     hkv = HEADS["num_kv_heads"]
-    bq, gp, _, splits = gpu.choose_blocks(
+    bq, gp, _, splits = choose_blocks(
         num_tokens=num_tokens, max_num_seqs=seqs, group=num_q_heads // hkv,
         block_size=HEADS["block_size"], max_blocks_per_seq=max_blocks, num_kv_heads=hkv,
         block_q=config.block_q, block_kv=config.block_kv,

@@ -42,38 +42,9 @@ from pallas_kernels.kv_quant import decode, decode_in_integers
 from pallas_kernels.kv_token_scale import token_scale_values_computed
 from pallas_kernels._backend import has_fp8_units, runs_ptx
 from pallas_kernels.ragged_paged_attention.gpu_config import (
-    GpuKernelConfig, call_unsupported_reason, config_for)
+    call_unsupported_reason, choose_blocks, config_for)
+from pallas_kernels.ragged_paged_attention.ptx_math import LOG2E, exp2, scaled_exp2
 from pallas_kernels.precision import dot_precision
-
-MIN_DOT = 16  # Triton's tensor-core dot wants every dimension >= 16
-LOG2E = 1.4426950408889634  # log2(e): e^x = 2^(x log2(e))
-
-
-def _exp2(x: jax.Array, fast: bool) -> jax.Array:
-    """2^x of float32 x. ``fast``: one ``ex2.approx.ftz`` instruction each (inline PTX;
-    results below 2^-126 flush to zero, which a softmax's probabilities may); else
-    ``jnp.exp2``, which the Triton lowering makes libdevice's exp2f (subnormal handling
-    around its ex2: two more multiplies and a select) and interpret mode runs exactly."""
-    if not fast:
-        return jnp.exp2(x)
-    return plgpu.elementwise_inline_asm(
-        "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
-
-
-def _scaled_exp2(s: jax.Array, scale, offset: jax.Array, fast: bool) -> jax.Array:
-    """2^(s * scale - offset) of float32 s [R, K] (``scale`` a float or [R, 1], ``offset``
-    [R, 1]). ``fast``: one ``fma.rn`` and one ``ex2.approx.ftz`` an element (inline PTX:
-    Triton writes a multiply and a subtraction with explicit rounding, ``mul.rn`` and
-    ``sub.rn``, which ptxas never fuses into an FFMA); else ``jnp``."""
-    if not fast:
-        return jnp.exp2(s * scale - offset)
-    scale = jnp.broadcast_to(jnp.asarray(scale, jnp.float32), s.shape)
-    return plgpu.elementwise_inline_asm(
-        "{ .reg .f32 t; fma.rn.f32 t, $1, $2, $3; ex2.approx.ftz.f32 $0, t; }",
-        args=[s, scale, jnp.broadcast_to(-offset, s.shape)], constraints="=f,f,f,f",
-        pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(s.shape, jnp.float32)])[0]
-
 
 def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] each
             block_tables_ref,                          # int32 [S, M_pad]
@@ -200,11 +171,11 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] e
             s = jnp.where(mask, s, tiling.MASK_VALUE)
         max_scale = scale if isinstance(scale, float) else scale[:, 0]           # [R] or ()
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1) * max_scale)
-        alpha = _exp2(m_prev - m_next, inline_ptx)
+        alpha = exp2(m_prev - m_next, inline_ptx)
         # float16 products: probabilities (and so the row sums) 2^PROBABILITY_EXPONENT times
         # their value, the scale taken in the exponent (acc / l divides it out)
         p_max = m_next - in_halves.PROBABILITY_EXPONENT if halves else m_next
-        p = _scaled_exp2(s, scale, p_max[:, None], inline_ptx)
+        p = scaled_exp2(s, scale, p_max[:, None], inline_ptx)
         if masked:
             p = jnp.where(mask, p, 0.0)
             v = jnp.where((col < kv_len)[:, None], v, jnp.zeros_like(v))  # junk past the end
@@ -247,35 +218,6 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] e
             o_ref[...] = acc
             m_ref[...] = m
             l_ref[...] = l
-
-
-def choose_blocks(*, num_tokens: int, max_num_seqs: int, group: int, block_size: int,
-                  max_blocks_per_seq: int, num_kv_heads: int, block_q: int | None = None,
-                  block_kv: int | None = None, num_kv_splits: int | None = None,
-                  target_programs: int | None = None) -> tuple[int, int, int, int]:
-    """Static tiling: (block_q, group_padded, pages_per_block, num_kv_splits).
-
-    Unset knobs take the untuned defaults (``gpu_config.DEFAULTS``); the kernel passes
-    its configuration's."""
-    group_padded = tiling.next_pow2(group)
-    decode_shaped = num_tokens <= max_num_seqs
-    default = GpuKernelConfig() if decode_shaped else GpuKernelConfig(target_programs=256)
-    if block_q is None:
-        block_q = max(1, (MIN_DOT if decode_shaped else 64) // group_padded)
-    block_q = tiling.next_pow2(block_q)
-    block_q = max(block_q, tiling.next_pow2(pl.cdiv(MIN_DOT, group_padded)))
-    if block_kv is None:
-        block_kv = default.block_kv
-    pages_per_block = max(1, tiling.next_pow2(max(block_kv, MIN_DOT)) // block_size)
-    kv_blocks = pl.cdiv(max_blocks_per_seq, pages_per_block)
-    if num_kv_splits is None:
-        target = target_programs or default.target_programs
-        num_tiles = tiling.num_tiles_for(num_tokens, max_num_seqs, block_q)
-        # any count, not only powers of two: programs = target rounded up to whole
-        # (tile, head) pairs, so a target sized to the SMs' slots fills its waves
-        num_kv_splits = pl.cdiv(target, num_tiles * num_kv_heads)
-    num_kv_splits = max(1, min(num_kv_splits, kv_blocks))
-    return block_q, group_padded, pages_per_block, num_kv_splits
 
 
 @functools.partial(jax.jit, static_argnames=(

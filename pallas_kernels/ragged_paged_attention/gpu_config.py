@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _backend
-from pallas_kernels.ragged_paged_attention.tiling import next_pow2
+from pallas_kernels.ragged_paged_attention.tiling import next_pow2, num_tiles_for
 
 TUNED_FILE = Path(__file__).with_name("gpu_tuned.json")
 ENV_TUNING = "JAXPAGE_GPU_ATTENTION_TUNING"
@@ -46,6 +46,7 @@ SHARED_MEMORY = (("H100", 227 * 1024), ("H200", 227 * 1024), ("H800", 227 * 1024
                  ("A100", 163 * 1024), ("A800", 163 * 1024))
 SHARED_MEMORY_OTHER = 99 * 1024
 SHARED_MEMORY_SPARE = 24 * 1024
+MIN_DOT = 16  # Triton's tensor-core dot wants every dimension >= 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +146,7 @@ def fit_shared_memory(config: GpuKernelConfig, *, head_dim: int, kv_itemsize: in
     Triton's own figure: float32, head_dim 256, 64 keys, 2 stages, 16 rows asked an H100
     for 278,784 bytes; 1 stage, 64 rows asked an A100 for 196,608.)"""
     budget = shared_memory_budget(kind)
-    # the KV tokens the kernel loads a step (``gpu.choose_blocks``): a power of two of at
+    # the KV tokens the kernel loads a step (``choose_blocks``): a power of two of at
     # least 16, and at least a page
     block_kv = max(next_pow2(max(config.block_kv, 16)), block_size)
     stages = config.num_stages
@@ -198,7 +199,7 @@ def too_large_reason(*, head_dim: int, block_size: int, kv_itemsize: int,
 
 def query_rows(config: GpuKernelConfig, *, decode: bool, group_padded: int) -> int:
     """Rows of a query tile: ``block_q`` tokens (default 16 rows decode, 64 prefill) times
-    the padded group, at least 16 (what ``gpu.choose_blocks`` makes of it)."""
+    the padded group, at least 16 (what ``choose_blocks`` makes of it)."""
     block_q = config.block_q or max(1, (16 if decode else 64) // group_padded)
     return max(16, block_q * group_padded)
 
@@ -243,3 +244,32 @@ def call_unsupported_reason(q: jax.Array, k_cache: jax.Array, *, kv_format: str 
         head_dim=q.shape[-1], block_size=k_cache.shape[-3],
         kv_itemsize=None if interpret else jnp.dtype(k_cache.dtype).itemsize,
         compute_itemsize=jnp.dtype(compute).itemsize, group=q.shape[1] // k_cache.shape[-2])
+
+
+def choose_blocks(*, num_tokens: int, max_num_seqs: int, group: int, block_size: int,
+                  max_blocks_per_seq: int, num_kv_heads: int, block_q: int | None = None,
+                  block_kv: int | None = None, num_kv_splits: int | None = None,
+                  target_programs: int | None = None) -> tuple[int, int, int, int]:
+    """Static tiling: (block_q, group_padded, pages_per_block, num_kv_splits).
+
+    Unset knobs take the untuned defaults (``gpu_config.DEFAULTS``); the kernel passes
+    its configuration's."""
+    group_padded = next_pow2(group)
+    decode_shaped = num_tokens <= max_num_seqs
+    default = DEFAULTS["decode" if decode_shaped else "prefill"]
+    if block_q is None:
+        block_q = max(1, (MIN_DOT if decode_shaped else 64) // group_padded)
+    block_q = next_pow2(block_q)
+    block_q = max(block_q, next_pow2(-(-MIN_DOT // group_padded)))
+    if block_kv is None:
+        block_kv = default.block_kv
+    pages_per_block = max(1, next_pow2(max(block_kv, MIN_DOT)) // block_size)
+    kv_blocks = -(-max_blocks_per_seq // pages_per_block)
+    if num_kv_splits is None:
+        target = target_programs or default.target_programs
+        num_tiles = num_tiles_for(num_tokens, max_num_seqs, block_q)
+        # any count, not only powers of two: programs = target rounded up to whole
+        # (tile, head) pairs, so a target sized to the SMs' slots fills its waves
+        num_kv_splits = -(-target // (num_tiles * num_kv_heads))
+    num_kv_splits = max(1, min(num_kv_splits, kv_blocks))
+    return block_q, group_padded, pages_per_block, num_kv_splits

@@ -20,7 +20,7 @@ from pallas_kernels.kv_cache_update import resolve_backend as resolve_kv_backend
 from pallas_kernels.kv_cache_update.gpu import kv_cache_update_gpu
 from pallas_kernels.kv_cache_update.tpu import kv_cache_update_tpu
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, resolve_backend
-from pallas_kernels.ragged_paged_attention import gpu, tpu
+from pallas_kernels.ragged_paged_attention import gpu, gpu_config, tpu
 from tests.kernels.cases import make_case
 
 
@@ -71,21 +71,21 @@ def test_gpu_tiling_for_llama3_8b_decode():
     """Batch 64 decode, 32 q / 8 kv heads, 2048 context, block 16: one token per tile,
     the 4 query heads of a group padded into 16 rows, 64 KV tokens per step, and a 2-way
     KV split so the grid has ~1024 programs."""
-    block_q, group_padded, pages, splits = gpu.choose_blocks(
+    block_q, group_padded, pages, splits = gpu_config.choose_blocks(
         num_tokens=64, max_num_seqs=64, group=4, block_size=16, max_blocks_per_seq=128,
         num_kv_heads=8)
     assert (block_q * group_padded, pages * 16, splits) == (16, 64, 2)
     # Few sequences: split further so short batches still fill the chip.
-    *_, splits = gpu.choose_blocks(num_tokens=4, max_num_seqs=4, group=4, block_size=16,
+    *_, splits = gpu_config.choose_blocks(num_tokens=4, max_num_seqs=4, group=4, block_size=16,
                                    max_blocks_per_seq=128, num_kv_heads=8)
     assert splits == 32
     # Splits need not be a power of two: 48 sequences x 8 KV heads are 384 programs, and
     # 3 splits (1,152 programs) are the fewest that reach the 1,024 targeted.
-    *_, splits = gpu.choose_blocks(num_tokens=48, max_num_seqs=48, group=4, block_size=16,
+    *_, splits = gpu_config.choose_blocks(num_tokens=48, max_num_seqs=48, group=4, block_size=16,
                                    max_blocks_per_seq=128, num_kv_heads=8)
     assert splits == 3
     # Prefill-shaped batches: bigger query tiles, no split.
-    block_q, group_padded, _, splits = gpu.choose_blocks(
+    block_q, group_padded, _, splits = gpu_config.choose_blocks(
         num_tokens=2048, max_num_seqs=8, group=3, block_size=16, max_blocks_per_seq=128,
         num_kv_heads=3)
     assert (block_q, group_padded, splits) == (16, 4, 1)
