@@ -107,6 +107,7 @@ class KVTransfer:
         self.num_imported_blocks = 0
         self.num_imported_bytes = 0
         self.num_released = 0
+        self._releases: list[threading.Thread] = []  # self-pulls freeing released pages
 
     def offer(self, kv_cache, block_ids: list[int], programs=None) -> TransferTicket:
         """Gather ``block_ids`` of ``kv_cache`` and offer them for one pull (tickets older
@@ -155,9 +156,24 @@ class KVTransfer:
         pulled elsewhere after all, that pull would wait for ever, but never us)."""
         connection = self._connection(self.address)
         specs = self._specs(ticket)
-        threading.Thread(target=lambda: connection.pull(ticket.uuid, specs),
-                         name=f"kv-release-{ticket.uuid}", daemon=True).start()
+        worker = threading.Thread(target=lambda: connection.pull(ticket.uuid, specs),
+                                  name=f"kv-release-{ticket.uuid}", daemon=True)
+        worker.start()
+        with self._lock:
+            self._releases = [t for t in self._releases if t.is_alive()] + [worker]
         self.num_released += 1
+
+    def wait_for_releases(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for the release pulls started so far; the number still
+        running (0: every released ticket's pages are gone from the transfer server, so a
+        late puller of one gets nothing). Until then a late pull may still race the
+        release for the pages."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            workers = list(self._releases)
+        for worker in workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+        return sum(worker.is_alive() for worker in workers)
 
     def _connection(self, address: str):
         with self._lock:

@@ -123,6 +123,7 @@ def test_tickets_nobody_pulls_are_released(engines):
     assert transfer.expire(0.0) == 1             # the third was never settled
     stats = pe.get_stats()
     assert (stats["kv_tickets_pending"], stats["kv_tickets_released"]) == (0, released_before + 2)
+    assert transfer.wait_for_releases(30.0) == 0  # the release pulls ran (asynchronous)
     with pytest.raises(TimeoutError):            # released pages are gone
         de.kv_transfer.pull(tickets[0], 1.0)
     with pytest.raises(ValueError, match="kv_role='prefill'"):
