@@ -5,6 +5,9 @@
 #   RESULTS_DIR=$OUT bash scripts/accelerator_check.sh   # (the device tool: files come back from $OUT)
 #   STEPS="kernel_tests bench_kernels" bash scripts/accelerator_check.sh   # some steps only
 #
+# On a lent machine without network, the packages its image lacks travel as wheels: build
+# them here first with `bash scripts/device_wheels.sh` (into .whl/, carried with the call).
+#
 # It runs, on the real device, each step under a time limit (STEP_TIMEOUT seconds, default
 # 300; TIMEOUT_<step> for one step, e.g. TIMEOUT_kernel_tests=200), a failing or timed-out
 # step recorded and the next one run:
