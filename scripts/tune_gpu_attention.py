@@ -226,9 +226,12 @@ def variants(best: GpuKernelConfig, kv_format: str | None = None, *,
     """The chosen tiling with q / output tiled by XLA, and with every block masked: what
     reading in place and the unmasked loop each buy, measured side by side; for byte caches also
     with the products in the other 16-bit type (float16 / bfloat16), and for decode with
-    ``WAVE_TARGET`` programs. A column that does not apply is None."""
+    ``WAVE_TARGET`` programs; for prefill with the tiles in the other order
+    (``longest_first`` flipped). A column that does not apply is None."""
     out = [dataclasses.replace(best, direct_io=False),
            dataclasses.replace(best, mask_split=False)]
+    if not decode:  # the grid's tile order: what starting the longest tiles first buys
+        out.append(dataclasses.replace(best, longest_first=not best.longest_first))
     if decode:
         out.append(dataclasses.replace(best, half_products=not best.half_products)
                    if kv_format in in_halves.FORMATS else None)
@@ -539,8 +542,9 @@ DECODE_HEADER = ("| KV | batch x context | tuned GB/s (of copy) | untuned | q / 
                  "| JAX shipped | tuned / shipped | error (rel. to max) | ms around the kernel |"
                  "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 PREFILL_HEADER = ("| prefill (bf16) | tuned TFLOP/s | untuned | q / out tiled by XLA | every "
-                  "block masked | of measured matmul | of datasheet | ms around the kernel |"
-                  "\n|---|---|---|---|---|---|---|---|")
+                  "block masked | tiles in the other order (longest_first flipped) "
+                  "| of measured matmul | of datasheet | ms around the kernel |"
+                  "\n|---|---|---|---|---|---|---|---|---|")
 
 
 def prefill_table(result, ceilings) -> list[str]:

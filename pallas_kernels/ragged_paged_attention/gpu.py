@@ -224,7 +224,7 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] e
     "sm_scale", "sliding_window", "soft_cap", "interpret", "block_q", "block_kv",
     "num_kv_splits", "num_warps", "num_stages", "layer", "kv_format", "heads_fastest",
     "target_programs", "direct_io", "mask_split", "prefetch", "fp8_in_integers",
-    "half_products", "int8_queries"))
+    "half_products", "int8_queries", "longest_first"))
 def ragged_paged_attention_gpu(
         q: jax.Array,             # [T, Hq, D]
         k_cache: jax.Array,       # [N, B, Hkv, D], or [L, N, B, Hkv, D] with ``layer``
@@ -244,6 +244,7 @@ def ragged_paged_attention_gpu(
         prefetch: bool | None = None,
         fp8_in_integers: bool | None = None,
         half_products: bool | None = None,
+        longest_first: bool | None = None,
         int8_queries: bool = False,
         token_scales: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:  # [T, Hq, D]
     """The Pallas GPU (Triton) kernel; shapes are checked by the public function.
@@ -282,7 +283,7 @@ def ragged_paged_attention_gpu(
                         block_kv=block_kv, num_warps=num_warps, num_stages=num_stages,
                         heads_fastest=heads_fastest, target_programs=target_programs,
                         direct_io=direct_io, mask_split=mask_split, prefetch=prefetch,
-                        half_products=half_products)
+                        half_products=half_products, longest_first=longest_first)
     block_q, group_padded, pages_per_block, splits = choose_blocks(
         num_tokens=num_tokens, max_num_seqs=max_num_seqs, group=group,
         block_size=block_size, max_blocks_per_seq=max_blocks, num_kv_heads=num_kv_heads,
@@ -293,6 +294,8 @@ def ragged_paged_attention_gpu(
 
     tiles = tiling.build_tile_table(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens,
                                     block_q=block_q, num_tiles=num_tiles)
+    if config.longest_first:
+        tiles = tiling.longest_first(tiles)
     direct = config.direct_io
     # byte pages multiplied in float16 (``half_products``): 16-bit queries only (float32
     # ones keep float32's products); int8 and e5m2 converted by inline PTX (on the device)
@@ -384,7 +387,7 @@ def ragged_paged_attention_gpu(
               f"_w{config.num_warps}_p{config.num_stages}{'_h' if fastest else ''}"
               f"{'_d' if direct else ''}{'_m' if config.mask_split else ''}"
               f"{'_f' if config.prefetch else ''}{'_f16' if halves else ''}"
-              f"{'_q8' if int8_queries else ''}"),
+              f"{'_q8' if int8_queries else ''}{'_r' if config.longest_first else ''}"),
     )(tiles.seq, tiles.pos0, tiles.count, tiles.kv_len, tiles.start, tables, q_in, k_cache,
       v_cache, *codes)
     out = result if splits == 1 else tiling.combine_splits(*result, log2=True)

@@ -66,6 +66,8 @@ class GpuKernelConfig:
                                  # (with num_stages 1: byte caches then skip shared memory)
     half_products: bool = False  # byte pages become float16, not bfloat16, and are multiplied
                                  # in float16 (16-bit queries; ``half_products.py``)
+    longest_first: bool = False  # the grid walks the tiles last to first, so the tiles that
+                                 # attend to the most keys start first (``tiling.longest_first``)
 
     def replace(self, **changes) -> "GpuKernelConfig":
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -78,7 +80,9 @@ FIELDS = tuple(f.name for f in dataclasses.fields(GpuKernelConfig))
 DEFAULTS = {
     "decode": GpuKernelConfig(block_kv=64, num_warps=4, num_stages=2, target_programs=1024),
     # prefill tiles carry more work each; a quarter of the target fills the chip
-    "prefill": GpuKernelConfig(block_kv=64, num_warps=4, num_stages=2, target_programs=256),
+    # longest tiles first: a causal prefill's tiles differ in length up to the context
+    "prefill": GpuKernelConfig(block_kv=64, num_warps=4, num_stages=2, target_programs=256,
+                               longest_first=True),
 }
 
 

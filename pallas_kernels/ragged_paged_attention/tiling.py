@@ -102,6 +102,21 @@ def build_tile_table(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Arr
                      token_valid=valid)
 
 
+def longest_first(tiles: TileTable) -> TileTable:
+    """The same tiles in reverse order (tokens mapped to their tiles' new places).
+
+    A sequence's later tiles attend to more keys, so a grid that walks the tiles in this
+    order starts the long ones first and ends on short ones, instead of ending on the
+    longest tiles of the last sequence while the rest of the chip idles (longest
+    processing time first; causal prefill is where tiles differ most). Unused tiles
+    (``count == 0``, no KV work) move to the front."""
+    last = tiles.seq.shape[0] - 1
+    return tiles._replace(seq=tiles.seq[::-1], pos0=tiles.pos0[::-1],
+                          count=tiles.count[::-1], kv_len=tiles.kv_len[::-1],
+                          start=tiles.start[::-1],
+                          token_tile=jnp.where(tiles.token_valid, last - tiles.token_tile, 0))
+
+
 def tile_queries(q: jax.Array, tiles: TileTable, *, num_kv_heads: int, group_padded: int,
                  block_q: int) -> jax.Array:
     """q [T, Hq, D] -> [Hkv, num_tiles, block_q * group_padded, D]; padding rows are zero."""

@@ -131,6 +131,24 @@ def test_gpu_tunings_match_reference(tuning):
                     **GPU_TUNINGS[tuning])
 
 
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_gpu_tile_order_changes_no_result(direct_io):
+    """``longest_first`` only changes which program takes which tile: the outputs in
+    either order are the same bits, with q / output read in place or tiled by XLA (whose
+    token -> tile map the reversal rewrites), and they match the reference; a padding
+    sequence slot and padding tokens leave unused tiles, which move to the grid's front."""
+    case = make_case(rng_for("tile_order", direct_io), [1, 13, 0, 6, 1], [40, 13, 5, 70, 21],
+                     num_q_heads=4, num_kv_heads=2, pad_seqs=2, pad_tokens=3)
+    kw = dict(kernel=ragged_paged_attention_gpu, block_q=4, block_kv=16,
+              direct_io=direct_io, target_programs=1)
+    run_and_compare(case, "gpu", longest_first=True, **kw)
+    outs = [np.asarray(ragged_paged_attention_gpu(
+        *case.args(poisoned=True), interpret=INTERPRET, sm_scale=0.125, block_q=4,
+        block_kv=16, direct_io=direct_io, target_programs=1, longest_first=order))
+        for order in (False, True)]
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
 def test_gpu_tuning_table_is_read(tmp_path, monkeypatch):
     """``JAXPAGE_GPU_ATTENTION_TUNING`` entries apply to their device, phase and KV bytes;
     the last match wins; shared memory caps what they ask for; bad entries are refused."""
