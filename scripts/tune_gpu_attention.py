@@ -56,6 +56,7 @@ from pallas_kernels import kv_quant  # noqa: E402
 from pallas_kernels.ragged_paged_attention import gpu, ragged_paged_attention  # noqa: E402
 from pallas_kernels.ragged_paged_attention import half_products as in_halves  # noqa: E402
 from pallas_kernels.ragged_paged_attention import tiling  # noqa: E402
+from pallas_kernels.ragged_paged_attention.split_merge import merge_splits  # noqa: E402
 from pallas_kernels.ragged_paged_attention.gpu_config import (  # noqa: E402
     DEFAULTS, ENV_TUNING, GpuKernelConfig, choose_blocks, config_for)
 
@@ -226,7 +227,8 @@ def variants(best: GpuKernelConfig, kv_format: str | None = None, *,
     """The chosen tiling with q / output tiled by XLA, and with every block masked: what
     reading in place and the unmasked loop each buy, measured side by side; for byte caches also
     with the products in the other 16-bit type (float16 / bfloat16), and for decode with
-    ``WAVE_TARGET`` programs; for prefill with the tiles in the other order
+    ``WAVE_TARGET`` programs and with the KV splits merged the other way (XLA's two kernels
+    / the Pallas merge: ``merge_kernel`` flipped); for prefill with the tiles in the other order
     (``longest_first`` flipped). A column that does not apply is None."""
     out = [dataclasses.replace(best, direct_io=False),
            dataclasses.replace(best, mask_split=False)]
@@ -237,6 +239,7 @@ def variants(best: GpuKernelConfig, kv_format: str | None = None, *,
                    if kv_format in in_halves.FORMATS else None)
         out.append(dataclasses.replace(best, target_programs=WAVE_TARGET)
                    if best.target_programs != WAVE_TARGET else None)
+        out.append(dataclasses.replace(best, merge_kernel=not best.merge_kernel))
     return out
 
 
@@ -282,9 +285,10 @@ def effective(configs, *, decode: bool, kv_itemsize: int) -> list[GpuKernelConfi
 
 
 def around_kernel_ms(b, config: GpuKernelConfig, args) -> float:
-    """The XLA work an attention call does besides the kernel at this tiling: the tile
+    """The work an attention call does besides the kernel at this tiling: the tile
     table, and either the split merge and the padding rows zeroed (q and the output read
-    and written in place) or the query tiles, the merge and the outputs gathered back."""
+    and written in place; the merge the Pallas kernel's with ``merge_kernel``) or the
+    query tiles, the merge and the outputs gathered back."""
     q = b["q"]
     num_tokens, num_q_heads, head_dim = q.shape
     seqs, max_blocks = b["tables"].shape
@@ -304,6 +308,10 @@ def around_kernel_ms(b, config: GpuKernelConfig, args) -> float:
     def around(q, kv_lens, cu, num_seqs, acc, m, l):
         tiles = tiling.build_tile_table(cu, kv_lens, num_seqs, num_tokens=num_tokens,
                                         block_q=bq, num_tiles=num_tiles)
+        if config.direct_io and splits > 1 and config.merge_kernel:  # the Pallas merge
+            return merge_splits(acc, m, l, cu, num_seqs, num_rows=num_tokens * num_q_heads,
+                                q_heads=num_q_heads, dtype=q.dtype,
+                                interpret=args.interpret), tiles.seq
         out = tiling.combine_splits(acc, m, l, log2=True) if splits > 1 else acc[0]
         if config.direct_io:
             valid = jnp.arange(num_tokens) < cu[num_seqs[0]]
@@ -538,9 +546,10 @@ def decode_table(result, ceilings) -> list[str]:
 
 DECODE_HEADER = ("| KV | batch x context | tuned GB/s (of copy) | untuned | q / out tiled by XLA "
                  "| every block masked | byte pages' products in the other 16-bit type "
-                 f"| {WAVE_TARGET:,} programs | int8 queries x int8 keys (rounds q) "
+                 f"| {WAVE_TARGET:,} programs | splits merged the other way (merge_kernel flipped) "
+                 "| int8 queries x int8 keys (rounds q) "
                  "| JAX shipped | tuned / shipped | error (rel. to max) | ms around the kernel |"
-                 "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+                 "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 PREFILL_HEADER = ("| prefill (bf16) | tuned TFLOP/s | untuned | q / out tiled by XLA | every "
                   "block masked | tiles in the other order (longest_first flipped) "
                   "| of measured matmul | of datasheet | ms around the kernel |"

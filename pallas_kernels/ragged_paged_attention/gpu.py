@@ -11,7 +11,9 @@ pages in front of it.
 Decode-heavy batches have few tiles, too few to fill the chip; the KV range of each tile
 is then split ``num_kv_splits`` ways (flash decoding). Every split writes its unnormalized
 partial sum with its row max (in base-2 units: the kernel's softmax is exp2 of scores
-scaled by log2(e)) and row sum, and ``combine_splits`` merges them in XLA.
+scaled by log2(e)) and row sum, and one small Pallas kernel merges them
+(``split_merge.py``; with ``merge_kernel=False``, or q / output tiled by XLA, XLA's
+``combine_splits``: two kernels).
 
 Layout: the public cache layout ``[num_blocks, block_size, num_kv_heads, head_dim]`` is
 read as is: a BlockSpec selects the kv head, and a page of one head is ``block_size``
@@ -44,6 +46,7 @@ from pallas_kernels._backend import has_fp8_units, runs_ptx
 from pallas_kernels.ragged_paged_attention.gpu_config import (
     call_unsupported_reason, choose_blocks, config_for)
 from pallas_kernels.ragged_paged_attention.ptx_math import LOG2E, exp2, scaled_exp2
+from pallas_kernels.ragged_paged_attention.split_merge import merge_splits
 from pallas_kernels.precision import dot_precision
 
 def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] each
@@ -224,7 +227,7 @@ def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] e
     "sm_scale", "sliding_window", "soft_cap", "interpret", "block_q", "block_kv",
     "num_kv_splits", "num_warps", "num_stages", "layer", "kv_format", "heads_fastest",
     "target_programs", "direct_io", "mask_split", "prefetch", "fp8_in_integers",
-    "half_products", "int8_queries", "longest_first"))
+    "half_products", "int8_queries", "longest_first", "merge_kernel"))
 def ragged_paged_attention_gpu(
         q: jax.Array,             # [T, Hq, D]
         k_cache: jax.Array,       # [N, B, Hkv, D], or [L, N, B, Hkv, D] with ``layer``
@@ -245,6 +248,7 @@ def ragged_paged_attention_gpu(
         fp8_in_integers: bool | None = None,
         half_products: bool | None = None,
         longest_first: bool | None = None,
+        merge_kernel: bool | None = None,
         int8_queries: bool = False,
         token_scales: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:  # [T, Hq, D]
     """The Pallas GPU (Triton) kernel; shapes are checked by the public function.
@@ -283,7 +287,8 @@ def ragged_paged_attention_gpu(
                         block_kv=block_kv, num_warps=num_warps, num_stages=num_stages,
                         heads_fastest=heads_fastest, target_programs=target_programs,
                         direct_io=direct_io, mask_split=mask_split, prefetch=prefetch,
-                        half_products=half_products, longest_first=longest_first)
+                        half_products=half_products, longest_first=longest_first,
+                        merge_kernel=merge_kernel)
     block_q, group_padded, pages_per_block, splits = choose_blocks(
         num_tokens=num_tokens, max_num_seqs=max_num_seqs, group=group,
         block_size=block_size, max_blocks_per_seq=max_blocks, num_kv_heads=num_kv_heads,
@@ -390,6 +395,10 @@ def ragged_paged_attention_gpu(
               f"{'_q8' if int8_queries else ''}{'_r' if config.longest_first else ''}"),
     )(tiles.seq, tiles.pos0, tiles.count, tiles.kv_len, tiles.start, tables, q_in, k_cache,
       v_cache, *codes)
+    if direct and splits > 1 and config.merge_kernel:  # one kernel: merge, convert, zero
+        out = merge_splits(*result, cu_q_lens, num_seqs, num_rows=num_tokens * num_q_heads,
+                           q_heads=num_q_heads, dtype=out_dtype, interpret=interpret)
+        return out.reshape(num_tokens, num_q_heads, head_dim)
     out = result if splits == 1 else tiling.combine_splits(*result, log2=True)
     if direct:
         out = out[:num_tokens * num_q_heads]

@@ -68,6 +68,8 @@ class GpuKernelConfig:
                                  # in float16 (16-bit queries; ``half_products.py``)
     longest_first: bool = False  # the grid walks the tiles last to first, so the tiles that
                                  # attend to the most keys start first (``tiling.longest_first``)
+    merge_kernel: bool = True    # KV splits merged by one Pallas kernel (``split_merge.py``)
+                                 # instead of XLA's two; with ``direct_io`` only
 
     def replace(self, **changes) -> "GpuKernelConfig":
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})

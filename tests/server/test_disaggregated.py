@@ -470,11 +470,14 @@ def test_a_full_decode_instance_is_waited_for_or_answers_503_never_drops(cluster
         # seat within the rounds); test_proxy_retry checks that path deterministically.
         assert 1 <= len(final) < num_requests, (final, elapsed)
         assert refused() >= DECODE_ATTEMPTS * len(final), (refused(), final, elapsed)
-        for _ in range(50):  # every ticket of these requests settled (pulled or not)
-            if _metric(cluster["prefill"], "jaxpage:kv_transfer_pending_tickets") == pending:
+        # every ticket of these requests settled (pulled or not); a ticket an earlier test
+        # left unsettled may meanwhile have passed its age and been released, so at most
+        # the count from before
+        for _ in range(50):
+            if _metric(cluster["prefill"], "jaxpage:kv_transfer_pending_tickets") <= pending:
                 break
             time.sleep(0.1)
-        assert _metric(cluster["prefill"], "jaxpage:kv_transfer_pending_tickets") == pending
+        assert _metric(cluster["prefill"], "jaxpage:kv_transfer_pending_tickets") <= pending
         _assert_all_free({"prefill": cluster["prefill"], "decode": url})
         assert httpx.get(url + "/health", timeout=10).status_code == 200
     finally:
