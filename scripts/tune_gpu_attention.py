@@ -56,7 +56,7 @@ from pallas_kernels import kv_quant  # noqa: E402
 from pallas_kernels.ragged_paged_attention import gpu, ragged_paged_attention  # noqa: E402
 from pallas_kernels.ragged_paged_attention import half_products as in_halves  # noqa: E402
 from pallas_kernels.ragged_paged_attention import tiling  # noqa: E402
-from pallas_kernels.ragged_paged_attention.split_merge import merge_splits  # noqa: E402
+from pallas_kernels.ragged_paged_attention.split_merge import call_outputs  # noqa: E402
 from pallas_kernels.ragged_paged_attention.gpu_config import (  # noqa: E402
     DEFAULTS, ENV_TUNING, GpuKernelConfig, choose_blocks, config_for)
 
@@ -308,19 +308,14 @@ def around_kernel_ms(b, config: GpuKernelConfig, args) -> float:
     def around(q, kv_lens, cu, num_seqs, acc, m, l):
         tiles = tiling.build_tile_table(cu, kv_lens, num_seqs, num_tokens=num_tokens,
                                         block_q=bq, num_tiles=num_tiles)
-        if config.direct_io and splits > 1 and config.merge_kernel:  # the Pallas merge
-            return merge_splits(acc, m, l, cu, num_seqs, num_rows=num_tokens * num_q_heads,
-                                q_heads=num_q_heads, dtype=q.dtype,
-                                interpret=args.interpret), tiles.seq
-        out = tiling.combine_splits(acc, m, l, log2=True) if splits > 1 else acc[0]
-        if config.direct_io:
-            valid = jnp.arange(num_tokens) < cu[num_seqs[0]]
-            out = out.reshape(num_tokens, num_q_heads, head_dim)
-            return jnp.where(valid[:, None, None], out, 0).astype(q.dtype), tiles.seq
-        q_tiles = tiling.tile_queries(q, tiles, num_kv_heads=hkv, group_padded=gp, block_q=bq)
-        out = tiling.untile_outputs(out, tiles, num_q_heads=num_q_heads, block_q=bq,
-                                    dtype=q.dtype)
-        return out, q_tiles
+        q_tiles = (None if config.direct_io else
+                   tiling.tile_queries(q, tiles, num_kv_heads=hkv, group_padded=gp, block_q=bq))
+        out = call_outputs((acc, m, l) if splits > 1 else acc[0], tiles=tiles, cu_q_lens=cu,
+                           num_seqs=num_seqs, num_tokens=num_tokens, q_heads=num_q_heads,
+                           block_q=bq, direct=config.direct_io,
+                           merge_kernel=config.merge_kernel, dtype=q.dtype,
+                           interpret=args.interpret)
+        return out, tiles.seq if config.direct_io else q_tiles
 
     ops = (q, b["kv_lens"], b["cu"], b["num_seqs"], acc, m, l)
     return 1e3 * device_seconds(lambda: around(*ops), calls=args.calls, repeats=args.repeats)

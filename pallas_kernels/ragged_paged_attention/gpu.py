@@ -46,7 +46,7 @@ from pallas_kernels._backend import has_fp8_units, runs_ptx
 from pallas_kernels.ragged_paged_attention.gpu_config import (
     call_unsupported_reason, choose_blocks, config_for)
 from pallas_kernels.ragged_paged_attention.ptx_math import LOG2E, exp2, scaled_exp2
-from pallas_kernels.ragged_paged_attention.split_merge import merge_splits
+from pallas_kernels.ragged_paged_attention.split_merge import call_outputs
 from pallas_kernels.precision import dot_precision
 
 def _kernel(seq_ref, pos0_ref, count_ref, kv_len_ref, start_ref,  # int32 [NT] each
@@ -395,18 +395,7 @@ def ragged_paged_attention_gpu(
               f"{'_q8' if int8_queries else ''}{'_r' if config.longest_first else ''}"),
     )(tiles.seq, tiles.pos0, tiles.count, tiles.kv_len, tiles.start, tables, q_in, k_cache,
       v_cache, *codes)
-    if direct and splits > 1 and config.merge_kernel:  # one kernel: merge, convert, zero
-        out = merge_splits(*result, cu_q_lens, num_seqs, num_rows=num_tokens * num_q_heads,
-                           q_heads=num_q_heads, dtype=out_dtype, interpret=interpret)
-        return out.reshape(num_tokens, num_q_heads, head_dim)
-    out = result if splits == 1 else tiling.combine_splits(*result, log2=True)
-    if direct:
-        out = out[:num_tokens * num_q_heads]
-    else:
-        return tiling.untile_outputs(out, tiles, num_q_heads=num_q_heads, block_q=block_q,
-                                     dtype=out_dtype)
-    # rows of padding tokens were never written: zero them (one elementwise pass, fused
-    # with the split merge when there is one)
-    valid = jnp.arange(num_tokens, dtype=jnp.int32) < cu_q_lens[num_seqs[0]]      # [T]
-    out = out.reshape(num_tokens, num_q_heads, head_dim)
-    return jnp.where(valid[:, None, None], out, 0).astype(out_dtype)
+    return call_outputs(result, tiles=tiles, cu_q_lens=cu_q_lens, num_seqs=num_seqs,
+                        num_tokens=num_tokens, q_heads=num_q_heads, block_q=block_q,
+                        direct=direct, merge_kernel=config.merge_kernel, dtype=out_dtype,
+                        interpret=interpret)

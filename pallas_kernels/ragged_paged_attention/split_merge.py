@@ -1,4 +1,5 @@
-"""Flash decoding's split merge as one Pallas (Triton) kernel, for the GPU attention kernel.
+"""What the GPU attention kernel's rows become: flash decoding's split merge as one Pallas
+(Triton) kernel, and ``call_outputs``, the attention call's output from the kernel's.
 
 When a batch alone does not fill the GPU (decode), the attention kernel splits each
 tile's KV range over ``splits`` programs; each writes, for its rows, the unnormalized sum
@@ -24,6 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.ragged_paged_attention import tiling
 from pallas_kernels.ragged_paged_attention.tiling import MASK_VALUE
 
 MAX_BLOCK_ROWS = 16  # rows a program merges: 16 x head_dim 128 floats over 4 warps
@@ -92,3 +94,27 @@ def merge_splits(acc: jax.Array,         # f32 [splits, R_all, D], R_all >= num_
         interpret=interpret,
         name=f"merge_attention_splits_s{splits}_r{block_rows}",
     )(cu_q_lens.astype(jnp.int32), num_seqs.astype(jnp.int32), acc, m, l)
+
+
+def call_outputs(result, *, tiles: tiling.TileTable, cu_q_lens: jax.Array,
+                 num_seqs: jax.Array, num_tokens: int, q_heads: int, block_q: int,
+                 direct: bool, merge_kernel: bool, dtype, interpret: bool) -> jax.Array:
+    """The attention call's ``[T, Hq, D]`` in ``dtype`` from the kernel's ``result``: its
+    rows (one split), or ``(acc, m, l)`` of its splits. Read in place (``direct``) the
+    splits are merged by ``merge_splits`` (with ``merge_kernel``) or XLA's
+    ``combine_splits``; tiled by XLA they are merged by XLA and gathered back. Padding
+    tokens' rows, never written, come back zero."""
+    split = isinstance(result, tuple)
+    head_dim = (result[0] if split else result).shape[-1]
+    if direct and split and merge_kernel:  # one kernel: merge, convert, zero
+        out = merge_splits(*result, cu_q_lens, num_seqs, num_rows=num_tokens * q_heads,
+                           q_heads=q_heads, dtype=dtype, interpret=interpret)
+        return out.reshape(num_tokens, q_heads, head_dim)
+    out = tiling.combine_splits(*result, log2=True) if split else result
+    if not direct:
+        return tiling.untile_outputs(out, tiles, num_q_heads=q_heads, block_q=block_q,
+                                     dtype=dtype)
+    # one elementwise pass, fused with XLA's split merge when there is one
+    valid = jnp.arange(num_tokens, dtype=jnp.int32) < cu_q_lens[num_seqs[0]]      # [T]
+    out = out[:num_tokens * q_heads].reshape(num_tokens, q_heads, head_dim)
+    return jnp.where(valid[:, None, None], out, 0).astype(dtype)
